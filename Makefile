@@ -1,0 +1,32 @@
+# Two set-up commands on a fresh machine: `make run` and `make test`.
+SHELL  := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+CONFIG ?= configs/ranking.yaml
+# TF_CPP_MIN_LOG_LEVEL hides TensorFlow's C++ start-up chatter; errors still show.
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: run test bench install clean
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -e '.[cpu,test]' 2>&1 | sed '/is ignored: it is neither/d'
+	$(PY) -c "import tensorflow, tpu_embed_ext"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(PY) -m tpu_embed_ext train --config $(CONFIG)
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

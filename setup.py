@@ -1,0 +1,49 @@
+"""Packaging for tpu_embed_ext.
+
+TensorFlow is deliberately not in ``install_requires``: a Cloud TPU VM ships
+``tensorflow-tpu``, CI uses ``tensorflow-cpu``, workstations use
+``tensorflow``. All three provide the same ``tensorflow`` module under
+different distribution names, and pip cannot express "any one of them", so a
+hard requirement would pull a second TensorFlow onto a machine that has one.
+Pick the flavour with an extra (``pip install tpu_embed_ext[cpu]``), or
+install none and keep the TensorFlow you have; importing the package without
+any TensorFlow raises an error that says which extra to use.
+"""
+
+import setuptools
+
+_TF = ">=2.16,<3"  # 2.16 is the first release whose tf.keras is Keras 3.
+
+setuptools.setup(
+    name="tpu_embed_ext",
+    version="0.1.0",
+    description=(
+        "Per-table optimizers, schedule-to-tag mapping and a training CPU "
+        "emulator for tf.tpu.experimental.embedding."
+    ),
+    python_requires=">=3.10",
+    packages=setuptools.find_packages(include=["tpu_embed_ext", "tpu_embed_ext.*"]),
+    package_data={"tpu_embed_ext": ["configs/*.yaml"]},
+    install_requires=[
+        "absl-py>=1.0",
+        "numpy>=1.23",
+        "PyYAML>=6.0",
+        "keras>=3.0",
+    ],
+    extras_require={
+        "cpu": [f"tensorflow-cpu{_TF}"],
+        "tf": [f"tensorflow{_TF}"],
+        "tpu": [f"tensorflow-tpu{_TF}"],
+        "data": ["tensorflow-datasets>=4.9", "matplotlib>=3.5"],
+        "test": [
+            "pytest>=7",
+            "hypothesis>=6",
+            "nbclient>=0.7",
+            "nbformat>=5",
+            "ipykernel>=6",
+            "tensorflow-datasets>=4.9",
+            "matplotlib>=3.5",
+        ],
+    },
+    entry_points={"console_scripts": ["tpu-embed=tpu_embed_ext.__main__:run"]},
+)

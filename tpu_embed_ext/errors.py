@@ -1,0 +1,78 @@
+"""The package's error types.
+
+One base class, ``Error``, so callers can catch everything this package raises
+on purpose. Subclasses also derive from the builtin that fits (``ValueError``
+for a bad value, ``TypeError`` for the wrong kind of thing), so code written
+against TensorFlow's own exceptions keeps working.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable, Optional
+
+
+class Error(Exception):
+  """Base class of every error raised on purpose by tpu_embed_ext."""
+
+
+class ConfigError(Error, ValueError):
+  """An invalid embedding spec, optimizer spec or config file.
+
+  ``path`` is the key path inside the config (``tables.item.optimizer.lr``),
+  ``file`` the config file when the spec came from one. Both are optional and
+  are added while the error travels up through the loader (see ``at``).
+  """
+
+  def __init__(self, message: str, *, path: str = "", file: str = ""):
+    self.message = message
+    self.path = path
+    self.file = file
+    super().__init__(self._render())
+
+  def _render(self) -> str:
+    where = ": ".join(p for p in (self.file, self.path) if p)
+    return f"{where}: {self.message}" if where else self.message
+
+  def at(self, prefix: str = "", file: str = "") -> "ConfigError":
+    """Returns a copy located under ``prefix`` (a key path) and ``file``."""
+    if prefix and self.path:
+      path = f"{prefix}.{self.path}"
+    else:
+      path = prefix or self.path
+    return type(self)(self.message, path=path, file=file or self.file)
+
+  def __reduce__(self):
+    return (_rebuild, (type(self), self.message, self.path, self.file))
+
+
+class ConfigTypeError(ConfigError, TypeError):
+  """A config value of the wrong type (a string where a number belongs...)."""
+
+
+class InputError(Error, ValueError):
+  """Bad features, weights, ids or gradients given to an embedding engine."""
+
+
+def _rebuild(cls, message, path, file):
+  return cls(message, path=path, file=file)
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+  """Returns ' Did you mean "x"?' for the closest choice, or ''."""
+  match = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
+  return f' Did you mean "{match[0]}"?' if match else ""
+
+
+def one_of(choices: Iterable[str]) -> str:
+  return ", ".join(f'"{c}"' for c in sorted(choices))
+
+
+def unknown_name(kind: str, name: str, choices: Iterable[str],
+                 path: str = "", error: Optional[type] = None) -> ConfigError:
+  """The error for a name that is not among ``choices``."""
+  choices = list(choices)
+  cls = error or ConfigError
+  return cls(
+      f'unknown {kind} "{name}".{did_you_mean(name, choices)} '
+      f"Valid: {one_of(choices)}.", path=path)
