@@ -1,0 +1,648 @@
+"""CPUEmbedding: the TPU embedding engine, emulated on CPU, that trains.
+
+Lookups follow ``TPUEmbeddingForServing`` (``cpu_embedding_lookup``): a dense
+id tensor is a plain gather (output ``ids.shape + [dim]``, no weights, no
+sequence features); a ragged or sparse rank-2 input is combined per row
+(``sum``, ``mean`` = ``sum(w e) / sum(w)``, ``sqrtn`` = ``sum(w e) /
+sqrt(sum(w^2))``, 0 for an empty row); a sequence feature
+(``max_sequence_length > 0``) returns ``[batch, max_sequence_length, dim]``
+with later positions truncated and missing ones zero; ``output_shape``
+reshapes as ``TPUEmbeddingForServing`` does. Simulated quantization
+(``TableConfig.quantization_config``) is applied to the gathered rows before
+the combiner, forward only (SEMANTICS.md section 7).
+
+Every lookup is reduced to one form per feature: occurrence ``i`` sends
+``gain_i * E[id_i]`` to output row ``r_i``. Training reuses it backwards: the
+gradient of occurrence ``i`` is ``gain_i * dL/dact[r_i]``; per table these are
+summed per id over all features (``tf.unique`` + ``unsorted_segment_sum``),
+and each touched id is updated once by ``update_rules.apply_update``. Only the
+touched rows of the table and its slots are gathered and scattered, so a step
+costs O(ids in the batch), whatever the vocabulary (non-lazy Adam excepted: it
+updates every row by definition).
+
+Checkpoints: variables are named and tracked exactly as ``TPUEmbedding`` and
+``TPUEmbeddingForServing`` do (``<table>`` and ``<table>/<slot>`` on the
+embedding object), so a checkpoint written by one restores into the other.
+Unlike upstream, the user's ``TableConfig`` objects are never modified (no
+optimizer or name is written into them).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, List, NamedTuple, Optional
+
+import tensorflow as tf
+from tensorflow.python.trackable import autotrackable
+from tensorflow.python.util import nest
+
+from tpu_embed_ext import errors, optimizers
+from tpu_embed_ext.emulation import update_rules
+
+__all__ = ["CPUEmbedding", "create_embedding"]
+
+_ENGINES = ("v1", "v2")
+
+
+class _Table(NamedTuple):
+  config: Any        # the user's TableConfig (never modified)
+  name: str
+  optimizer: Any     # resolved optimizer spec
+  tf_optimizer: Any  # the TF optimizer object, if one was given (slot creation)
+
+
+class _Feature(NamedTuple):
+  path: str
+  config: Any        # the user's FeatureConfig
+  table: int         # index into CPUEmbedding._tables
+
+
+class _Occurrences(NamedTuple):
+  """One feature's lookup in flat form: ids[i] * gains[i] -> row rows[i]."""
+  ids: tf.Tensor            # [n] int64
+  rows: Optional[tf.Tensor]  # [n] int; None: the identity (dense lookups)
+  gains: Optional[tf.Tensor]  # [n] float32; None: all ones
+  num_rows: tf.Tensor       # scalar: rows of the [num_rows, dim] output
+  shape: Any                # the activation shape, without dim
+
+
+class CPUEmbedding(autotrackable.AutoTrackable):
+  """A drop-in for ``tf.tpu.experimental.embedding.TPUEmbedding`` off-TPU.
+
+  Args:
+    feature_config: a nested structure of ``FeatureConfig``s, as
+      ``TPUEmbedding`` takes it, or an ``EmbeddingSpec`` (its schedules then
+      bind to this engine's ``step``).
+    optimizer: the optimizer of tables that have none: a
+      ``tf.tpu.experimental.embedding`` optimizer or one of our specs.
+    pipeline_execution_with_tensor_core: accepted for signature parity; it
+      only changes scheduling on a TPU, not results.
+    engine: ``"v1"`` emulates ``TPUEmbedding`` (TPU v2-v4); ``"v2"`` emulates
+      ``TPUEmbeddingV2`` (SparseCore), which ignores weight clipping,
+      ``clipvalue``, ``use_gradient_accumulation`` and ``lazy_adam`` and
+      rejects weight decay (SEMANTICS.md "Engine B").
+    validate: check ids, shapes and gradients on every step (one reduction
+      per feature; on by default).
+
+  ``use_gradient_accumulation=False``: the TPU then applies the optimizer to
+  gradient contributions as they arrive, so an id that occurs several times in
+  a step is updated several times, in an order the TPU does not specify
+  (SEMANTICS.md section 7). The emulator makes that order deterministic: in
+  round ``k`` it applies the ``k``-th contribution (in input order) of every
+  id that has at least ``k`` contributions. With accumulation (the default)
+  contributions are summed and each id is updated once.
+  """
+
+  def __init__(self, feature_config, optimizer=None,
+               pipeline_execution_with_tensor_core: bool = False, *,
+               engine: str = "v1", validate: bool = True):
+    del pipeline_execution_with_tensor_core
+    if engine not in _ENGINES:
+      raise ValueError(f'engine must be "v1" or "v2", got engine={engine!r}.')
+    # Internal state is set with _untracked: a tracked attribute would add
+    # checkpoint keys that TPUEmbedding does not have.
+    _untracked(self, _engine=engine, _validate=validate)
+    _untracked(self, step=tf.Variable(0, dtype=tf.int64, trainable=False,
+                                      name="step"))
+    if hasattr(feature_config, "feature_config"):  # An EmbeddingSpec.
+      feature_config = feature_config.feature_config(step=self.step)
+    tables: List[_Table] = []
+    features: List[_Feature] = []
+    _untracked(self, _feature_config=feature_config, _tables=tables,
+               _features=features, _variables=None, _pending=None)
+    index = {}
+    for path, feature in nest.flatten_with_joined_string_paths(feature_config):
+      if id(feature.table) not in index:
+        index[id(feature.table)] = len(tables)
+        tables.append(self._resolve_table(feature.table, optimizer, len(tables)))
+      features.append(_Feature(path, feature, index[id(feature.table)]))
+    names = [t.name for t in tables]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+      raise ValueError(f"Tables must have unique names; found {duplicates} "
+                       "more than once. Fix: name each TableConfig uniquely.")
+
+  def _resolve_table(self, table, global_optimizer, i) -> _Table:
+    name = table.name if table.name is not None else f"table_{i}"
+    tf_optimizer = table.optimizer or global_optimizer
+    if tf_optimizer is None:
+      raise ValueError(
+          f"table '{name}' has no optimizer. Fix: set TableConfig.optimizer "
+          "or pass optimizer= to CPUEmbedding.")
+    spec = optimizers.as_spec(tf_optimizer)
+    if self._engine == "v2" and spec.weight_decay_factor:
+      raise errors.ConfigError(
+          f"table '{name}': weight_decay_factor={spec.weight_decay_factor!r} "
+          "is rejected by TPUEmbeddingV2 (SparseCore). Fix: remove weight "
+          'decay, or emulate TPUEmbedding with engine="v1".')
+    is_tf = not isinstance(tf_optimizer, optimizers.OptimizerSpec)
+    return _Table(table, name, spec, tf_optimizer if is_tf else None)
+
+  # --- variables -----------------------------------------------------------
+
+  def build(self, per_replica_input_shapes=None, per_replica_batch_size=None):
+    """Creates the tables and slots (restoring them if a restore is pending)."""
+    del per_replica_input_shapes, per_replica_batch_size
+    if self._variables is not None:
+      return
+    with tf.init_scope():
+      _untracked(self, _variables={
+          t.name: self._create_variables(t) for t in self._tables})
+
+  def _create_variables(self, table: _Table) -> Dict[str, tf.Variable]:
+    shape = (table.config.vocabulary_size, table.config.dim)
+
+    def getter(name, shape, dtype, initializer, trainable):
+      del shape
+      return tf.Variable(
+          name=name, initial_value=functools.partial(
+              initializer, (table.config.vocabulary_size, table.config.dim),
+              dtype=dtype),
+          shape=(table.config.vocabulary_size, table.config.dim), dtype=dtype,
+          trainable=trainable)
+
+    def create(name, initializer, trainable=False):
+      # The custom getter lets a pending checkpoint restore fill the variable
+      # at creation, as TPUEmbedding does.
+      return self._add_variable_with_custom_getter(
+          name=name, initializer=initializer, shape=shape, dtype=tf.float32,
+          getter=getter, trainable=trainable)
+
+    parameters = create(table.name, table.config.initializer)
+    make_slot = lambda slot, init: create(f"{table.name}/{slot}", init)
+    if table.tf_optimizer is not None:
+      # Honours a TF optimizer's slot_variable_creation_fn.
+      slots = dict(table.tf_optimizer._create_slots(parameters, make_slot))  # pylint: disable=protected-access
+    else:
+      slots = {
+          slot: make_slot(slot, tf.constant_initializer(value))
+          for slot, value in zip(table.optimizer.slot_names,
+                                 table.optimizer.slot_initial_values())}
+    slots["parameters"] = parameters
+    return slots
+
+  @property
+  def variables(self) -> Dict[str, Dict[str, tf.Variable]]:
+    """``{table_name: {"parameters": var, <slot>: var}}``."""
+    self.build()
+    return self._variables
+
+  @property
+  def embedding_tables(self) -> Dict[Any, tf.Variable]:
+    """``{TableConfig: parameters variable}``, keyed by the user's configs."""
+    self.build()
+    return {t.config: self._variables[t.name]["parameters"] for t in self._tables}
+
+  @property
+  def feature_config(self):
+    return self._feature_config
+
+  @property
+  def engine(self) -> str:
+    return self._engine
+
+  # --- lookups -------------------------------------------------------------
+
+  def __call__(self, features, weights=None):
+    """Looks up ``features`` without recording anything for training."""
+    self.build()
+    occurrences = self._occurrences(features, weights)
+    return self._activations(features, occurrences)
+
+  def enqueue(self, features, weights=None, training: bool = True,
+              name: Optional[str] = None, device: Optional[str] = None):
+    """Records a batch for ``dequeue`` (and, if training, ``apply_gradients``)."""
+    del name, device
+    self.build()
+    _untracked(self, _pending=self._occurrences(features, weights),
+               _pending_features=features, _training=training)
+
+  def dequeue(self, name: Optional[str] = None):
+    """Activations of the last enqueued batch, with the features' structure."""
+    del name
+    if self._pending is None:
+      raise errors.InputError(
+          "dequeue() called before enqueue(). Fix: call enqueue(features) "
+          "first, once per step.")
+    return self._activations(self._pending_features, self._pending)
+
+  def _occurrences(self, features, weights) -> List[_Occurrences]:
+    try:
+      tf.nest.assert_same_structure(self._feature_config, features,
+                                    check_types=False)
+    except (ValueError, TypeError) as e:
+      raise errors.InputError(
+          "features do not match the feature config's structure: "
+          f"{e}. Fix: pass one entry per FeatureConfig "
+          f"({', '.join(f.path for f in self._features)}).") from e
+    flat = tf.nest.flatten(features, expand_composites=False)
+    flat_weights = [None] * len(flat)
+    if weights is not None:
+      try:
+        tf.nest.assert_same_structure(features, weights, check_types=False)
+      except (ValueError, TypeError) as e:
+        raise errors.InputError(
+            f"weights do not match the features' structure: {e}. Fix: give "
+            "weights the structure of features (None entries allowed).") from e
+      flat_weights = tf.nest.flatten(weights)
+    return [self._feature_occurrences(f, x, w)
+            for f, x, w in zip(self._features, flat, flat_weights)]
+
+  def _feature_occurrences(self, feature: _Feature, x, w) -> _Occurrences:
+    config = feature.config
+    table = self._tables[feature.table]
+    where = f"feature '{feature.path}' (table '{table.name}')"
+    if not isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
+      x = tf.convert_to_tensor(x)
+    if not x.dtype.is_integer:
+      raise errors.InputError(
+          f"{where}: ids must be integers, got dtype {x.dtype.name}. Fix: cast "
+          "the ids with tf.cast(ids, tf.int64).")
+    if w is not None and isinstance(x, tf.Tensor):
+      raise errors.InputError(
+          f"{where}: weights were given for a dense id tensor. Fix: pass the "
+          "ids as a RaggedTensor or SparseTensor to weight them.")
+    if w is not None and config.max_sequence_length > 0:
+      raise errors.InputError(
+          f"{where}: weights were given for a sequence feature "
+          f"(max_sequence_length={config.max_sequence_length}). Fix: drop them.")
+    if w is not None and type(w) is not type(x):
+      raise errors.InputError(
+          f"{where}: weights are a {type(w).__name__} but ids a "
+          f"{type(x).__name__}. Fix: give weights the ids' type and layout.")
+    if isinstance(x, tf.Tensor):
+      if config.max_sequence_length > 0:
+        raise errors.InputError(
+            f"{where} is a sequence feature (max_sequence_length="
+            f"{config.max_sequence_length}) but got a dense tensor. Fix: pass a "
+            "RaggedTensor or SparseTensor.")
+      ids = tf.reshape(x, [-1])
+      occ = _Occurrences(ids, None, None, tf.size(ids), tf.shape(x))
+    elif isinstance(x, tf.RaggedTensor):
+      occ = self._ragged_occurrences(where, config, x, w)
+    else:
+      occ = self._sparse_occurrences(where, config, x, w)
+    ids = tf.cast(occ.ids, tf.int64)
+    if self._validate:
+      check = self._check_ids(where, table, ids)
+      if check is not None:  # Graph mode: every use of the ids waits for it.
+        with tf.control_dependencies([check]):
+          ids = tf.identity(ids)
+    return occ._replace(ids=ids)
+
+  def _ragged_occurrences(self, where, config, x, w) -> _Occurrences:
+    if x.shape.rank != 2:
+      raise errors.InputError(
+          f"{where}: ragged ids must have rank 2 [batch, (ids)], got rank "
+          f"{x.shape.rank}. Fix: merge the extra ragged dimensions.")
+    batch = x.nrows(out_type=tf.int64)
+    ids, row, col = x.values, x.value_rowids(), _positions(x)
+    weight = None if w is None else tf.cast(w.values, tf.float32)
+    if w is not None and self._validate:
+      _check_same_layout(where, x, w)
+    out = config.output_shape
+    if out:
+      size = _prod(out)
+      static_batch = x.shape[0]
+      if static_batch is not None and size == static_batch:
+        return self._combined(config, ids, row, weight, batch, list(out))
+      length = size // static_batch if static_batch else None
+      if static_batch is None or size % static_batch or length < 1:
+        raise errors.InputError(
+            f"{where}: output_shape {list(out)} must have the batch size "
+            f"{static_batch} or a multiple of it as its number of elements. "
+            "Fix: change FeatureConfig.output_shape.")
+      return _sequence(ids, row, col, batch, length, list(out))
+    if config.max_sequence_length > 0:
+      length = config.max_sequence_length
+      return _sequence(ids, row, col, batch, length, [batch, length])
+    return self._combined(config, ids, row, weight, batch, tf.reshape(batch, [1]))
+
+  def _sparse_occurrences(self, where, config, x, w) -> _Occurrences:
+    rank = x.shape.rank
+    if rank is None or rank < 2:
+      raise errors.InputError(
+          f"{where}: sparse ids must have rank >= 2, got rank {rank}. Fix: "
+          "add a batch dimension.")
+    if w is not None and self._validate:
+      _check_same_indices(where, x, w)
+    weight = None if w is None else tf.cast(w.values, tf.float32)
+    if config.max_sequence_length > 0 and not config.output_shape and rank == 2:
+      length = config.max_sequence_length
+      batch = x.dense_shape[0]
+      return _sequence(x.values, x.indices[:, 0], x.indices[:, 1], batch,
+                       length, [batch, length])
+    # Combine over the last dimension, as embedding_lookup_sparse does.
+    outer = x.dense_shape[:-1]
+    row = tf.zeros_like(x.indices[:, 0])
+    for d in range(rank - 1):
+      row = row * x.dense_shape[d] + x.indices[:, d]
+    # Like embedding_lookup_sparse, output_shape does not reshape sparse input.
+    return self._combined(config, x.values, row, weight, tf.reduce_prod(outer),
+                          outer)
+
+  def _combined(self, config, ids, row, weight, num_rows, shape):
+    """Per-row combiner gains (SEMANTICS.md section 0.1)."""
+    combiner = config.table.combiner
+    w = tf.ones_like(ids, tf.float32) if weight is None else weight
+    if combiner == "sum":
+      gains = w
+    else:
+      square = combiner == "sqrtn"
+      total = tf.math.unsorted_segment_sum(w * w if square else w, row, num_rows)
+      total = tf.sqrt(total) if square else total
+      gains = tf.math.divide_no_nan(w, tf.gather(total, row))
+    return _Occurrences(ids, row, gains, num_rows, shape)
+
+  def _check_ids(self, where, table, ids):
+    vocab = table.config.vocabulary_size
+    if tf.executing_eagerly():
+      if tf.size(ids) == 0:
+        return None
+      low, high = int(tf.reduce_min(ids)), int(tf.reduce_max(ids))
+      if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
+        raise errors.InputError(
+            f"{where}: id {bad} is out of range [0, {vocab}). Fix: map ids into "
+            f"the vocabulary (e.g. hash them modulo {vocab}) or enlarge "
+            "vocabulary_size.")
+      return None
+    message = (f"{where}: ids must be in [0, {vocab}). Fix: map ids into the "
+               "vocabulary or enlarge vocabulary_size. Offending ids:")
+    bad = tf.logical_or(ids < 0, ids >= vocab)
+    return tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)),
+                               [message, tf.boolean_mask(ids, bad)[:5]])
+
+  def _activations(self, features, occurrences):
+    outputs = []
+    for feature, occ in zip(self._features, occurrences):
+      table = self._tables[feature.table]
+      params = self._variables[table.name]["parameters"]
+      rows = tf.gather(params, occ.ids)
+      rows = _quantize(rows, table.config.quantization_config)
+      dim = table.config.dim
+      if occ.rows is None:
+        out = rows
+      else:
+        if occ.gains is not None:
+          rows = rows * occ.gains[:, None]
+        out = tf.math.unsorted_segment_sum(rows, occ.rows, occ.num_rows)
+      outputs.append(tf.reshape(out, tf.concat(
+          [tf.cast(occ.shape, tf.int32), [dim]], 0)))
+      _set_static_shape(outputs[-1], occ.shape, dim)
+    return tf.nest.pack_sequence_as(features, outputs)
+
+  # --- training ------------------------------------------------------------
+
+  def apply_gradients(self, gradients, name: Optional[str] = None):
+    """Applies ``dL/dactivations`` of the last enqueued batch to the tables.
+
+    Every table, slot and the step change together or not at all: all inputs
+    are checked before the first variable is written.
+    """
+    del name
+    if self._pending is None or not self._training:
+      raise errors.InputError(
+          "apply_gradients() needs a batch enqueued with training=True. Fix: "
+          "call enqueue(features, training=True) and dequeue() first.")
+    flat = self._flat_gradients(gradients)
+    per_table = [[] for _ in self._tables]
+    for feature, occ, grad in zip(self._features, self._pending, flat):
+      per_table[feature.table].append(self._occurrence_gradients(feature, occ, grad))
+    checks = []
+    updates = []
+    rates = {}
+    for table, parts in zip(self._tables, per_table):
+      ids = tf.concat([p[0] for p in parts], 0)
+      grads = tf.concat([p[1] for p in parts], 0)
+      checks.append(self._check_finite(table, grads))
+      lr = self._learning_rate(table.optimizer, rates)
+      updates.append((table, ids, grads, lr))
+    with tf.control_dependencies([c for c in checks if c is not None]):
+      writes = [self._update_table(*u) for u in updates]
+    with tf.control_dependencies([w for w in writes if w is not None]):
+      self.step.assign_add(1)
+    _untracked(self, _pending=None)
+
+  def _flat_gradients(self, gradients):
+    try:
+      tf.nest.assert_same_structure(self._feature_config, gradients,
+                                    check_types=False)
+    except (ValueError, TypeError) as e:
+      raise errors.InputError(
+          f"gradients do not match the feature config's structure: {e}. Fix: "
+          "pass one gradient per feature, shaped like its activation (None "
+          "means a zero gradient).") from e
+    return tf.nest.flatten(gradients)
+
+  def _occurrence_gradients(self, feature, occ, grad):
+    table = self._tables[feature.table]
+    dim = table.config.dim
+    n = tf.size(occ.ids)
+    if grad is None:
+      return occ.ids, tf.zeros([n, dim], tf.float32)
+    grad = tf.convert_to_tensor(grad, tf.float32)
+    expected = tf.concat([tf.cast(occ.shape, tf.int32), [dim]], 0)
+    if self._validate and tf.executing_eagerly():
+      if grad.shape.as_list() != expected.numpy().tolist():
+        raise errors.InputError(
+            f"feature '{feature.path}' (table '{table.name}'): gradient shape "
+            f"{grad.shape.as_list()} does not match its activation shape "
+            f"{expected.numpy().tolist()}. Fix: pass dL/d(activation) for "
+            "exactly the activations dequeue() returned.")
+    grad = tf.reshape(grad, [-1, dim])
+    if occ.rows is not None:
+      grad = tf.gather(grad, occ.rows)
+    if occ.gains is not None:
+      grad = grad * occ.gains[:, None]
+    return occ.ids, grad
+
+  def _check_finite(self, table, grads):
+    if not self._validate:
+      return None
+    finite = tf.reduce_all(tf.math.is_finite(grads))
+    message = (f"table '{table.name}': gradient has NaN or Inf values; no "
+               "table, slot or step was changed. Fix: check the loss for "
+               "overflow, or clip the activations' gradients.")
+    if tf.executing_eagerly():
+      if not bool(finite):
+        raise errors.InputError(message)
+      return None
+    return tf.debugging.Assert(finite, [message])
+
+  def _learning_rate(self, spec, cache):
+    lr = spec.learning_rate
+    if not callable(lr):
+      return tf.constant(lr, tf.float32)
+    # One evaluation per distinct callable per step (shared schedules = tags).
+    if id(lr) not in cache:
+      cache[id(lr)] = tf.cast(lr(), tf.float32)
+    return cache[id(lr)]
+
+  def _update_table(self, table: _Table, ids, grads, lr):
+    spec = table.optimizer
+    variables = self._variables[table.name]
+    slot_vars = [variables[s] for s in spec.slot_names]
+    params = variables["parameters"]
+    dense = (self._engine == "v1" and isinstance(spec, optimizers.Adam)
+             and not spec.lazy_adam)
+    sequential = self._engine == "v1" and not spec.use_gradient_accumulation
+    if dense:
+      return self._update_all_rows(spec, params, slot_vars, ids, grads, lr)
+    if sequential:
+      return self._update_in_rounds(spec, params, slot_vars, ids, grads, lr)
+    unique, index = tf.unique(ids)
+    g = tf.math.unsorted_segment_sum(grads, index, tf.size(unique))
+    return self._write_rows(spec, params, slot_vars, unique, g, lr)
+
+  def _write_rows(self, spec, params, slot_vars, rows, g, lr):
+    w = tf.gather(params, rows)
+    slots = tuple(tf.gather(s, rows) for s in slot_vars)
+    w, slots = update_rules.apply_update(spec, w, slots, g, lr,
+                                         engine=self._engine)
+    indices = rows[:, None]
+    ops = [params.scatter_nd_update(indices, w)]
+    ops += [v.scatter_nd_update(indices, s) for v, s in zip(slot_vars, slots)]
+    return tf.group(ops)
+
+  def _update_all_rows(self, spec, params, slot_vars, ids, grads, lr):
+    """Non-lazy Adam: every row steps, untouched ones with g = 0."""
+    g = tf.tensor_scatter_nd_add(tf.zeros_like(params), ids[:, None], grads)
+    w, slots = update_rules.apply_update(
+        spec, params.read_value(), tuple(s.read_value() for s in slot_vars), g,
+        lr, engine=self._engine)
+    return tf.group([params.assign(w)] +
+                    [v.assign(s) for v, s in zip(slot_vars, slots)])
+
+  def _update_in_rounds(self, spec, params, slot_vars, ids, grads, lr):
+    """No accumulation: round k applies each id's k-th contribution."""
+    n = tf.size(ids)
+    unique, index = tf.unique(ids)
+    order = tf.argsort(index, stable=True)
+    sorted_index = tf.gather(index, order)
+    starts = tf.math.unsorted_segment_min(tf.range(n), sorted_index,
+                                          tf.size(unique))
+    rank_sorted = tf.range(n) - tf.gather(starts, sorted_index)
+    rank = tf.scatter_nd(order[:, None], rank_sorted, [n])
+    rounds = tf.reduce_max(tf.concat([rank + 1, [0]], 0))
+    if tf.executing_eagerly():
+      for k in range(int(rounds)):
+        mask = tf.equal(rank, k)
+        self._write_rows(spec, params, slot_vars, tf.boolean_mask(ids, mask),
+                         tf.boolean_mask(grads, mask), lr)
+      return None
+
+    def body(k):
+      mask = tf.equal(rank, k)
+      with tf.control_dependencies([self._write_rows(
+          spec, params, slot_vars, tf.boolean_mask(ids, mask),
+          tf.boolean_mask(grads, mask), lr)]):
+        return k + 1
+    return tf.while_loop(lambda k: k < rounds, body, [tf.constant(0)]).op
+
+
+# --- helpers -----------------------------------------------------------------
+
+def _untracked(obj, **attributes):
+  """Sets attributes without checkpoint dependency tracking."""
+  for name, value in attributes.items():
+    object.__setattr__(obj, name, value)
+
+
+def _prod(shape) -> int:
+  out = 1
+  for s in shape:
+    out *= int(s)
+  return out
+
+
+def _positions(x: tf.RaggedTensor) -> tf.Tensor:
+  """Position of every value inside its row."""
+  starts = tf.gather(x.row_starts(), x.value_rowids())
+  return tf.range(tf.size(x.values, out_type=tf.int64), dtype=tf.int64) - starts
+
+
+def _sequence(ids, row, col, batch, length, shape) -> _Occurrences:
+  """Sequence lookups: position col of row lands in output row*length+col."""
+  keep = col < length
+  ids, row, col = (tf.boolean_mask(t, keep) for t in (ids, row, col))
+  return _Occurrences(ids, row * length + col, None,
+                      tf.cast(batch, tf.int64) * length, shape)
+
+
+def _quantize(rows, config):
+  """Simulated quantization of gathered rows (forward only)."""
+  if config is None:
+    return rows
+  lower, upper = float(config.lower), float(config.upper)
+  quantum = (upper - lower) / (config.num_buckets - 1)
+  x = tf.clip_by_value(rows, lower, upper)
+  q = tf.floor((x - lower) / quantum + 0.5) * quantum + lower
+  # Straight-through: the backward pass sees the identity (SEMANTICS.md s7).
+  return rows + tf.stop_gradient(q - rows)
+
+
+def _set_static_shape(tensor, shape, dim):
+  if isinstance(shape, (list, tuple)):
+    static = [s if isinstance(s, int) else None for s in shape]
+    tensor.set_shape(static + [dim])
+
+
+def _check_same_layout(where, ids: tf.RaggedTensor, weights: tf.RaggedTensor):
+  if tf.executing_eagerly() and not bool(tf.reduce_all(tf.equal(
+      ids.row_splits, tf.cast(weights.row_splits, ids.row_splits.dtype)))):
+    raise errors.InputError(
+        f"{where}: weights have row lengths {weights.row_lengths().numpy().tolist()} "
+        f"but ids {ids.row_lengths().numpy().tolist()}. Fix: give one weight "
+        "per id, in the same rows.")
+
+
+def _check_same_indices(where, ids: tf.SparseTensor, weights: tf.SparseTensor):
+  if tf.executing_eagerly():
+    same = (ids.indices.shape == weights.indices.shape and bool(
+        tf.reduce_all(tf.equal(ids.indices, weights.indices))))
+    if not same:
+      raise errors.InputError(
+          f"{where}: weights' indices do not match the ids' indices. Fix: give "
+          "one weight per id, at the same indices.")
+
+
+# --- dispatch ----------------------------------------------------------------
+
+def _sparsecore(strategy) -> bool:
+  """Whether a TPUStrategy's hardware embeds with SparseCore (TPUEmbeddingV2)."""
+  feature = strategy.extended.tpu_hardware_feature.embedding_feature
+  from tensorflow.python.tpu import tpu_hardware_feature
+  return feature in (tpu_hardware_feature.HardwareFeature.EmbeddingFeature.V2,)
+
+
+def create_embedding(feature_config, optimizer=None, *, engine=None,
+                     validate: bool = True, strategy=None):
+  """The right mid-level API object for where the code runs.
+
+  Under a ``TPUStrategy`` (the one in scope, or ``strategy``):
+  ``TPUEmbeddingV2`` on SparseCore hardware (``embedding_feature`` V2, e.g.
+  v5p/v6e) or when ``engine="v2"``, ``TPUEmbedding`` otherwise. Anywhere
+  else: ``CPUEmbedding`` emulating ``engine`` (default ``"v1"``).
+
+  The TPU branch was not run on TPU hardware (none is reachable where this
+  package is developed); tests exercise the dispatch with a stand-in strategy.
+  An ``EmbeddingSpec`` on a TPU binds its schedules to a fresh step variable
+  that the caller must advance (``EmbeddingLayer`` does).
+  """
+  from tensorflow.python.distribute import tpu_strategy
+  strategy = strategy or tf.distribute.get_strategy()
+  if isinstance(strategy, (tpu_strategy.TPUStrategy, tpu_strategy.TPUStrategyV2)):
+    if hasattr(feature_config, "feature_config"):
+      feature_config = feature_config.feature_config(
+          step=tf.Variable(0, dtype=tf.int64, trainable=False, name="step"))
+    if isinstance(optimizer, optimizers.OptimizerSpec):
+      optimizer = optimizers.to_tf(optimizer)
+    use_v2 = engine == "v2" or (engine is None and _sparsecore(strategy))
+    api = tf.tpu.experimental.embedding
+    if use_v2:
+      from tensorflow.python.tpu import tpu_embedding_v3
+      return tpu_embedding_v3.TPUEmbeddingV2(feature_config, optimizer)
+    return api.TPUEmbedding(feature_config, optimizer)
+  return CPUEmbedding(feature_config, optimizer, engine=engine or "v1",
+                      validate=validate)

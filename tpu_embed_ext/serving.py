@@ -1,0 +1,84 @@
+"""Export a model with ``EmbeddingLayer``s as a CPU serving SavedModel.
+
+The exported signature takes raw ids as plain tensors (SavedModel signatures
+cannot take ragged or sparse tensors): a single-hot feature as an int tensor
+``[batch]`` or ``[batch, 1]``, a multi-hot one as a padded ``[batch, max_ids]``
+matrix whose padding is ``PAD_ID`` (-1). The embedding lookups inside are
+``tf.tpu.experimental.embedding.serving_embedding_lookup`` over the trained
+tables: plain gathers and segment reductions, no TPU ops, so the SavedModel
+serves on any CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional
+
+import keras
+import tensorflow as tf
+
+from tpu_embed_ext.layer import EmbeddingLayer
+
+__all__ = ["PAD_ID", "export_for_serving", "ragged_from_padded"]
+
+PAD_ID = -1
+
+
+def ragged_from_padded(structure):
+  """Turns every rank-2 integer tensor in ``structure`` into a RaggedTensor.
+
+  Entries equal to ``PAD_ID`` are dropped, wherever they are in a row.
+  """
+  def convert(x):
+    if isinstance(x, tf.Tensor) and x.dtype.is_integer and x.shape.rank == 2:
+      return tf.ragged.boolean_mask(x, tf.not_equal(x, PAD_ID))
+    return x
+  return tf.nest.map_structure(convert, structure)
+
+
+@contextlib.contextmanager
+def _serving_lookups(model: keras.Model):
+  layers = [l for l in model._flatten_layers() if isinstance(l, EmbeddingLayer)]
+  if not layers:
+    raise ValueError(
+        f"model {model.name!r} has no EmbeddingLayer; export it with "
+        "model.export() instead.")
+  for layer in layers:
+    layer.serving_mode(True)
+  try:
+    yield
+  finally:
+    for layer in layers:
+      layer.serving_mode(False)
+
+
+def export_for_serving(model: keras.Model, export_dir: str, input_signature: Any,
+                       preprocess: Optional[Callable[[Any], Any]] = None,
+                       ) -> tf.types.experimental.ConcreteFunction:
+  """Writes a SavedModel with a ``serving_default`` signature.
+
+  Args:
+    model: a built Keras model whose embeddings come from ``EmbeddingLayer``s.
+    export_dir: where to write the SavedModel.
+    input_signature: nested ``tf.TensorSpec``s, what clients send (a dict, so
+      that the signature's inputs are named).
+    preprocess: maps the signature's inputs to the model's inputs; by default
+      ``ragged_from_padded`` (padded id matrices -> ragged ids).
+
+  Returns:
+    The serving concrete function (also usable in-process).
+  """
+  preprocess = preprocess or ragged_from_padded
+  module = tf.Module()
+  module.model = model
+
+  @tf.function(input_signature=[input_signature])
+  def serve(inputs):
+    outputs = model(preprocess(inputs), training=False)
+    return outputs if isinstance(outputs, dict) else {"outputs": outputs}
+
+  with _serving_lookups(model):
+    concrete = serve.get_concrete_function()
+    tf.saved_model.save(module, export_dir,
+                        signatures={"serving_default": concrete})
+  return concrete
