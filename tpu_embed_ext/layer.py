@@ -69,6 +69,11 @@ class EmbeddingLayer(keras.layers.Layer):
     self.embedding = engine_lib.create_embedding(
         spec_or_feature_config, optimizer, engine=engine, validate=validate)
     self._kind = _engine_kind(self.embedding)
+    if self._kind == "cpu":
+      self.embedding.build()
+    # The engine leaves its step out of its own checkpoint keys (they equal
+    # TPUEmbedding's); the layer checkpoints it, so schedules resume.
+    self.table_step = self.embedding.step
     self.gradient_sink = self.add_weight(
         shape=(), initializer="zeros", trainable=True, name="gradient_sink")
 
@@ -103,12 +108,22 @@ class EmbeddingLayer(keras.layers.Layer):
 
   def _train_lookup(self, features, weights):
     """Returns activations and the function that applies their gradients."""
+    if self._kind == "cpu":
+      self.embedding.enqueue(features, weights, training=True)
+      return self.embedding.dequeue(), self.embedding.apply_gradients
+    # TPU engines have no step of their own: advance the one that
+    # create_embedding bound the schedules to.
     if self._kind == "tpu_v2":
       activations, preserved = self.embedding(features, weights)
-      return activations, lambda grads: self.embedding.apply_gradients(
-          grads, preserved)
-    self.embedding.enqueue(features, weights, training=True)
-    return self.embedding.dequeue(), self.embedding.apply_gradients
+      apply = lambda grads: self.embedding.apply_gradients(grads, preserved)
+    else:
+      self.embedding.enqueue(features, weights, training=True)
+      activations, apply = self.embedding.dequeue(), self.embedding.apply_gradients
+
+    def apply_and_step(grads):
+      apply(grads)
+      self.embedding.step.assign_add(1)
+    return activations, apply_and_step
 
   def _serving_lookup(self, features, weights):
     # The standard CPU lookup of a TPU-trained model, with no TPU ops.

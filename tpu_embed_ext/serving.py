@@ -36,9 +36,13 @@ def ragged_from_padded(structure):
   return tf.nest.map_structure(convert, structure)
 
 
+def _embedding_layers(model: keras.Model):
+  return [l for l in model._flatten_layers() if isinstance(l, EmbeddingLayer)]
+
+
 @contextlib.contextmanager
 def _serving_lookups(model: keras.Model):
-  layers = [l for l in model._flatten_layers() if isinstance(l, EmbeddingLayer)]
+  layers = _embedding_layers(model)
   if not layers:
     raise ValueError(
         f"model {model.name!r} has no EmbeddingLayer; export it with "
@@ -69,8 +73,14 @@ def export_for_serving(model: keras.Model, export_dir: str, input_signature: Any
     The serving concrete function (also usable in-process).
   """
   preprocess = preprocess or ragged_from_padded
+  # The module holds the variables the signature reads, not the Keras model:
+  # saving a model would also trace Keras's own default signature. Slots are
+  # left out: serving needs only the tables.
   module = tf.Module()
-  module.model = model
+  module.dense_variables = [v.value for v in model.variables]
+  module.tables = [
+      table for layer in _embedding_layers(model)
+      for table in layer.embedding.embedding_tables.values()]
 
   @tf.function(input_signature=[input_signature])
   def serve(inputs):

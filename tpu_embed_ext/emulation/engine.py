@@ -633,16 +633,20 @@ def create_embedding(feature_config, optimizer=None, *, engine=None,
   from tensorflow.python.distribute import tpu_strategy
   strategy = strategy or tf.distribute.get_strategy()
   if isinstance(strategy, (tpu_strategy.TPUStrategy, tpu_strategy.TPUStrategyV2)):
+    step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
     if hasattr(feature_config, "feature_config"):
-      feature_config = feature_config.feature_config(
-          step=tf.Variable(0, dtype=tf.int64, trainable=False, name="step"))
+      feature_config = feature_config.feature_config(step=step)
     if isinstance(optimizer, optimizers.OptimizerSpec):
       optimizer = optimizers.to_tf(optimizer)
     use_v2 = engine == "v2" or (engine is None and _sparsecore(strategy))
-    api = tf.tpu.experimental.embedding
     if use_v2:
       from tensorflow.python.tpu import tpu_embedding_v3
-      return tpu_embedding_v3.TPUEmbeddingV2(feature_config, optimizer)
-    return api.TPUEmbedding(feature_config, optimizer)
+      embedding = tpu_embedding_v3.TPUEmbeddingV2(feature_config, optimizer)
+    else:
+      embedding = tf.tpu.experimental.embedding.TPUEmbedding(
+          feature_config, optimizer)
+    # TPU engines have no step; the caller advances this one per update.
+    _untracked(embedding, step=step)
+    return embedding
   return CPUEmbedding(feature_config, optimizer, engine=engine or "v1",
                       validate=validate)
