@@ -1,0 +1,336 @@
+"""Learning-rate schedules as TPU dynamic learning rates.
+
+A schedule is a pure ``step -> rate`` function (a Keras 3
+``LearningRateSchedule``); something else owns the step: the CPU engine's
+``step``, or a Keras optimizer's ``iterations``. ``Schedule`` is its value
+form: class name plus config, compared by value, so one schedule written twice
+in a config is still one schedule.
+
+The TPU identifies dynamic learning rates by *tags*, and TensorFlow assigns
+tags by callable identity, in table order. ``RateBinder`` therefore hands out
+one zero-arg callable per distinct (schedule, step, bias correction) and the
+same object to every table that uses it: TensorFlow's own assignment then
+yields the fewest tags. The rules of ``DynamicLearningRate``
+(optimization_parameters.proto) are checked by ``check_tag_rules``: tags are
+0..n-1 with none skipped, n is at most the number of tables, and tables that
+share a tag share the rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import numbers
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+import keras
+import tensorflow as tf
+
+from tpu_embed_ext import errors, optimizers
+
+__all__ = ["Schedule", "parse_schedules", "parse_learning_rate",
+           "learning_rate_to_config", "RateBinder", "assign_tags",
+           "check_tag_rules", "describe", "SCHEDULE_CLASSES"]
+
+_S = keras.optimizers.schedules
+SCHEDULE_CLASSES = {c.__name__: c for c in (
+    _S.ExponentialDecay, _S.PiecewiseConstantDecay, _S.PolynomialDecay,
+    _S.InverseTimeDecay, _S.CosineDecay, _S.CosineDecayRestarts)}
+
+
+def _freeze(value):
+  if isinstance(value, (list, tuple)):
+    return tuple(_freeze(v) for v in value)
+  if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    return int(value)
+  if isinstance(value, numbers.Real) and not isinstance(value, bool):
+    return float(value)
+  return value
+
+
+def _thaw(value):
+  return [_thaw(v) for v in value] if isinstance(value, tuple) else value
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """A Keras 3 learning-rate schedule as a value: ``Schedule(t) -> rate``."""
+
+  class_name: str
+  config: Tuple[Tuple[str, Any], ...]
+  """Sorted ``(argument, value)`` pairs; Keras's ``name`` argument excluded."""
+  name: Optional[str] = dataclasses.field(default=None, compare=False)
+  """The ``schedules:`` entry it came from (kept for round trips)."""
+
+  def __post_init__(self):
+    if self.class_name not in SCHEDULE_CLASSES:
+      raise errors.unknown_name("schedule class", self.class_name,
+                                SCHEDULE_CLASSES, path="class")
+
+  @classmethod
+  def from_config(cls, config: Mapping[str, Any], name: Optional[str] = None
+                  ) -> "Schedule":
+    """From ``{class: X, arg: ...}`` or Keras's ``{class_name, config}``."""
+    if not isinstance(config, Mapping):
+      raise errors.ConfigTypeError(
+          f"a schedule must be a mapping with a `class`, got {config!r}. Fix: "
+          "write e.g. {class: ExponentialDecay, initial_learning_rate: 0.1, "
+          "decay_steps: 1000, decay_rate: 0.9}.")
+    config = dict(config)
+    if "class_name" in config:
+      class_name, args = config["class_name"], dict(config.get("config", {}))
+    elif "class" in config:
+      class_name = config.pop("class")
+      args = config
+    else:
+      raise errors.ConfigError(
+          "schedule has no `class`. Fix: add `class:` with one of "
+          f"{errors.one_of(SCHEDULE_CLASSES)}.", path="class")
+    if class_name not in SCHEDULE_CLASSES:
+      raise errors.unknown_name("schedule class", class_name, SCHEDULE_CLASSES,
+                                path="class")
+    args.pop("name", None)
+    params = inspect.signature(SCHEDULE_CLASSES[class_name].__init__).parameters
+    allowed = [p for p in params if p not in ("self", "name")]
+    for key in args:
+      if key not in allowed:
+        raise errors.ConfigError(
+            f'unknown argument "{key}" for {class_name}.'
+            f"{errors.did_you_mean(key, allowed)} Valid: "
+            f"{errors.one_of(allowed)}.", path=str(key))
+    missing = [p for p in allowed if params[p].default is inspect.Parameter.empty
+               and p not in args]
+    if missing:
+      raise errors.ConfigError(
+          f"{class_name} needs {', '.join(missing)}. Fix: add "
+          f"{', '.join(f'{m}: ...' for m in missing)}.", path=missing[0])
+    schedule = cls(class_name, tuple(sorted((k, _freeze(v)) for k, v in args.items())),
+                   name=name)
+    try:
+      keras_schedule = schedule.keras()
+      float(keras_schedule(0))
+    except (ValueError, TypeError) as e:
+      raise errors.ConfigError(
+          f"{class_name} rejects its arguments {dict(args)}: {e}. Fix: correct "
+          "the values (see keras.optimizers.schedules."
+          f"{class_name}).") from e
+    return schedule
+
+  @classmethod
+  def from_keras(cls, schedule: keras.optimizers.schedules.LearningRateSchedule
+                 ) -> "Schedule":
+    return cls.from_config({"class": type(schedule).__name__,
+                            **schedule.get_config()})
+
+  def keras(self):
+    """A fresh Keras schedule object."""
+    return SCHEDULE_CLASSES[self.class_name](**{k: _thaw(v) for k, v in self.config})
+
+  def __call__(self, step):
+    return tf.cast(self._cached_keras()(step), tf.float32)
+
+  def _cached_keras(self):
+    cached = self.__dict__.get("_keras")
+    if cached is None:
+      cached = self.keras()
+      object.__setattr__(self, "_keras", cached)
+    return cached
+
+  def to_config(self) -> Dict[str, Any]:
+    return {"class": self.class_name, **{k: _thaw(v) for k, v in self.config}}
+
+  def __repr__(self):
+    args = ", ".join(f"{k}={_thaw(v)!r}" for k, v in self.config)
+    return f"{self.class_name}({args})"
+
+
+def parse_schedules(config: Optional[Mapping[str, Any]]) -> Dict[str, Schedule]:
+  """The ``schedules:`` section: ``{name: schedule config}``."""
+  if config is None:
+    return {}
+  if not isinstance(config, Mapping):
+    raise errors.ConfigTypeError(
+        f"schedules must be a mapping of names to schedules, got {config!r}.",
+        path="schedules")
+  out = {}
+  for name, value in config.items():
+    try:
+      out[str(name)] = Schedule.from_config(value, name=str(name))
+    except errors.ConfigError as e:
+      raise e.at(f"schedules.{name}") from None
+  return out
+
+
+def parse_learning_rate(value, schedules: Mapping[str, Schedule]):
+  """A number, a Schedule, a schedule name or config, or a zero-arg callable."""
+  if isinstance(value, bool):
+    raise errors.ConfigTypeError(
+        f"learning_rate must be a number or a schedule, got {value!r}.",
+        path="learning_rate")
+  if isinstance(value, numbers.Real):
+    return float(value)
+  if isinstance(value, Schedule):
+    return value
+  if isinstance(value, str):
+    if value not in schedules:
+      raise errors.unknown_name("schedule", value, schedules,
+                                path="learning_rate")
+    return schedules[value]
+  if isinstance(value, Mapping):
+    try:
+      return Schedule.from_config(value)
+    except errors.ConfigError as e:
+      raise e.at("learning_rate") from None
+  if isinstance(value, keras.optimizers.schedules.LearningRateSchedule):
+    return Schedule.from_keras(value)
+  if callable(value):
+    return value
+  raise errors.ConfigTypeError(
+      f"learning_rate must be a number, a schedule or a zero-arg callable, got "
+      f"{type(value).__name__} {value!r}. Fix: write e.g. 0.01 or the name of "
+      "a schedule.", path="learning_rate")
+
+
+def learning_rate_to_config(lr):
+  """Inverse of parse_learning_rate for what a file can hold."""
+  if isinstance(lr, Schedule):
+    return lr.name if lr.name else lr.to_config()
+  if isinstance(lr, numbers.Real):
+    return lr
+  raise errors.ConfigTypeError(
+      f"learning_rate {lr!r} is a Python callable and cannot be written to a "
+      "config. Fix: use a number or a Keras schedule.", path="learning_rate")
+
+
+def bias_correction(t, beta_1: float, beta_2: float):
+  """``sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1))`` at step t (float32)."""
+  t1 = tf.cast(t, tf.float64) + 1.0
+  factor = tf.sqrt(1.0 - tf.pow(tf.constant(beta_2, tf.float64), t1)) / (
+      1.0 - tf.pow(tf.constant(beta_1, tf.float64), t1))
+  return tf.cast(factor, tf.float32)
+
+
+class RateBinder:
+  """Turns optimizer specs' learning rates into what TensorFlow takes.
+
+  ``rate(spec)`` is a float for a constant rate, else a zero-arg callable that
+  reads ``step``. Equal (schedule, bias-correction betas) get the same callable
+  object, so tables sharing a rate share a tag.
+  """
+
+  def __init__(self, step: Optional[tf.Variable]):
+    self.step = step
+    self._rates: Dict[Any, Callable[[], tf.Tensor]] = {}
+
+  def rate(self, spec: optimizers.OptimizerSpec):
+    lr = spec.learning_rate
+    betas = ((spec.beta_1, spec.beta_2)
+             if isinstance(spec, optimizers.Adam) and spec.bias_correction
+             else None)
+    if betas is None and not isinstance(lr, Schedule):
+      return lr if callable(lr) else float(lr)
+    key = (lr if isinstance(lr, (Schedule, numbers.Real)) else id(lr), betas)
+    if key not in self._rates:
+      if self.step is None:
+        raise errors.ConfigError(
+            f"learning rate {lr!r}{' with bias correction' if betas else ''} is "
+            "dynamic and needs a step variable. Fix: pass step= (the engine's "
+            "step or a Keras optimizer's iterations).", path="learning_rate")
+      self._rates[key] = _dynamic(lr, betas, self.step)
+    return self._rates[key]
+
+
+def _dynamic(lr, betas, step):
+  def base():
+    if isinstance(lr, Schedule):
+      return lr(step)
+    if callable(lr):
+      return tf.cast(lr(), tf.float32)
+    return tf.constant(lr, tf.float32)
+
+  def rate():
+    value = base()
+    return value * bias_correction(step, *betas) if betas else value
+
+  rate.schedule = lr
+  rate.bias_correction = betas
+  return rate
+
+
+def assign_tags(table_names: Sequence[str], rates: Sequence[Any]
+                ) -> Dict[str, Optional[int]]:
+  """Tags as TensorFlow assigns them: distinct callables in first-use order."""
+  order: Dict[int, int] = {}
+  tags = {}
+  for name, rate in zip(table_names, rates):
+    if callable(rate):
+      tags[name] = order.setdefault(id(rate), len(order))
+    else:
+      tags[name] = None
+  return tags
+
+
+def check_tag_rules(tags: Mapping[str, Optional[int]],
+                    rates: Mapping[str, Any]) -> None:
+  """Raises ConfigError unless ``tags`` obey the DynamicLearningRate rules."""
+  used = sorted({t for t in tags.values() if t is not None})
+  if used != list(range(len(used))):
+    raise errors.ConfigError(
+        f"dynamic learning-rate tags must be 0..n-1 with none skipped, got "
+        f"{used}. Fix: renumber the tags.")
+  if len(used) > len(tags):
+    raise errors.ConfigError(
+        f"{len(used)} tags for {len(tags)} tables: at most one tag per table.")
+  owner: Dict[int, Tuple[str, Any]] = {}
+  for table, tag in tags.items():
+    if tag is None:
+      if callable(rates[table]):
+        raise errors.ConfigError(
+            f"table '{table}' has a dynamic learning rate but no tag.")
+      continue
+    if not callable(rates[table]):
+      raise errors.ConfigError(
+          f"table '{table}' has tag {tag} but a constant rate {rates[table]!r}.")
+    if tag in owner and owner[tag][1] is not rates[table]:
+      raise errors.ConfigError(
+          f"tables '{owner[tag][0]}' and '{table}' share tag {tag} but not the "
+          "learning rate: the TPU would apply one rate to both. Fix: give "
+          "them one schedule, or separate tags.")
+    owner.setdefault(tag, (table, rates[table]))
+
+
+def _milestones(schedule: Schedule):
+  config = dict(schedule.config)
+  steps = {0}
+  warmup = config.get("warmup_steps") or 0
+  if warmup:
+    steps.add(int(warmup))
+  decay = config.get("decay_steps") or config.get("first_decay_steps")
+  if decay:
+    steps.add(int(warmup) + int(decay))
+  for boundary in config.get("boundaries", ()):
+    steps.add(int(boundary))
+  return sorted(steps)
+
+
+def describe(rate) -> str:
+  """One line for the plan: what the rate is and its value at a few steps."""
+  schedule = getattr(rate, "schedule", rate)
+  betas = getattr(rate, "bias_correction", None)
+  if isinstance(schedule, Schedule):
+    steps = _milestones(schedule)
+    text = repr(schedule)
+  elif callable(schedule):
+    return f"{getattr(schedule, '__name__', 'callable')} (user callable)"
+  else:
+    steps, text = [0], f"{schedule:g}"
+  if betas:
+    text += f" x Adam bias correction (beta_1={betas[0]}, beta_2={betas[1]})"
+    steps = sorted(set(steps) | {1, 10})
+  values = []
+  for t in steps:
+    base = schedule(t) if isinstance(schedule, Schedule) else schedule
+    value = float(base) * (float(bias_correction(t, *betas)) if betas else 1.0)
+    values.append(f"t={t}: {value:.4g}")
+  return f"{text}; {', '.join(values)}"

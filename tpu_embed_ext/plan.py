@@ -1,0 +1,159 @@
+"""The TPU plan of a spec: tables, optimizers, tags, memory, warnings."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+import tensorflow as tf
+
+from tpu_embed_ext import learning_rates, optimizers, tf_config
+
+__all__ = ["Plan", "plan"]
+
+_BYTES_PER_FLOAT = 4
+# Settings TPUEmbeddingV2 (SparseCore) does not honour (SEMANTICS.md, Engine B).
+_SPARSECORE_IGNORES = (
+    ("clip_weight_min", lambda o: o.clip_weight_min is not None, "weight clipping"),
+    ("clip_weight_max", lambda o: o.clip_weight_max is not None, "weight clipping"),
+    ("clipvalue", lambda o: o.clipvalue is not None, "gradient clipping"),
+    ("use_gradient_accumulation", lambda o: not o.use_gradient_accumulation,
+     "disabling gradient accumulation (SparseCore always sums per id)"),
+    ("lazy_adam", lambda o: isinstance(o, optimizers.Adam) and not o.lazy_adam,
+     "non-lazy Adam (SparseCore updates only looked-up rows)"),
+    ("low_dimensional_packing_status", lambda o: o.low_dimensional_packing_status,
+     "low-dimensional packing"),
+)
+
+_KEY_SETTINGS = {
+    optimizers.Adagrad: ("initial_accumulator_value",),
+    optimizers.AdagradMomentum: ("momentum", "use_nesterov", "exponent", "beta2",
+                                 "epsilon"),
+    optimizers.Adam: ("beta_1", "beta_2", "epsilon", "lazy_adam", "bias_correction"),
+    optimizers.FTRL: ("learning_rate_power", "l1_regularization_strength",
+                      "l2_regularization_strength", "beta",
+                      "multiply_linear_by_learning_rate"),
+}
+_COMMON_SETTINGS = ("clipvalue", "clip_weight_min", "clip_weight_max",
+                    "weight_decay_factor")
+_SHORT = {"initial_accumulator_value": "init_acc", "learning_rate_power": "lr_power",
+          "l1_regularization_strength": "l1", "l2_regularization_strength": "l2",
+          "multiply_linear_by_learning_rate": "linear_x_lr",
+          "weight_decay_factor": "wd", "use_nesterov": "nesterov"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TableRow:
+  name: str
+  rows: int
+  dim: int
+  combiner: str
+  optimizer: optimizers.OptimizerSpec
+  tag: Optional[int]
+  features: tuple
+
+  @property
+  def parameter_bytes(self) -> int:
+    return self.rows * self.dim * _BYTES_PER_FLOAT
+
+  @property
+  def slot_bytes(self) -> int:
+    return self.parameter_bytes * len(self.optimizer.slot_names)
+
+  @property
+  def total_bytes(self) -> int:
+    return self.parameter_bytes + self.slot_bytes
+
+
+class Plan:
+  """What the TPU embedding engine will get for a spec."""
+
+  def __init__(self, spec):
+    self.spec = spec
+    step = tf.Variable(0, dtype=tf.int64, trainable=False, name="plan_step")
+    self._config = spec.feature_config(step=step)
+    self.tags: Dict[str, Optional[int]] = tf_config.tags(self._config)
+    self.tables: List[TableRow] = [
+        TableRow(t.name, t.vocabulary_size, t.dim, t.combiner,
+                 spec.optimizer_for(t.name), self.tags[t.name],
+                 tuple(f.name for f in spec.features if f.table == t.name))
+        for t in spec.tables]
+    self.warnings: List[str] = self._sparsecore_warnings()
+    self._rates = {}
+    for table in tf_config.table_order(self._config):
+      tag = self.tags[table.name]
+      if tag is not None:
+        self._rates.setdefault(tag, table.optimizer.learning_rate)
+
+  @property
+  def total_bytes(self) -> int:
+    return sum(t.total_bytes for t in self.tables)
+
+  def config_proto(self, **kwargs):
+    """The TPUEmbeddingConfiguration (see tf_config.config_proto)."""
+    return tf_config.config_proto(self._config, **kwargs)
+
+  def _sparsecore_warnings(self) -> List[str]:
+    out = []
+    for t in self.tables:
+      for field, applies, what in _SPARSECORE_IGNORES:
+        if applies(t.optimizer):
+          out.append(f"table '{t.name}': {field}={getattr(t.optimizer, field)!r} "
+                     f"is ignored by TPUEmbeddingV2 (SparseCore): no {what}.")
+      if t.optimizer.weight_decay_factor:
+        out.append(f"table '{t.name}': weight_decay_factor="
+                   f"{t.optimizer.weight_decay_factor!r} is rejected by "
+                   "TPUEmbeddingV2 (SparseCore): it raises NotImplementedError.")
+    return out
+
+  def _settings(self, o: optimizers.OptimizerSpec) -> str:
+    names = _KEY_SETTINGS.get(type(o), ()) + _COMMON_SETTINGS
+    parts = []
+    for name in names:
+      value = getattr(o, name)
+      default = type(o).__dataclass_fields__[name].default
+      if name in _KEY_SETTINGS.get(type(o), ()) or value != default:
+        if value is None:
+          continue
+        parts.append(f"{_SHORT.get(name, name)}={value:g}" if isinstance(value, float)
+                     else f"{_SHORT.get(name, name)}={value}")
+    return " ".join(parts)
+
+  def __str__(self) -> str:
+    header = ("table", "rows x dim", "combiner", "optimizer", "lr / tag",
+              "slots", "bytes", "features")
+    rows = []
+    for t in self.tables:
+      lr = t.optimizer.learning_rate
+      rate = f"tag {t.tag}" if t.tag is not None else f"{lr:g}"
+      rows.append((t.name, f"{t.rows:,} x {t.dim}", t.combiner,
+                   f"{t.optimizer.type_name} {self._settings(t.optimizer)}".strip(),
+                   rate, ",".join(t.optimizer.slot_names) or "-",
+                   _human(t.total_bytes), ",".join(t.features)))
+    rows.append(("total", f"{sum(t.rows for t in self.tables):,} rows", "", "",
+                 f"{len(self._rates)} tags", "", _human(self.total_bytes),
+                 f"{len(self.spec.features)} features"))
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+    out = [line(header), line(tuple("-" * w for w in widths))]
+    out += [line(r) for r in rows[:-1]] + [line(tuple("-" * w for w in widths)),
+                                           line(rows[-1])]
+    if self._rates:
+      out += ["", "dynamic learning rates:"]
+      out += [f"  tag {tag}: {learning_rates.describe(rate)}"
+              for tag, rate in sorted(self._rates.items())]
+    if self.warnings:
+      out += ["", "SparseCore (TPUEmbeddingV2) notes:"] + [f"  {w}" for w in self.warnings]
+    return "\n".join(out)
+
+
+def _human(n: int) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+    n /= 1024
+
+
+def plan(spec) -> Plan:
+  """The plan of ``spec``: ``print(plan(spec))`` for the table."""
+  return Plan(spec)

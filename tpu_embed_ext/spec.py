@@ -1,0 +1,471 @@
+"""The embedding spec: tables, features, and per-table optimizers.
+
+One frozen value describes every table and feature and the optimizer each
+table trains with. It is parsed from one form, a plain dict (YAML and JSON
+files are loaded into that), and ``to_dict`` writes that form back exactly.
+
+Optimizer precedence, lowest first: the global ``optimizer``, then every entry
+of ``overrides`` whose glob ``match`` fits the table name (in file order), then
+the table's own ``optimizer``. An override without ``type`` (or with the
+inherited type) merges its fields into the inherited optimizer; one with a
+different ``type`` replaces it, inheriting nothing.
+
+The spec knows nothing of engines. ``feature_config`` builds fresh
+TensorFlow objects every call (see tf_config.py), so nothing the spec hands
+out can be mutated back into it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import fnmatch
+import json
+import math
+import numbers
+import os
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from tpu_embed_ext import errors, optimizers
+
+__all__ = ["TableSpec", "FeatureSpec", "Override", "EmbeddingSpec"]
+
+COMBINERS = ("mean", "sum", "sqrtn")
+INITIALIZERS = {
+    "truncated_normal": {"mean": 0.0, "stddev": None},
+    "normal": {"mean": 0.0, "stddev": None},
+    "uniform": {"minval": -0.05, "maxval": 0.05},
+    "zeros": {},
+    "constant": {"value": 0.0},
+}
+_TOP_LEVEL = ("optimizer", "schedules", "tables", "overrides", "features", "train")
+_TABLE_FIELDS = ("vocabulary_size", "dim", "combiner", "optimizer", "initializer",
+                 "quantization")
+_FEATURE_FIELDS = ("table", "max_sequence_length", "output_shape")
+_OVERRIDE_FIELDS = ("match", "optimizer")
+_QUANTIZATION_FIELDS = ("num_buckets", "lower", "upper")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TableSpec:
+  """One embedding table."""
+
+  name: str
+  vocabulary_size: int
+  dim: int
+  combiner: str = "mean"
+  """How a multi-id row combines: ``mean``, ``sum`` or ``sqrtn``."""
+  optimizer: Optional[Mapping[str, Any]] = None
+  """The table's own optimizer override (highest precedence), unresolved."""
+  initializer: Optional[Mapping[str, Any]] = None
+  """``{type: truncated_normal|normal|uniform|zeros|constant, ...}``; None:
+  TensorFlow's default, truncated normal with stddev 1/sqrt(dim)."""
+  quantization: Optional[Mapping[str, Any]] = None
+  """Simulated quantization ``{num_buckets, lower, upper}`` (forward only)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FeatureSpec:
+  """One input feature, looked up in ``table``."""
+
+  name: str
+  table: str
+  max_sequence_length: int = 0
+  """> 0: a sequence feature with output ``[batch, max_sequence_length, dim]``."""
+  output_shape: Optional[Tuple[int, ...]] = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Override:
+  """Optimizer fields for every table whose name matches the glob ``match``."""
+
+  match: str
+  optimizer: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EmbeddingSpec:
+  """Tables, features and optimizers; build it with ``from_dict``/``from_file``."""
+
+  optimizer: Optional[Mapping[str, Any]]
+  tables: Tuple[TableSpec, ...]
+  features: Tuple[FeatureSpec, ...]
+  overrides: Tuple[Override, ...] = ()
+  schedules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  train: Optional[Mapping[str, Any]] = None
+  """The training job's settings, carried untouched (see train.py)."""
+  source: Optional[str] = dataclasses.field(default=None, compare=False)
+  """The file the spec was read from, for error messages."""
+
+  # --- parsing ---------------------------------------------------------------
+
+  @classmethod
+  def from_file(cls, path: str) -> "EmbeddingSpec":
+    """Reads a ``.yaml``/``.yml`` or ``.json`` file."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+      raise errors.ConfigError(
+          "config file not found. Fix: check the path (configs/ holds the "
+          "examples).", file=path)
+    with open(path) as f:
+      text = f.read()
+    try:
+      if path.endswith(".json"):
+        data = json.loads(text, object_pairs_hook=_unique_json_keys)
+      else:
+        data = _load_yaml(text)
+    except errors.ConfigError as e:
+      raise e.at(file=path) from None
+    except json.JSONDecodeError as e:
+      raise errors.ConfigError(
+          f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}.",
+          file=path) from None
+    try:
+      return cls.from_dict(data, source=path)
+    except errors.ConfigError as e:
+      raise e.at(file=path) from None
+
+  @classmethod
+  def from_dict(cls, config: Mapping[str, Any], *,
+                source: Optional[str] = None) -> "EmbeddingSpec":
+    """Parses and validates the dict form; raises ConfigError with key paths."""
+    from tpu_embed_ext import learning_rates
+    _require_mapping(config, "", "the config")
+    _check_keys(config, _TOP_LEVEL, "", "top-level key")
+    schedules = learning_rates.parse_schedules(config.get("schedules"))
+
+    def parse_optimizer(value, path, need_type=False):
+      if value is None:
+        return None
+      _require_mapping(value, path, "an optimizer")
+      value = copy.deepcopy(dict(value))
+      if need_type and "type" not in value:
+        raise errors.ConfigError(
+            f"the global optimizer needs a `type`. Fix: add `type:` with one of "
+            f"{errors.one_of(optimizers.TYPES)}.", path=f"{path}.type")
+      if "type" in value and value["type"] not in optimizers.TYPES:
+        raise errors.unknown_name("optimizer type", value["type"],
+                                  optimizers.TYPES, path=f"{path}.type")
+      if "learning_rate" in value:
+        try:
+          value["learning_rate"] = learning_rates.parse_learning_rate(
+              value["learning_rate"], schedules)
+        except errors.ConfigError as e:
+          raise e.at(path) from None
+      return value
+
+    global_optimizer = parse_optimizer(config.get("optimizer"), "optimizer",
+                                       need_type=True)
+    tables = []
+    raw_tables = config.get("tables")
+    _require_mapping(raw_tables, "tables", "the tables")
+    if not raw_tables:
+      raise errors.ConfigError("no tables. Fix: add at least one table under "
+                               "`tables:`.", path="tables")
+    for name, raw in raw_tables.items():
+      path = f"tables.{name}"
+      _require_mapping(raw, path, "a table")
+      _check_keys(raw, _TABLE_FIELDS, path, "table field")
+      for key in ("vocabulary_size", "dim"):
+        if key not in raw:
+          raise errors.ConfigError(
+              f"table '{name}' has no {key}. Fix: add `{key}:` (a positive "
+              "integer).", path=f"{path}.{key}")
+        _positive_int(raw[key], f"{path}.{key}", key)
+      combiner = raw.get("combiner", "mean")
+      if combiner not in COMBINERS:
+        raise errors.unknown_name("combiner", combiner, COMBINERS,
+                                  path=f"{path}.combiner")
+      tables.append(TableSpec(
+          name=str(name), vocabulary_size=raw["vocabulary_size"], dim=raw["dim"],
+          combiner=combiner,
+          optimizer=parse_optimizer(raw.get("optimizer"), f"{path}.optimizer"),
+          initializer=_parse_initializer(raw.get("initializer"),
+                                         f"{path}.initializer"),
+          quantization=_parse_quantization(raw.get("quantization"),
+                                           f"{path}.quantization")))
+
+    overrides = []
+    raw_overrides = config.get("overrides") or []
+    if not isinstance(raw_overrides, list):
+      raise errors.ConfigTypeError(
+          f"overrides must be a list of {{match, optimizer}}, got "
+          f"{type(raw_overrides).__name__}. Fix: start each entry with `- match:`.",
+          path="overrides")
+    names = [t.name for t in tables]
+    for i, raw in enumerate(raw_overrides):
+      path = f"overrides[{i}]"
+      _require_mapping(raw, path, "an override")
+      _check_keys(raw, _OVERRIDE_FIELDS, path, "override field")
+      for key in _OVERRIDE_FIELDS:
+        if key not in raw:
+          raise errors.ConfigError(f"override has no `{key}`. Fix: add it.",
+                                   path=f"{path}.{key}")
+      pattern = raw["match"]
+      if not isinstance(pattern, str):
+        raise errors.ConfigTypeError(
+            f"match must be a glob string, got {pattern!r}. Fix: quote it, "
+            'e.g. "cat_*".', path=f"{path}.match")
+      if not fnmatch.filter(names, pattern):
+        raise errors.ConfigError(
+            f'pattern "{pattern}" matches no table.'
+            f"{errors.did_you_mean(pattern, names)} Tables: "
+            f"{errors.one_of(names)}.", path=f"{path}.match")
+      overrides.append(Override(match=pattern, optimizer=parse_optimizer(
+          raw["optimizer"], f"{path}.optimizer")))
+
+    features = []
+    raw_features = config.get("features")
+    _require_mapping(raw_features, "features", "the features")
+    if not raw_features:
+      raise errors.ConfigError("no features. Fix: add at least one feature "
+                               "under `features:`.", path="features")
+    for name, raw in raw_features.items():
+      path = f"features.{name}"
+      _require_mapping(raw, path, "a feature")
+      _check_keys(raw, _FEATURE_FIELDS, path, "feature field")
+      table = raw.get("table")
+      if table not in names:
+        raise errors.ConfigError(
+            f"feature '{name}' uses unknown table {table!r}."
+            f"{errors.did_you_mean(table, names)} Tables: {errors.one_of(names)}.",
+            path=f"{path}.table")
+      length = raw.get("max_sequence_length", 0)
+      if length != 0:
+        _positive_int(length, f"{path}.max_sequence_length", "max_sequence_length")
+      shape = raw.get("output_shape")
+      if shape is not None:
+        if not isinstance(shape, (list, tuple)) or not shape:
+          raise errors.ConfigTypeError(
+              f"output_shape must be a list of positive integers, got {shape!r}.",
+              path=f"{path}.output_shape")
+        for d in shape:
+          _positive_int(d, f"{path}.output_shape", "output_shape entries")
+        shape = tuple(shape)
+      features.append(FeatureSpec(name=str(name), table=table,
+                                  max_sequence_length=length, output_shape=shape))
+    used = {f.table for f in features}
+    for t in tables:
+      if t.name not in used:
+        raise errors.ConfigError(
+            f"table '{t.name}' is used by no feature: TPUEmbedding would not "
+            "create it. Fix: add a feature with `table: "
+            f"{t.name}`, or remove the table.", path=f"tables.{t.name}")
+    train = config.get("train")
+    if train is not None:
+      _require_mapping(train, "train", "the train section")
+      train = copy.deepcopy(dict(train))
+    spec = cls(optimizer=global_optimizer, tables=tuple(tables),
+               features=tuple(features), overrides=tuple(overrides),
+               schedules=schedules, train=train, source=source)
+    for t in tables:  # Every table's optimizer must resolve and validate.
+      spec.optimizer_for(t.name)
+    return spec
+
+  # --- resolution --------------------------------------------------------------
+
+  def table(self, name: str) -> TableSpec:
+    for t in self.tables:
+      if t.name == name:
+        return t
+    raise errors.unknown_name("table", name, [t.name for t in self.tables])
+
+  def optimizer_for(self, table_name: str) -> optimizers.OptimizerSpec:
+    """The resolved optimizer spec of a table (global < overrides < table)."""
+    table = self.table(table_name)
+    layers = [(self.optimizer, "optimizer")]
+    layers += [(o.optimizer, f"overrides[{i}].optimizer")
+               for i, o in enumerate(self.overrides)
+               if fnmatch.fnmatchcase(table_name, o.match)]
+    layers.append((table.optimizer, f"tables.{table_name}.optimizer"))
+    merged: Dict[str, Any] = {}
+    origin: Dict[str, str] = {}
+    for layer, path in layers:
+      if not layer:
+        continue
+      if "type" in layer and layer["type"] != merged.get("type"):
+        merged, origin = {}, {}
+      merged.update(layer)
+      origin.update({k: path for k in layer})
+    if "type" not in merged:
+      raise errors.ConfigError(
+          f"table '{table_name}' has no optimizer type: no global optimizer, "
+          "and no override or table optimizer sets `type`. Fix: add a global "
+          "`optimizer: {type: ...}`.", path=f"tables.{table_name}.optimizer")
+    try:
+      return optimizers.from_dict(merged)
+    except errors.ConfigError as e:
+      field = e.path.split(".")[0]
+      raise e.at(origin.get(field, f"tables.{table_name}.optimizer")) from None
+
+  def feature_config(self, step=None) -> Dict[str, Any]:
+    """Fresh ``{feature: tf.tpu.experimental.embedding.FeatureConfig}``."""
+    from tpu_embed_ext import tf_config
+    return tf_config.feature_config(self, step=step)
+
+  # --- writing -------------------------------------------------------------
+
+  def to_dict(self) -> Dict[str, Any]:
+    """The dict form; ``EmbeddingSpec.from_dict(spec.to_dict()) == spec``."""
+    from tpu_embed_ext import learning_rates
+
+    def optimizer_dict(value):
+      if value is None:
+        return None
+      out = {}
+      for key, v in value.items():
+        if key == "learning_rate":
+          v = learning_rates.learning_rate_to_config(v)
+        out[key] = list(v) if isinstance(v, tuple) else copy.deepcopy(v)
+      return out
+
+    out: Dict[str, Any] = {}
+    if self.optimizer is not None:
+      out["optimizer"] = optimizer_dict(self.optimizer)
+    if self.schedules:
+      out["schedules"] = {n: s.to_config() for n, s in self.schedules.items()}
+    out["tables"] = {}
+    for t in self.tables:
+      entry = {"vocabulary_size": t.vocabulary_size, "dim": t.dim,
+               "combiner": t.combiner}
+      for key in ("initializer", "quantization"):
+        if getattr(t, key) is not None:
+          entry[key] = copy.deepcopy(dict(getattr(t, key)))
+      if t.optimizer is not None:
+        entry["optimizer"] = optimizer_dict(t.optimizer)
+      out["tables"][t.name] = entry
+    if self.overrides:
+      out["overrides"] = [{"match": o.match, "optimizer": optimizer_dict(o.optimizer)}
+                          for o in self.overrides]
+    out["features"] = {}
+    for f in self.features:
+      entry = {"table": f.table}
+      if f.max_sequence_length:
+        entry["max_sequence_length"] = f.max_sequence_length
+      if f.output_shape is not None:
+        entry["output_shape"] = list(f.output_shape)
+      out["features"][f.name] = entry
+    if self.train is not None:
+      out["train"] = copy.deepcopy(dict(self.train))
+    return out
+
+  def to_yaml(self) -> str:
+    import yaml
+    return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --- helpers -------------------------------------------------------------------
+
+def _require_mapping(value, path, what):
+  if not isinstance(value, Mapping):
+    raise errors.ConfigTypeError(
+        f"{what} must be a mapping, got {type(value).__name__} {value!r}. Fix: "
+        "write `key: value` entries.", path=path)
+
+
+def _check_keys(mapping, allowed, path, kind):
+  for key in mapping:
+    if key not in allowed:
+      raise errors.ConfigError(
+          f'unknown {kind} "{key}".{errors.did_you_mean(key, allowed)} Valid: '
+          f"{errors.one_of(allowed)}.", path=f"{path}.{key}" if path else str(key))
+
+
+def _positive_int(value, path, name):
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise errors.ConfigTypeError(
+        f"{name} must be a positive integer, got {type(value).__name__} "
+        f"{value!r}. Fix: write a whole number such as 1000.", path=path)
+  if value <= 0:
+    raise errors.ConfigError(
+        f"{name} must be a positive integer, got {value}. Fix: use 1 or more.",
+        path=path)
+
+
+def _number(value, path, name):
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    raise errors.ConfigTypeError(
+        f"{name} must be a finite number, got {value!r}.", path=path)
+  return value
+
+
+def _parse_initializer(value, path):
+  if value is None:
+    return None
+  _require_mapping(value, path, "an initializer")
+  kind = value.get("type")
+  if kind not in INITIALIZERS:
+    raise errors.unknown_name("initializer type", kind, INITIALIZERS,
+                              path=f"{path}.type")
+  _check_keys(value, ("type", *INITIALIZERS[kind]), path, f"{kind} field")
+  for key in value:
+    if key != "type":
+      _number(value[key], f"{path}.{key}", key)
+  if "stddev" in value and value["stddev"] <= 0:
+    raise errors.ConfigError(f"stddev must be > 0, got {value['stddev']}.",
+                             path=f"{path}.stddev")
+  if kind == "uniform" and value.get("minval", -0.05) >= value.get("maxval", 0.05):
+    raise errors.ConfigError("uniform initializer needs minval < maxval. Fix: "
+                             "swap them.", path=f"{path}.minval")
+  return copy.deepcopy(dict(value))
+
+
+def _parse_quantization(value, path):
+  if value is None:
+    return None
+  _require_mapping(value, path, "quantization")
+  _check_keys(value, _QUANTIZATION_FIELDS, path, "quantization field")
+  for key in _QUANTIZATION_FIELDS:
+    if key not in value:
+      raise errors.ConfigError(f"quantization needs {key}. Fix: add it.",
+                               path=f"{path}.{key}")
+  buckets = value["num_buckets"]
+  if isinstance(buckets, bool) or not isinstance(buckets, numbers.Integral) or buckets < 2:
+    raise errors.ConfigError(
+        f"num_buckets must be an integer >= 2, got {buckets!r}.",
+        path=f"{path}.num_buckets")
+  lower = _number(value["lower"], f"{path}.lower", "lower")
+  upper = _number(value["upper"], f"{path}.upper", "upper")
+  if lower >= upper:
+    raise errors.ConfigError(
+        f"quantization needs lower < upper, got lower={lower}, upper={upper}.",
+        path=f"{path}.lower")
+  return copy.deepcopy(dict(value))
+
+
+def _unique_json_keys(pairs):
+  out = {}
+  for key, value in pairs:
+    if key in out:
+      raise errors.ConfigError(f'duplicate key "{key}". Fix: keep one.', path=key)
+    out[key] = value
+  return out
+
+
+def _load_yaml(text: str):
+  import yaml
+
+  class UniqueKeyLoader(yaml.SafeLoader):
+    pass
+
+  def construct_mapping(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+      key = loader.construct_object(key_node, deep=deep)
+      if key in seen:
+        raise errors.ConfigError(
+            f'duplicate key "{key}" at line {key_node.start_mark.line + 1}. '
+            "Fix: keep one (YAML would silently use the last).", path=str(key))
+      seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+  UniqueKeyLoader.add_constructor(
+      yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+  try:
+    return yaml.load(text, Loader=UniqueKeyLoader)
+  except yaml.YAMLError as e:
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    raise errors.ConfigError(
+        f"invalid YAML{where}: {getattr(e, 'problem', e)}. Fix: check the "
+        "indentation and quoting there.") from None
