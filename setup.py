@@ -29,6 +29,8 @@ setuptools.setup(
         "numpy>=1.23",
         "PyYAML>=6.0",
         "keras>=3.0",
+        "tensorboard",
+        "importlib_resources",
     ],
     extras_require={
         "cpu": [f"tensorflow-cpu{_TF}"],

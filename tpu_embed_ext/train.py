@@ -182,10 +182,13 @@ def _resolve_strategy(tpu: str):
 
 def train(config_path: str, *, model_dir: str, steps: Optional[int] = None,
           tpu: str = "auto", overrides: Optional[Mapping[str, Any]] = None,
-          verbose: int = 1) -> Dict[str, Any]:
+          verbose: Optional[int] = None) -> Dict[str, Any]:
   """Trains (or resumes) and evaluates; returns the metrics it writes."""
   spec = EmbeddingSpec.from_file(config_path)
   cfg = TrainConfig.from_dict({**(spec.train or {}), **(overrides or {})})
+  import sys
+  if verbose is None:  # A live progress bar on a terminal, a line per block in logs.
+    verbose = 1 if sys.stdout.isatty() else 2
   total_steps = steps or cfg.steps
   block = min(cfg.steps_per_checkpoint, total_steps)
   if total_steps % block:

@@ -1,0 +1,79 @@
+"""Command line: ``python -m tpu_embed_ext plan|train|export`` (also ``tpu-embed``).
+
+  plan    --config FILE [--proto]        print the TPU plan of a config
+  train   --config FILE [--steps N] [--model_dir DIR] [--tpu auto|none|NAME]
+  export  --config FILE --model_dir DIR --out DIR
+"""
+
+import os
+import sys
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", "configs/ranking.yaml", "Config file (YAML or JSON).")
+flags.DEFINE_bool("proto", False, "plan: also print the TPUEmbeddingConfiguration.")
+flags.DEFINE_integer("steps", None, "train: steps to train (default: the config's).")
+flags.DEFINE_string("model_dir", None, "train/export: checkpoints, logs, metrics "
+                    "(default: runs/<config name>).")
+flags.DEFINE_string("tpu", "auto", "train: 'auto' (use a TPU if one is attached), "
+                    "'none' (CPU emulation), or a TPU name/address.")
+flags.DEFINE_string("out", None, "export: where to write the SavedModel.")
+
+
+def _model_dir():
+  if FLAGS.model_dir:
+    return FLAGS.model_dir
+  return os.path.join("runs", os.path.splitext(os.path.basename(FLAGS.config))[0])
+
+
+def _plan():
+  import tpu_embed_ext as tee
+  plan = tee.plan(tee.EmbeddingSpec.from_file(FLAGS.config))
+  print(plan)
+  if FLAGS.proto:
+    print()
+    print(plan.config_proto())
+
+
+def _train():
+  from tpu_embed_ext import train
+  metrics = train.train(FLAGS.config, model_dir=_model_dir(), steps=FLAGS.steps,
+                        tpu=FLAGS.tpu)
+  print(f"\nheld-out AUC {metrics['eval_auc']:.4f}"
+        + (f" (planted model: {metrics['planted_auc']:.4f})"
+           if "planted_auc" in metrics else "")
+        + f", {metrics['examples_per_second'] or 0:,.0f} examples/s on "
+        f"{metrics['where']}.\nmetrics: {os.path.join(_model_dir(), 'metrics.json')}")
+
+
+def _export():
+  from tpu_embed_ext import train
+  if not FLAGS.out:
+    raise app.UsageError("export needs --out DIR.")
+  print("SavedModel written to", train.export(FLAGS.config, model_dir=_model_dir(),
+                                              out=FLAGS.out))
+
+
+COMMANDS = {"plan": _plan, "train": _train, "export": _export}
+
+
+def main(argv):
+  if len(argv) != 2 or argv[1] not in COMMANDS:
+    raise app.UsageError(f"usage: python -m tpu_embed_ext {{{'|'.join(COMMANDS)}}} "
+                         "--config FILE [flags]")
+  from tpu_embed_ext import errors
+  try:
+    COMMANDS[argv[1]]()
+  except errors.ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+def run():
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()
