@@ -60,7 +60,11 @@ def _rebuild(cls, message, path, file):
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
   """Returns ' Did you mean "x"?' for the closest choice, or ''."""
-  match = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
+  choices = [str(c) for c in choices]
+  match = difflib.get_close_matches(str(name), choices, n=1, cutoff=0.6)
+  if not match:  # "dimension" for "dim": a choice that starts the name.
+    match = sorted((c for c in choices if len(c) >= 3 and str(name).startswith(c)),
+                   key=len, reverse=True)
   return f' Did you mean "{match[0]}"?' if match else ""
 
 
