@@ -301,11 +301,17 @@ def _plot_learning_curve(model_dir: str):
   plt.close(fig)
 
 
-def export(config_path: str, *, model_dir: str, out: str) -> str:
-  """Restores the latest checkpoint and writes a serving SavedModel."""
+def export(config_path: str, *, model_dir: str, out: str,
+           overrides: Optional[Mapping[str, Any]] = None) -> str:
+  """Restores the latest checkpoint and writes a serving SavedModel.
+
+  The signature takes ``dense`` [batch, 13] and, per categorical feature, an
+  int64 id matrix: [batch, 1] for single-hot features, [batch, n] padded with
+  -1 for multi-hot ones.
+  """
   from tpu_embed_ext import serving
   spec = EmbeddingSpec.from_file(config_path)
-  cfg = TrainConfig.from_dict(spec.train)
+  cfg = TrainConfig.from_dict({**(spec.train or {}), **(overrides or {})})
   model = build_model(spec, cfg)
   _, eval_ds = input_datasets(spec, cfg)
   batch = next(iter(eval_ds))
