@@ -226,24 +226,26 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           "first, once per step.")
     return self._activations(self._pending_features, self._pending)
 
-  def _occurrences(self, features, weights) -> List[_Occurrences]:
-    try:
-      tf.nest.assert_same_structure(self._feature_config, features,
-                                    check_types=False)
-    except (ValueError, TypeError) as e:
+  def _check_structure(self, what, value, fix):
+    paths = [p for p, _ in nest.flatten_with_joined_string_paths(value)]
+    expected = [f.path for f in self._features]
+    if paths != expected:
+      missing = sorted(set(expected) - set(paths))
+      unexpected = sorted(set(paths) - set(expected))
       raise errors.InputError(
-          "features do not match the feature config's structure: "
-          f"{e}. Fix: pass one entry per FeatureConfig "
-          f"({', '.join(f.path for f in self._features)}).") from e
+          f"{what} do not match the feature config's structure: missing "
+          f"{missing}, unexpected {unexpected}. Fix: {fix}")
+
+  def _occurrences(self, features, weights) -> List[_Occurrences]:
+    self._check_structure(
+        "features", features, "pass one entry per FeatureConfig "
+        f"({', '.join(f.path for f in self._features)}).")
     flat = tf.nest.flatten(features, expand_composites=False)
     flat_weights = [None] * len(flat)
     if weights is not None:
-      try:
-        tf.nest.assert_same_structure(features, weights, check_types=False)
-      except (ValueError, TypeError) as e:
-        raise errors.InputError(
-            f"weights do not match the features' structure: {e}. Fix: give "
-            "weights the structure of features (None entries allowed).") from e
+      self._check_structure(
+          "weights", weights, "give weights the structure of features (None "
+          "entries allowed).")
       flat_weights = tf.nest.flatten(weights)
     return [self._feature_occurrences(f, x, w)
             for f, x, w in zip(self._features, flat, flat_weights)]
@@ -425,14 +427,9 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     _untracked(self, _pending=None)
 
   def _flat_gradients(self, gradients):
-    try:
-      tf.nest.assert_same_structure(self._feature_config, gradients,
-                                    check_types=False)
-    except (ValueError, TypeError) as e:
-      raise errors.InputError(
-          f"gradients do not match the feature config's structure: {e}. Fix: "
-          "pass one gradient per feature, shaped like its activation (None "
-          "means a zero gradient).") from e
+    self._check_structure(
+        "gradients", gradients, "pass one gradient per feature, shaped like its "
+        "activation (None means a zero gradient).")
     return tf.nest.flatten(gradients)
 
   def _occurrence_gradients(self, feature, occ, grad):
@@ -589,8 +586,10 @@ def _set_static_shape(tensor, shape, dim):
 
 
 def _check_same_layout(where, ids: tf.RaggedTensor, weights: tf.RaggedTensor):
-  if tf.executing_eagerly() and not bool(tf.reduce_all(tf.equal(
-      ids.row_splits, tf.cast(weights.row_splits, ids.row_splits.dtype)))):
+  if tf.executing_eagerly() and (
+      ids.row_splits.shape != weights.row_splits.shape or not bool(tf.reduce_all(
+          tf.equal(ids.row_splits,
+                   tf.cast(weights.row_splits, ids.row_splits.dtype))))):
     raise errors.InputError(
         f"{where}: weights have row lengths {weights.row_lengths().numpy().tolist()} "
         f"but ids {ids.row_lengths().numpy().tolist()}. Fix: give one weight "

@@ -1,0 +1,448 @@
+"""CPUEmbedding: TF's TPU goldens, lookup parity, checkpoints, engines, errors."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tpu_embed_ext as tee
+from tpu_embed_ext.emulation import engine as engine_lib
+
+api = tf.tpu.experimental.embedding
+
+
+# --- SEMANTICS.md section 9a: TensorFlow's one-step TPU test scenario --------
+
+def _scenario_config(optimizer):
+  video = api.TableConfig(8, 4, initializer=tf.constant_initializer(
+      np.arange(32).reshape(8, 4)), combiner="sum", name="video")
+  user = api.TableConfig(16, 2, initializer=tf.constant_initializer(
+      np.arange(32).reshape(16, 2)), combiner="mean", name="user")
+  config = {"watched": api.FeatureConfig(video, name="watched"),
+            "favorited": api.FeatureConfig(video, name="favorited"),
+            "friends": api.FeatureConfig(user, name="friends")}
+  return config, optimizer
+
+
+REPLICAS = 2
+DATA = {"watched": [[0], [0, 1], [0, 1], [1]],
+        "favorited": [[0, 1], [1], [0], [0, 1]],
+        "friends": [[3], [0, 1, 2], [3], [0, 1, 2]]}
+
+
+def _scenario_step(optimizer):
+  """The global batch (2 samples x R replicas) in one step; loss / R as TF does."""
+  emb = tee.CPUEmbedding(*_scenario_config(optimizer))
+  rows = [DATA[k] for k in ("watched", "favorited", "friends")]
+  features = {k: tf.ragged.constant(v * (REPLICAS // 2), tf.int64)
+              for k, v in DATA.items()}
+  emb.enqueue(features, training=True)
+  with tf.GradientTape() as tape:
+    acts = emb.dequeue()
+    tape.watch(acts)
+    # Per replica: sum over features of mean_b sum_d act^2, divided by R.
+    loss = tf.add_n([tf.reduce_sum(a * a) / 2 for a in acts.values()]) / REPLICAS
+  emb.apply_gradients(tape.gradient(loss, acts))
+  return emb, acts
+
+
+def test_forward_goldens_of_core_0():
+  _, acts = _scenario_step(api.SGD(0.1))
+  np.testing.assert_array_equal(acts["watched"][:2], [[0, 1, 2, 3], [4, 6, 8, 10]])
+  np.testing.assert_array_equal(acts["favorited"][:2], [[4, 6, 8, 10], [4, 5, 6, 7]])
+  np.testing.assert_array_equal(acts["friends"][:2], [[6, 7], [2, 3]])
+
+
+VIDEO_GRAD = {0: np.array([8, 13, 18, 23.]), 1: np.array([12, 17, 22, 27.])}
+USER_GRAD = {0: np.array([2 / 3, 1]), 1: np.array([2 / 3, 1]), 2: np.array([2 / 3, 1]),
+             3: np.array([6, 7.])}
+LR = 0.1
+
+
+def _expected(update):
+  video, user = np.arange(32.).reshape(8, 4), np.arange(32.).reshape(16, 2)
+  for table, grads in ((video, VIDEO_GRAD), (user, USER_GRAD)):
+    for i, g in grads.items():
+      table[i] = update(table[i], g)
+  return video, user
+
+
+def _adam(w, g, b1=0.9, b2=0.999, eps=1e-7):
+  m, v = (1 - b1) * g, (1 - b2) * g * g
+  return w - LR * m / np.sqrt(v + eps * eps)
+
+
+def _ftrl(w, g, acc0=0.1):  # BT golden: l1 = l2 = beta = 0, lr_power -0.5.
+  acc = acc0 + g * g
+  sigma = (np.sqrt(acc) - np.sqrt(acc0)) / LR
+  lin = g - sigma * w
+  return -lin / (np.sqrt(acc) / LR)
+
+
+def _adagrad_momentum(w, g):  # momentum .9, nesterov, exponent 3, eps .1, beta2 .9
+  acc = 0.1 * g * g
+  sg = (acc + 0.1) ** (-1 / 3) * g
+  mom = sg
+  return w - LR * (0.9 * mom + sg)
+
+
+GOLDENS = {
+    "sgd": (api.SGD(LR), lambda w, g: w - LR * g),
+    "adagrad": (api.Adagrad(LR), lambda w, g: w - LR * g / np.sqrt(0.1 + g * g)),
+    "adam": (api.Adam(LR), _adam),
+    "ftrl": (api.FTRL(LR), _ftrl),
+    "adagrad_momentum": (api.AdagradMomentum(
+        LR, momentum=0.9, use_nesterov=True, exponent=3, epsilon=0.1, beta2=0.9),
+                         _adagrad_momentum),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDENS))
+def test_tensorflow_one_step_tpu_goldens(name):
+  optimizer, update = GOLDENS[name]
+  emb, _ = _scenario_step(optimizer)
+  video, user = _expected(update)
+  np.testing.assert_allclose(emb.variables["video"]["parameters"].numpy(), video,
+                             rtol=1e-5)
+  np.testing.assert_allclose(emb.variables["user"]["parameters"].numpy(), user,
+                             rtol=1e-5)
+
+
+# --- lookups: TPUEmbeddingForServing semantics ----------------------------------
+
+def _lookup_config(quantize=False):
+  q = api.QuantizationConfig(num_buckets=5, lower=-0.5, upper=0.5) if quantize else None
+  tables = {c: api.TableConfig(20, 3, combiner=c, name=f"t_{c}", quantization_config=q,
+                               initializer=tf.random_uniform_initializer(seed=1))
+            for c in ("sum", "mean", "sqrtn")}
+  return {
+      "dense": api.FeatureConfig(tables["sum"], name="dense"),
+      "ragged_sum": api.FeatureConfig(tables["sum"], name="ragged_sum"),
+      "ragged_mean": api.FeatureConfig(tables["mean"], name="ragged_mean"),
+      "sparse_sqrtn": api.FeatureConfig(tables["sqrtn"], name="sparse_sqrtn"),
+      "sequence": api.FeatureConfig(tables["mean"], max_sequence_length=3,
+                                    name="sequence"),
+      "sparse_sequence": api.FeatureConfig(tables["sqrtn"], max_sequence_length=2,
+                                           name="sparse_sequence"),
+      "reshaped": api.FeatureConfig(tables["sum"], output_shape=[2, 2],
+                                    name="reshaped"),
+  }
+
+
+def _lookup_inputs():
+  ragged = tf.ragged.constant([[1, 2, 2], [], [5], [7, 8, 9, 10]], tf.int64)
+  weights = tf.ragged.constant([[0.5, 1.0, 2.0], [], [3.0], [1.0, 1.0, 0.5, 0.25]])
+  features = {"dense": tf.constant([[1, 2], [3, 4], [0, 0], [19, 5]], tf.int64),
+              "ragged_sum": ragged, "ragged_mean": ragged,
+              "sparse_sqrtn": ragged.to_sparse(), "sequence": ragged,
+              "sparse_sequence": ragged.to_sparse(), "reshaped": ragged}
+  w = {k: None for k in features}
+  w.update(ragged_sum=weights, ragged_mean=weights, sparse_sqrtn=weights.to_sparse())
+  return features, w
+
+
+def test_lookups_equal_tpu_embedding_for_serving():
+  config = _lookup_config()
+  ours = tee.CPUEmbedding(config, api.SGD(0.1))
+  theirs = api.TPUEmbeddingForServing(config, api.SGD(0.1))
+  theirs.build()
+  for table, var in ours.embedding_tables.items():
+    var.assign(theirs.embedding_tables[table])
+  features, weights = _lookup_inputs()
+  got, want = ours(features, weights), theirs(features, weights)
+  for name in features:
+    assert got[name].shape == want[name].shape, name
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7,
+                               err_msg=name)
+  # Same inside tf.function, and through enqueue/dequeue.
+  traced = tf.function(lambda f, w: ours(f, w))(features, weights)
+  ours.enqueue(features, weights, training=False)
+  dequeued = ours.dequeue()
+  for name in features:
+    np.testing.assert_allclose(traced[name], want[name], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(dequeued[name], want[name], rtol=1e-6, atol=1e-7)
+
+
+def test_simulated_quantization_forward_and_straight_through_backward():
+  config = _lookup_config(quantize=True)
+  emb = tee.CPUEmbedding(config, api.SGD(1.0))
+  table = emb.variables["t_sum"]["parameters"]
+  before = table.numpy()
+  ids = tf.constant([3, 4], tf.int64)
+  features = {k: None for k in config}
+  features, weights = _lookup_inputs()
+  features["dense"] = tf.constant([[3], [4], [3], [4]], tf.int64)
+  emb.enqueue(features, weights, training=True)
+  acts = emb.dequeue()
+  quantum = 1.0 / 4
+  rows = np.clip(before[[3, 4, 3, 4]], -0.5, 0.5)
+  expected = np.floor((rows + 0.5) / quantum + 0.5) * quantum - 0.5
+  np.testing.assert_allclose(acts["dense"][:, 0], expected, atol=1e-6)
+  grads = tf.nest.map_structure(tf.zeros_like, acts)
+  grads["dense"] = tf.ones_like(acts["dense"])
+  emb.apply_gradients(grads)
+  # Straight-through: each of ids 3 and 4 gets gradient 2 (two occurrences).
+  after = table.numpy()
+  np.testing.assert_allclose(after[3], before[3] - 2.0, atol=1e-6)
+  np.testing.assert_allclose(after[4], before[4] - 2.0, atol=1e-6)
+
+
+# --- checkpoints -----------------------------------------------------------------
+
+def _trained(optimizer, steps=3):
+  config = _lookup_config()
+  emb = tee.CPUEmbedding(config, optimizer)
+  features, weights = _lookup_inputs()
+  for _ in range(steps):
+    emb.enqueue(features, weights, training=True)
+    acts = emb.dequeue()
+    emb.apply_gradients(tf.nest.map_structure(lambda a: 0.3 * tf.ones_like(a), acts))
+  return emb
+
+
+def test_checkpoint_keys_and_values_round_trip_with_tpu_embedding_for_serving(tmp_path):
+  ours = _trained(api.Adam(0.1))
+  path = tf.train.Checkpoint(embedding=ours).save(str(tmp_path / "ours"))
+  serving = api.TPUEmbeddingForServing(_lookup_config(), api.Adam(0.1))
+  serving.build()
+  tf.train.Checkpoint(embedding=serving).restore(path).assert_consumed()
+  for name, slots in ours.variables.items():
+    for key, var in slots.items():
+      np.testing.assert_array_equal(serving.variables[name][key], var, err_msg=f"{name}/{key}")
+
+  # The reverse: TPUEmbeddingForServing's checkpoint restores into CPUEmbedding.
+  for slots in serving.variables.values():
+    for var in slots.values():
+      var.assign(var + 1.0)
+  back = tf.train.Checkpoint(embedding=serving).save(str(tmp_path / "theirs"))
+  fresh = tee.CPUEmbedding(_lookup_config(), api.Adam(0.1))
+  status = tf.train.Checkpoint(embedding=fresh).restore(back)  # Before build:
+  fresh.build()                                  # filled in at creation.
+  status.assert_consumed()
+  for name, slots in serving.variables.items():
+    for key, var in slots.items():
+      np.testing.assert_array_equal(fresh.variables[name][key], var)
+  ours_keys = {k for k, _ in tf.train.list_variables(path)}
+  assert ours_keys == {k for k, _ in tf.train.list_variables(back)}
+  assert "embedding/t_mean.Svelocities/.ATTRIBUTES/VARIABLE_VALUE" in ours_keys
+
+
+def test_restore_before_build_fills_variables_at_creation(tmp_path):
+  ours = _trained(api.Adagrad(0.1))
+  path = tf.train.Checkpoint(embedding=ours).save(str(tmp_path / "c"))
+  fresh = tee.CPUEmbedding(_lookup_config(), api.Adagrad(0.1))
+  tf.train.Checkpoint(embedding=fresh).restore(path)
+  fresh.build()
+  np.testing.assert_array_equal(fresh.variables["t_sum"]["accumulators"],
+                                ours.variables["t_sum"]["accumulators"])
+
+
+def test_user_table_configs_are_never_mutated():
+  table = api.TableConfig(10, 2)  # No name, no optimizer.
+  config = {"f": api.FeatureConfig(table)}
+  emb = tee.CPUEmbedding(config, api.SGD(0.1))
+  assert table.name is None and table.optimizer is None
+  assert list(emb.variables) == ["table_0"]
+  assert emb.embedding_tables[table] is emb.variables["table_0"]["parameters"]
+
+
+# --- optimizer modes ---------------------------------------------------------------
+
+def _single_table(optimizer, engine="v1"):
+  table = api.TableConfig(6, 2, combiner="sum", name="t",
+                          initializer=tf.constant_initializer(
+                              np.arange(12.).reshape(6, 2) / 10))
+  return tee.CPUEmbedding({"f": api.FeatureConfig(table, name="f")}, optimizer,
+                          engine=engine)
+
+
+def _step(emb, ids, grad_rows):
+  emb.enqueue({"f": tf.ragged.constant(ids, tf.int64)}, training=True)
+  emb.dequeue()
+  emb.apply_gradients({"f": tf.constant(grad_rows, tf.float32)})
+
+
+def test_without_gradient_accumulation_duplicates_update_in_rounds():
+  emb = _single_table(api.Adagrad(0.5, use_gradient_accumulation=False))
+  # id 1 occurs twice (rows 0 and 1): two sequential Adagrad steps on it.
+  _step(emb, [[1], [1, 2]], [[1.0, 2.0], [3.0, -1.0]])
+  w0 = np.arange(12.).reshape(6, 2) / 10
+  acc, w = np.full(2, 0.1), w0[1].copy()
+  for g in (np.array([1.0, 2.0]), np.array([3.0, -1.0])):
+    acc = acc + g * g
+    w = w - 0.5 * g / np.sqrt(acc)
+  np.testing.assert_allclose(emb.variables["t"]["parameters"][1], w, rtol=1e-6)
+  np.testing.assert_allclose(emb.variables["t"]["accumulators"][1], acc, rtol=1e-6)
+  g2 = np.array([3.0, -1.0])
+  np.testing.assert_allclose(emb.variables["t"]["parameters"][2],
+                             w0[2] - 0.5 * g2 / np.sqrt(0.1 + g2 * g2), rtol=1e-6)
+
+
+def test_non_lazy_adam_updates_every_row_lazy_only_touched():
+  lazy, dense = _single_table(api.Adam(0.1)), _single_table(api.Adam(0.1, lazy_adam=False))
+  for emb in (lazy, dense):
+    _step(emb, [[0]], [[1.0, 1.0]])
+    _step(emb, [[1]], [[1.0, 1.0]])
+  w0 = (np.arange(12.).reshape(6, 2) / 10).astype(np.float32)
+  # Row 5 is never looked up: untouched by lazy Adam; dense Adam gives g=0 steps,
+  # which leave m = v = 0 and w unchanged too.
+  np.testing.assert_array_equal(lazy.variables["t"]["parameters"][5], w0[5])
+  # Row 0, looked up at step 0 only: dense Adam keeps moving it at step 1.
+  m, v = 0.1 * 1.0, 0.001 * 1.0
+  w_after_0 = w0[0] - 0.1 * m / np.sqrt(v + 1e-14)
+  np.testing.assert_allclose(lazy.variables["t"]["parameters"][0], w_after_0, rtol=1e-6)
+  m, v = 0.9 * m, 0.999 * v
+  np.testing.assert_allclose(dense.variables["t"]["parameters"][0],
+                             w_after_0 - 0.1 * m / np.sqrt(v + 1e-14), rtol=1e-6)
+
+
+def test_sparsecore_engine_ignores_clipping_and_rejects_weight_decay():
+  optimizer = api.SGD(1.0, clip_weight_max=0.0, clipvalue=0.5)
+  v1, v2 = _single_table(optimizer), _single_table(optimizer, engine="v2")
+  for emb in (v1, v2):
+    _step(emb, [[3]], [[-2.0, 2.0]])
+  w3 = np.array([0.6, 0.7])
+  np.testing.assert_allclose(v1.variables["t"]["parameters"][3],
+                             np.minimum(w3 - np.clip([-2.0, 2.0], -0.5, 0.5), 0.0))
+  np.testing.assert_allclose(v2.variables["t"]["parameters"][3], w3 - [-2.0, 2.0])
+  with pytest.raises(tee.ConfigError) as info:
+    _single_table(api.SGD(0.1, weight_decay_factor=0.1), engine="v2")
+  assert str(info.value) == (
+      "table 't': weight_decay_factor=0.1 is rejected by TPUEmbeddingV2 (SparseCore). "
+      'Fix: remove weight decay, or emulate TPUEmbedding with engine="v1".')
+
+
+def test_none_gradient_is_a_zero_gradient_on_touched_rows():
+  emb = _single_table(api.Adam(0.1))
+  _step(emb, [[0]], [[1.0, 1.0]])
+  before = emb.variables["t"]["parameters"].numpy()
+  emb.enqueue({"f": tf.ragged.constant([[0]], tf.int64)}, training=True)
+  emb.dequeue()
+  emb.apply_gradients({"f": None})
+  m, v = 0.9 * 0.1, 0.999 * 0.001  # Decayed moments still move row 0.
+  np.testing.assert_allclose(emb.variables["t"]["parameters"][0],
+                             before[0] - 0.1 * m / np.sqrt(v + 1e-14), rtol=1e-6)
+  np.testing.assert_array_equal(emb.variables["t"]["parameters"][1:], before[1:])
+
+
+# --- bad input: clear errors, nothing changes ------------------------------------
+
+def _snapshot(emb):
+  out = {f"{t}/{k}": v.numpy().copy() for t, s in emb.variables.items()
+         for k, v in s.items()}
+  out["step"] = emb.step.numpy()
+  return out
+
+
+@pytest.mark.parametrize("ids,grad,message", [
+    ([[0], [9]], [[1.0, 1.0], [1.0, 1.0]],
+     "feature 'f' (table 't'): id 9 is out of range [0, 6). Fix: map ids into the "
+     "vocabulary (e.g. hash them modulo 6) or enlarge vocabulary_size."),
+    ([[-1]], [[1.0, 1.0]], "feature 'f' (table 't'): id -1 is out of range [0, 6)."),
+    ([[1]], [[np.nan, 1.0]],
+     "table 't': gradient has NaN or Inf values; no table, slot or step was changed."),
+    ([[1]], [[1.0, 1.0], [2.0, 2.0]],
+     "feature 'f' (table 't'): gradient shape [2, 2] does not match its activation "
+     "shape [1, 2]."),
+], ids=["too_large", "negative", "nan_gradient", "gradient_shape"])
+def test_rejected_step_changes_nothing(ids, grad, message):
+  emb = _single_table(api.Adam(0.1))
+  _step(emb, [[1, 2]], [[1.0, 1.0]])
+  before = _snapshot(emb)
+  with pytest.raises(tee.InputError) as info:
+    _step(emb, ids, grad)
+  assert str(info.value).startswith(message), str(info.value)
+  after = _snapshot(emb)
+  for key in before:
+    np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+
+
+def test_out_of_range_ids_fail_inside_tf_function_before_any_write():
+  emb = _single_table(api.SGD(0.1))
+  before = _snapshot(emb)
+
+  @tf.function
+  def step(ids):
+    emb.enqueue({"f": ids}, training=True)
+    acts = emb.dequeue()
+    emb.apply_gradients(tf.nest.map_structure(tf.ones_like, acts))
+
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=r"ids must be in \[0, 6\)\. Fix: .* Offending ids:\] \[6\]"):
+    step(tf.ragged.constant([[1], [6]], tf.int64))
+  after = _snapshot(emb)
+  for key in before:
+    np.testing.assert_array_equal(after[key], before[key])
+
+
+@pytest.mark.parametrize("features,message", [
+    ({"g": tf.constant([1])}, "features do not match the feature config's structure"),
+    ({"f": tf.constant([1.5])},
+     "feature 'f' (table 't'): ids must be integers, got dtype float32."),
+    ({"f": tf.ragged.constant([[[1]]], tf.int64, ragged_rank=2)},
+     "feature 'f' (table 't'): ragged ids must have rank 2"),
+], ids=["unknown_key", "float_ids", "ragged_rank_3"])
+def test_bad_features_are_named(features, message):
+  emb = _single_table(api.SGD(0.1))
+  with pytest.raises(tee.InputError) as info:
+    emb.enqueue(features, training=True)
+  assert message in str(info.value)
+
+
+def test_weights_on_dense_ids_and_mismatched_layout():
+  emb = _single_table(api.SGD(0.1))
+  with pytest.raises(tee.InputError, match="weights were given for a dense id tensor"):
+    emb({"f": tf.constant([1])}, {"f": tf.constant([1.0])})
+  with pytest.raises(tee.InputError, match=r"weights have row lengths \[1, 1\] but ids \[2\]"):
+    emb({"f": tf.ragged.constant([[1, 2]], tf.int64)},
+        {"f": tf.ragged.constant([[1.0], [2.0]])})
+
+
+def test_empty_batch_is_a_valid_no_op():
+  emb = _single_table(api.Adagrad(0.1))
+  before = _snapshot(emb)
+  emb.enqueue({"f": tf.ragged.constant([[], []], tf.int64)}, training=True)
+  acts = emb.dequeue()
+  np.testing.assert_array_equal(acts["f"], np.zeros((2, 2)))
+  emb.apply_gradients({"f": tf.ones([2, 2])})
+  after = _snapshot(emb)
+  for key in before:
+    if key != "step":
+      np.testing.assert_array_equal(after[key], before[key])
+  assert after["step"] == 1
+
+
+# --- dispatch ----------------------------------------------------------------------
+
+def test_create_embedding_dispatch_with_a_stand_in_tpu_strategy(monkeypatch):
+  from tensorflow.python.distribute import tpu_strategy
+  from tensorflow.python.tpu import tpu_embedding_v3
+  real_v2 = tpu_embedding_v3.TPUEmbeddingV2
+
+  class FakeStrategy(tpu_strategy.TPUStrategyV2):
+    def __init__(self, sparsecore):  # No TPU: skip the real constructor.
+      self.sparsecore = sparsecore
+
+  made = []
+
+  class Recorder:
+    def __init__(self, kind):
+      self.kind = kind
+
+    def __call__(self, config, optimizer):
+      made.append((self.kind, optimizer))
+      return object.__new__(real_v2) if self.kind == "v2" else \
+          type("FakeV1", (), {})()
+
+  monkeypatch.setattr(api, "TPUEmbedding", Recorder("v1"))
+  monkeypatch.setattr(tpu_embedding_v3, "TPUEmbeddingV2", Recorder("v2"))
+  monkeypatch.setattr(engine_lib, "_sparsecore", lambda s: s.sparsecore)
+  config = {"f": api.FeatureConfig(api.TableConfig(5, 2, name="t"))}
+  engine_lib.create_embedding(config, tee.SGD(learning_rate=0.2),
+                              strategy=FakeStrategy(False))
+  engine_lib.create_embedding(config, api.SGD(0.1), strategy=FakeStrategy(True))
+  engine_lib.create_embedding(config, api.SGD(0.1), engine="v2",
+                              strategy=FakeStrategy(False))
+  assert [k for k, _ in made] == ["v1", "v2", "v2"]
+  assert isinstance(made[0][1], api.SGD) and made[0][1].learning_rate == 0.2
+  cpu = engine_lib.create_embedding(config, api.SGD(0.1), engine="v2")
+  assert isinstance(cpu, tee.CPUEmbedding) and cpu.engine == "v2"
