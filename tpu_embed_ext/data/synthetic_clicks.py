@@ -70,12 +70,12 @@ class _World:
       self.zipf_p.append(p / p.sum())
     # Half of the features carry signal; strength varies per feature.
     strength = rng.uniform(0.1, 0.6, len(CATEGORICAL)) * (rng.random(26) < 0.6)
-    # Rare ids get weaker weights (scaled by sqrt(300 / rank) past rank 300):
+    # Rare ids get weaker weights (scaled by 100 / rank past rank 100):
     # what a model cannot learn from a handful of examples should not count
     # much in the planted AUC. Weights are indexed by id, ranks permuted to ids.
     self.weights = []
     for f, (s, v) in enumerate(zip(strength, config.vocabulary)):
-      by_rank = rng.normal(0, s, v) * np.minimum(1.0, np.sqrt(300.0 / np.arange(1, v + 1)))
+      by_rank = rng.normal(0, s, v) * np.minimum(1.0, 100.0 / np.arange(1, v + 1))
       weights = np.empty(v)
       weights[self.permutation[f]] = by_rank
       self.weights.append(weights)
@@ -115,9 +115,10 @@ def _solve_bias(logits, rate):
 class SyntheticClicks(tfds.core.GeneratorBasedBuilder):
   """Criteo-like synthetic click log with a planted model; builds offline."""
 
-  VERSION = tfds.core.Version("1.1.0")
+  VERSION = tfds.core.Version("1.2.0")
   RELEASE_NOTES = {"1.0.0": "First release.",
-                   "1.1.0": "Weaker planted weights for rare ids."}
+                   "1.1.0": "Weaker planted weights for rare ids.",
+                   "1.2.0": "Planted weights fall as 1/rank past rank 100."}
   BUILDER_CONFIGS = list(_CONFIGS.values())
   DEFAULT_CONFIG_NAME = "default"
 
