@@ -37,7 +37,7 @@ _DEFAULT_VOCAB = (1000, 500, 50000, 20000, 300, 24, 8000, 600, 3, 30000, 4000,
 @dataclasses.dataclass
 class SyntheticClicksConfig(tfds.core.BuilderConfig):
   seed: int = 0
-  num_train: int = 200_000
+  num_train: int = 500_000
   num_test: int = 20_000
   vocabulary: Tuple[int, ...] = _DEFAULT_VOCAB
   zipf_exponent: float = 1.1
@@ -45,7 +45,7 @@ class SyntheticClicksConfig(tfds.core.BuilderConfig):
 
 
 _CONFIGS = {
-    "default": SyntheticClicksConfig(name="default", description="200k/20k."),
+    "default": SyntheticClicksConfig(name="default", description="500k/20k."),
     "tiny": SyntheticClicksConfig(
         name="tiny", description="4k/1k examples, vocabularies <= 200.",
         num_train=4000, num_test=1000,
@@ -118,7 +118,7 @@ class SyntheticClicks(tfds.core.GeneratorBasedBuilder):
   VERSION = tfds.core.Version("1.2.0")
   RELEASE_NOTES = {"1.0.0": "First release.",
                    "1.1.0": "Weaker planted weights for rare ids.",
-                   "1.2.0": "Planted weights fall as 1/rank past rank 100."}
+                   "1.2.0": "Planted weights fall as 1/rank past rank 100; 500k train."}
   BUILDER_CONFIGS = list(_CONFIGS.values())
   DEFAULT_CONFIG_NAME = "default"
 
