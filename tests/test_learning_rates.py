@@ -1,0 +1,176 @@
+"""Schedules drive the CPU engine step by step; tags are the fewest possible."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tpu_embed_ext as tee
+from tpu_embed_ext import learning_rates
+
+api = tf.tpu.experimental.embedding
+
+
+def exponential(t, init=0.1, ds=4, rate=0.5, staircase=False):
+  p = t // ds if staircase else t / ds
+  return init * rate ** p
+
+
+def piecewise(t, boundaries=(3, 7), values=(0.3, 0.2, 0.1)):
+  for b, v in zip(boundaries, values):
+    if t <= b:
+      return v
+  return values[-1]
+
+
+def polynomial(t, init=0.2, ds=10, end=0.01, power=2.0):
+  t = min(t, ds)
+  return (init - end) * (1 - t / ds) ** power + end
+
+
+def inverse_time(t, init=0.2, ds=5, rate=0.5):
+  return init / (1 + rate * t / ds)
+
+
+def cosine_warmup(t, init=0.0, target=0.2, warmup=5, ds=10, alpha=0.1):
+  if t < warmup:
+    return init + (target - init) * t / warmup
+  t = min(t - warmup, ds)
+  return target * ((1 - alpha) * 0.5 * (1 + math.cos(math.pi * t / ds)) + alpha)
+
+
+def cosine_restarts(t, init=0.2, first=4, t_mul=2.0, m_mul=0.5, alpha=0.05):
+  frac = t / first
+  i = math.floor(math.log(1 - frac * (1 - t_mul)) / math.log(t_mul))
+  done = (1 - t_mul ** i) / (1 - t_mul)
+  frac = (frac - done) / t_mul ** i
+  cos = 0.5 * m_mul ** i * (1 + math.cos(math.pi * frac))
+  return init * ((1 - alpha) * cos + alpha)
+
+
+SCHEDULES = {
+    "exponential": ({"class": "ExponentialDecay", "initial_learning_rate": 0.1,
+                     "decay_steps": 4, "decay_rate": 0.5}, exponential),
+    "exponential_staircase": (
+        {"class": "ExponentialDecay", "initial_learning_rate": 0.1, "decay_steps": 4,
+         "decay_rate": 0.5, "staircase": True},
+        lambda t: exponential(t, staircase=True)),
+    "piecewise": ({"class": "PiecewiseConstantDecay", "boundaries": [3, 7],
+                   "values": [0.3, 0.2, 0.1]}, piecewise),
+    "polynomial": ({"class": "PolynomialDecay", "initial_learning_rate": 0.2,
+                    "decay_steps": 10, "end_learning_rate": 0.01, "power": 2.0},
+                   polynomial),
+    "inverse_time": ({"class": "InverseTimeDecay", "initial_learning_rate": 0.2,
+                      "decay_steps": 5, "decay_rate": 0.5}, inverse_time),
+    "cosine_warmup": ({"class": "CosineDecay", "initial_learning_rate": 0.0,
+                       "warmup_target": 0.2, "warmup_steps": 5, "decay_steps": 10,
+                       "alpha": 0.1}, cosine_warmup),
+    "cosine_restarts": ({"class": "CosineDecayRestarts", "initial_learning_rate": 0.2,
+                         "first_decay_steps": 4, "t_mul": 2.0, "m_mul": 0.5,
+                         "alpha": 0.05}, cosine_restarts),
+}
+STEPS = 24  # Crosses every boundary, warm-up end, decay end and two restarts.
+
+
+def _sgd_run(optimizer_config, steps=STEPS):
+  """Rates applied at each step, read back from an SGD table with gradient 1."""
+  spec = tee.EmbeddingSpec.from_dict({
+      "optimizer": optimizer_config,
+      "tables": {"t": {"vocabulary_size": 3, "dim": 1,
+                       "initializer": {"type": "zeros"}}},
+      "features": {"f": {"table": "t"}}})
+  emb = tee.CPUEmbedding(spec)
+  step = tf.function(lambda: _one_step(emb))
+  rates = []
+  for _ in range(steps):
+    before = emb.variables["t"]["parameters"][1, 0].numpy()
+    step()
+    rates.append(before - emb.variables["t"]["parameters"][1, 0].numpy())
+  return np.array(rates), emb
+
+
+def _one_step(emb):
+  emb.enqueue({"f": tf.constant([1], tf.int64)}, training=True)
+  acts = emb.dequeue()
+  emb.apply_gradients({"f": tf.ones_like(acts["f"])})
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_schedule_values_driven_by_the_engine_step(name):
+  config, closed_form = SCHEDULES[name]
+  rates, emb = _sgd_run({"type": "sgd", "learning_rate": config})
+  np.testing.assert_allclose(rates, [closed_form(t) for t in range(STEPS)],
+                             rtol=2e-5, atol=1e-7)
+  assert int(emb.step.numpy()) == STEPS
+
+
+def test_adam_bias_correction_rate():
+  # One id, gradient 1: m_t = 1 - b1^(t+1), v_t = 1 - b2^(t+1); with the rate
+  # lr * sqrt(1 - b2^(t+1)) / (1 - b1^(t+1)) every step moves w by lr / sqrt(1 + eps^2/v).
+  rates, _ = _sgd_run({"type": "adam", "learning_rate": 0.01, "bias_correction": True,
+                       "beta_1": 0.9, "beta_2": 0.99, "epsilon": 1e-6}, steps=10)
+  t = np.arange(10) + 1
+  v = 1 - 0.99 ** t
+  np.testing.assert_allclose(rates, 0.01 / np.sqrt(1 + 1e-12 / v), rtol=1e-5)
+
+
+def _tables_spec(n=26):
+  inline = {"class": "ExponentialDecay", "initial_learning_rate": 0.1,
+            "decay_steps": 100, "decay_rate": 0.9}
+  tables = {}
+  for i in range(n):
+    t = {"vocabulary_size": 10, "dim": 2}
+    if i in (3, 17):
+      t["optimizer"] = {"learning_rate": dict(inline)}      # Written twice inline.
+    elif i in (5, 6, 20):
+      t["optimizer"] = {"learning_rate": "cos"}             # By name.
+    elif i == 9:
+      t["optimizer"] = {"type": "adam", "learning_rate": 0.001, "bias_correction": True}
+    tables[f"t{i:02d}"] = t
+  return tee.EmbeddingSpec.from_dict({
+      "optimizer": {"type": "adagrad", "learning_rate": 0.05},
+      "schedules": {"cos": {"class": "CosineDecay", "initial_learning_rate": 0.1,
+                            "decay_steps": 1000}},
+      "tables": tables, "features": {f"f{i:02d}": {"table": f"t{i:02d}"} for i in range(n)}})
+
+
+def test_26_tables_3_distinct_rates_make_3_tags():
+  plan = tee.plan(_tables_spec())
+  expected = {name: None for name in plan.tags}
+  expected.update({"t03": 0, "t17": 0, "t05": 1, "t06": 1, "t20": 1, "t09": 2})
+  assert plan.tags == expected
+  dynamic = {t.name: t.optimization_parameters.learning_rate.dynamic.tag
+             for t in plan.config_proto().table_descriptor
+             if t.optimization_parameters.learning_rate.HasField("dynamic")}
+  assert dynamic == {k: v for k, v in expected.items() if v is not None}
+
+
+def test_equal_schedules_are_one_value_and_one_callable():
+  a = learning_rates.Schedule.from_config({"class": "ExponentialDecay",
+                                           "initial_learning_rate": 0.1,
+                                           "decay_steps": 10, "decay_rate": 0.5})
+  b = learning_rates.parse_learning_rate(
+      {"class_name": "ExponentialDecay",
+       "config": {"initial_learning_rate": 0.1, "decay_steps": 10.0,
+                  "decay_rate": 0.5, "name": "x"}}, {})
+  assert a == b and hash(a) == hash(b)
+  binder = learning_rates.RateBinder(tf.Variable(0, dtype=tf.int64))
+  assert binder.rate(tee.SGD(learning_rate=a)) is binder.rate(tee.Adagrad(learning_rate=b))
+  assert binder.rate(tee.SGD(learning_rate=0.3)) == 0.3
+
+
+@pytest.mark.parametrize("tags,rates,message", [
+    ({"a": 0, "b": 2}, {"a": "f", "b": "g"},
+     "dynamic learning-rate tags must be 0..n-1 with none skipped, got [0, 2]."),
+    ({"a": 0, "b": 0}, {"a": "f", "b": "g"},
+     "tables 'a' and 'b' share tag 0 but not the learning rate"),
+    ({"a": None}, {"a": "f"}, "table 'a' has a dynamic learning rate but no tag."),
+    ({"a": 0}, {"a": 0.1}, "table 'a' has tag 0 but a constant rate 0.1."),
+], ids=["gap", "shared_tag_two_rates", "missing_tag", "tag_on_constant"])
+def test_tag_rule_violations_are_pinned(tags, rates, message):
+  callables = {"f": lambda: 0.1, "g": lambda: 0.2}
+  rates = {k: callables.get(v, v) for k, v in rates.items()}
+  with pytest.raises(tee.ConfigError) as info:
+    learning_rates.check_tag_rules(tags, rates)
+  assert str(info.value).startswith(message)
