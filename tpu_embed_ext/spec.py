@@ -157,15 +157,7 @@ class EmbeddingSpec:
     global_optimizer = parse_optimizer(config.get("optimizer"), "optimizer",
                                        need_type=True)
     tables = []
-    raw_tables = config.get("tables")
-    _require_mapping(raw_tables, "tables", "the tables")
-    if not raw_tables:
-      raise errors.ConfigError("no tables. Fix: add at least one table under "
-                               "`tables:`.", path="tables")
-    for name, raw in raw_tables.items():
-      path = f"tables.{name}"
-      _require_mapping(raw, path, "a table")
-      _check_keys(raw, _TABLE_FIELDS, path, "table field")
+    for name, raw, path in _entries(config, "tables", "table", _TABLE_FIELDS):
       for key in ("vocabulary_size", "dim"):
         if key not in raw:
           raise errors.ConfigError(
@@ -215,15 +207,7 @@ class EmbeddingSpec:
           raw["optimizer"], f"{path}.optimizer")))
 
     features = []
-    raw_features = config.get("features")
-    _require_mapping(raw_features, "features", "the features")
-    if not raw_features:
-      raise errors.ConfigError("no features. Fix: add at least one feature "
-                               "under `features:`.", path="features")
-    for name, raw in raw_features.items():
-      path = f"features.{name}"
-      _require_mapping(raw, path, "a feature")
-      _check_keys(raw, _FEATURE_FIELDS, path, "feature field")
+    for name, raw, path in _entries(config, "features", "feature", _FEATURE_FIELDS):
       table = raw.get("table")
       if table not in names:
         raise errors.ConfigError(
@@ -361,6 +345,21 @@ def _require_mapping(value, path, what):
     raise errors.ConfigTypeError(
         f"{what} must be a mapping, got {type(value).__name__} {value!r}. Fix: "
         "write `key: value` entries.", path=path)
+
+
+def _entries(config, section, kind, fields):
+  """(name, entry, key path) of a non-empty ``section`` of named mappings."""
+  entries = config.get(section)
+  _require_mapping(entries, section, f"the {section}")
+  if not entries:
+    raise errors.ConfigError(
+        f"no {section}. Fix: add at least one {kind} under `{section}:`.",
+        path=section)
+  for name, raw in entries.items():
+    path = f"{section}.{name}"
+    _require_mapping(raw, path, f"a {kind}")
+    _check_keys(raw, fields, path, f"{kind} field")
+    yield name, raw, path
 
 
 def _check_keys(mapping, allowed, path, kind):
