@@ -174,3 +174,18 @@ def test_tag_rule_violations_are_pinned(tags, rates, message):
   with pytest.raises(tee.ConfigError) as info:
     learning_rates.check_tag_rules(tags, rates)
   assert str(info.value).startswith(message)
+
+
+def test_schedules_can_read_a_keras_optimizers_iterations():
+  import keras
+  spec = tee.EmbeddingSpec.from_dict({
+      "optimizer": {"type": "adagrad", "learning_rate": SCHEDULES["piecewise"][0]},
+      "tables": {"t": {"vocabulary_size": 3, "dim": 1}},
+      "features": {"f": {"table": "t"}}})
+  keras_opt = keras.optimizers.SGD()
+  rate = spec.feature_config(step=keras_opt.iterations)["f"].table.optimizer.learning_rate
+  seen = []
+  for t in range(10):
+    seen.append(float(rate()))
+    keras_opt.iterations.assign_add(1)
+  np.testing.assert_allclose(seen, [piecewise(t) for t in range(10)], rtol=1e-6)

@@ -59,6 +59,9 @@ class TrainConfig:
   column named like the feature, dense for single-hot, ragged otherwise."""
   label: str = "label"
   dense_column: str = "dense"
+  train_split: str = "train"
+  eval_split: str = "test"
+  """tfds split strings, e.g. ``train[:90%]`` / ``train[90%:]``."""
 
   @classmethod
   def from_dict(cls, config: Optional[Mapping[str, Any]]) -> "TrainConfig":
@@ -116,12 +119,13 @@ def input_datasets(spec: EmbeddingSpec, cfg: TrainConfig, *, skip_batches=0):
   builder = tfds.builder(cfg.dataset, data_dir=cfg.data_dir)
   builder.download_and_prepare()
   common = dict(features=columns, batch_size=cfg.batch_size,
-                dense_column=cfg.dense_column, label_column=cfg.label)
+                dense_column=cfg.dense_column, label_column=cfg.label,
+                preprocess=pipeline.preprocessor(cfg.dataset))
   train = pipeline.make_dataset(
-      builder.as_dataset(split="train", shuffle_files=False),
+      builder.as_dataset(split=cfg.train_split, shuffle_files=False),
       shuffle_seed=cfg.seed, repeat=True, **common).skip(skip_batches)
   evaluation = pipeline.make_dataset(
-      builder.as_dataset(split="test", shuffle_files=False),
+      builder.as_dataset(split=cfg.eval_split, shuffle_files=False),
       num_batches=cfg.eval_batches, drop_remainder=False, **common)
   return train, evaluation
 

@@ -13,7 +13,7 @@ from typing import Mapping, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["make_dataset", "auc", "FORMATS"]
+__all__ = ["make_dataset", "preprocessor", "auc", "FORMATS"]
 
 FORMATS = ("dense", "ragged", "sparse")
 
@@ -23,7 +23,8 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
                  label_column: str = "label", shuffle_seed: Optional[int] = None,
                  shuffle_buffer: int = 10_000, repeat: bool = False,
                  drop_remainder: bool = True,
-                 num_batches: Optional[int] = None) -> tf.data.Dataset:
+                 num_batches: Optional[int] = None,
+                 preprocess=None) -> tf.data.Dataset:
   """Batches a tfds split (a dataset of example dicts).
 
   Args:
@@ -32,6 +33,7 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
       each epoch); None: keep the stored order.
     repeat: repeat forever (after shuffling, so each epoch is reshuffled).
     num_batches: keep only this many batches.
+    preprocess: maps a raw example to its columns (see ``preprocessor``).
   """
   for name, (column, layout) in features.items():
     if layout not in FORMATS:
@@ -41,7 +43,9 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
   keep = columns + [label_column] + ([dense_column] if dense_column else [])
 
   def select(example):
-    if "ids" in example and "lengths" in example:  # synthetic_clicks packing.
+    if preprocess is not None:
+      example = preprocess(example)
+    elif "ids" in example and "lengths" in example:  # synthetic_clicks packing.
       from tpu_embed_ext.data import synthetic_clicks
       example = synthetic_clicks.columns(example)
     return {k: example[k] for k in keep}
@@ -76,6 +80,17 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
   if num_batches is not None:
     ds = ds.take(num_batches)
   return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def preprocessor(dataset: str):
+  """The example -> columns function for a tfds dataset name, or None."""
+  if dataset.startswith("movielens"):
+    from tpu_embed_ext.data import movielens
+    return movielens.columns
+  if dataset.startswith("synthetic_clicks"):
+    from tpu_embed_ext.data import synthetic_clicks
+    return synthetic_clicks.columns
+  return None
 
 
 def auc(labels, scores) -> float:
