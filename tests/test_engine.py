@@ -446,3 +446,51 @@ def test_create_embedding_dispatch_with_a_stand_in_tpu_strategy(monkeypatch):
   assert isinstance(made[0][1], api.SGD) and made[0][1].learning_rate == 0.2
   cpu = engine_lib.create_embedding(config, api.SGD(0.1), engine="v2")
   assert isinstance(cpu, tee.CPUEmbedding) and cpu.engine == "v2"
+
+
+@pytest.mark.parametrize("vocab,optimizer,message", [
+    (12, api.Adagrad(0.1),
+     "table 't': checkpoint {path} holds shape [6, 2], this spec has [12, 2]. Fix: "
+     "restore into a spec with the same vocabulary_size and dim."),
+    (6, api.Adam(0.1),
+     "table 't': checkpoint {path} holds optimizer slots ['accumulators'], its adam "
+     "optimizer needs ['momenta', 'velocities']. Fix: restore with the optimizer the "
+     "checkpoint was trained with."),
+    (6, api.SGD(0.1),
+     "table 't': checkpoint {path} holds optimizer slots ['accumulators'], its sgd "
+     "optimizer needs []."),
+], ids=["shape", "other_slots", "fewer_slots"])
+def test_checkpoint_of_another_spec_is_refused_naming_the_table(tmp_path, vocab,
+                                                                optimizer, message):
+  trained = _single_table(api.Adagrad(0.1))
+  trained.build()
+  path = tf.train.Checkpoint(embedding=trained).save(str(tmp_path / "c"))
+  trained.check_checkpoint(path)  # Its own checkpoint passes.
+  table = api.TableConfig(vocab, 2, name="t")
+  other = tee.CPUEmbedding({"f": api.FeatureConfig(table, name="f")}, optimizer)
+  with pytest.raises(tee.ConfigError) as info:
+    other.check_checkpoint(path)
+  assert str(info.value).startswith(message.format(path=path)), str(info.value)
+
+
+def test_dense_ids_for_a_sequence_feature_and_gradient_structure():
+  table = api.TableConfig(6, 2, name="t")
+  emb = tee.CPUEmbedding({"s": api.FeatureConfig(table, max_sequence_length=3, name="s")},
+                         api.SGD(0.1))
+  with pytest.raises(tee.InputError) as info:
+    emb({"s": tf.constant([[1, 2, 3]])})
+  assert str(info.value) == (
+      "feature 's' (table 't') is a sequence feature (max_sequence_length=3) but got a "
+      "dense tensor. Fix: pass a RaggedTensor or SparseTensor.")
+  emb.enqueue({"s": tf.ragged.constant([[1, 2, 3, 4]], tf.int64)}, training=True)
+  acts = emb.dequeue()
+  assert acts["s"].shape == (1, 3, 2)  # Truncated to max_sequence_length.
+  before = _snapshot(emb)
+  with pytest.raises(tee.InputError) as info:
+    emb.apply_gradients({"other": acts["s"]})
+  assert str(info.value).startswith(
+      "gradients do not match the feature config's structure: missing ['s'], "
+      "unexpected ['other']. Fix: pass one gradient per feature")
+  after = _snapshot(emb)
+  for key in before:
+    np.testing.assert_array_equal(after[key], before[key])

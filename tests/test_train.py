@@ -120,3 +120,36 @@ def test_movielens_config_trains_on_mock_data(tmp_path):
   assert "planted_auc" not in metrics
   assert metrics["eval_examples"] == 400  # The mock serves the same rows per split.
   assert 0.0 < metrics["eval_auc"] < 1.0
+
+
+def test_sigkill_mid_run_then_restart_equals_an_uninterrupted_run(tmp_path):
+  import signal
+  import subprocess
+  import sys
+  import time
+  env = {**os.environ, "TFDS_DATA_DIR": str(tmp_path / "tfds"), "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+  def command(model_dir):
+    return [sys.executable, "-m", "tpu_embed_ext", "train", "--config", CONFIG,
+            "--steps", "120", "--model_dir", str(model_dir), "--tpu", "none"]
+
+  subprocess.run(command(tmp_path / "straight"), env=env, check=True,
+                 capture_output=True)
+  killed = tmp_path / "killed"
+  proc = subprocess.Popen(command(killed), env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  state = killed / "checkpoints" / "checkpoint"
+  deadline = time.time() + 300
+  while not state.exists() and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGKILL)  # Right after the first checkpoint.
+  proc.wait()
+  interrupted_at = int(tf.train.latest_checkpoint(str(killed / "checkpoints")).rsplit("-", 1)[1])
+  assert interrupted_at < 120, "the run finished before it could be killed"
+  out = subprocess.run(command(killed), env=env, check=True, capture_output=True,
+                       text=True)
+  assert f"(step {interrupted_at})" in out.stdout + out.stderr
+  straight, resumed = _tables(str(tmp_path / "straight"), None), _tables(str(killed), None)
+  assert straight.keys() == resumed.keys() and straight
+  for key in straight:
+    np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)

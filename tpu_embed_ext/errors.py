@@ -80,3 +80,11 @@ def unknown_name(kind: str, name: str, choices: Iterable[str],
   return cls(
       f'unknown {kind} "{name}".{did_you_mean(name, choices)} '
       f"Valid: {one_of(choices)}.", path=path)
+
+
+def require_name(value, path: str, what: str) -> None:
+  """ConfigTypeError unless ``value`` is a string (a name to look up)."""
+  if not isinstance(value, str):
+    raise ConfigTypeError(
+        f"{what} must be a name (a string), got {type(value).__name__} "
+        f"{value!r}. Fix: write one of the names it accepts.", path=path)

@@ -87,9 +87,14 @@ class Schedule:
       raise errors.ConfigError(
           "schedule has no `class`. Fix: add `class:` with one of "
           f"{errors.one_of(SCHEDULE_CLASSES)}.", path="class")
+    errors.require_name(class_name, "class", "a schedule class")
+    if not isinstance(args, Mapping):
+      raise errors.ConfigTypeError(
+          f"a schedule's config must be a mapping, got {args!r}.", path="config")
     if class_name not in SCHEDULE_CLASSES:
       raise errors.unknown_name("schedule class", class_name, SCHEDULE_CLASSES,
                                 path="class")
+    args = dict(args)
     args.pop("name", None)
     params = inspect.signature(SCHEDULE_CLASSES[class_name].__init__).parameters
     allowed = [p for p in params if p not in ("self", "name")]
@@ -110,7 +115,7 @@ class Schedule:
     try:
       keras_schedule = schedule.keras()
       float(keras_schedule(0))
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, ArithmeticError, tf.errors.OpError) as e:
       raise errors.ConfigError(
           f"{class_name} rejects its arguments {dict(args)}: {e}. Fix: correct "
           "the values (see keras.optimizers.schedules."

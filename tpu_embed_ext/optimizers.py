@@ -342,6 +342,7 @@ def from_dict(config: Mapping[str, Any]) -> OptimizerSpec:
         f"optimizer has no `type`. Fix: add `type:` with one of "
         f"{errors.one_of(TYPES)}.", path="type")
   name = config["type"]
+  errors.require_name(name, "type", "an optimizer type")
   if name not in TYPES:
     raise errors.unknown_name("optimizer type", name, TYPES, path="type")
   cls = TYPES[name]

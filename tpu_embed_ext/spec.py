@@ -143,6 +143,8 @@ class EmbeddingSpec:
         raise errors.ConfigError(
             f"the global optimizer needs a `type`. Fix: add `type:` with one of "
             f"{errors.one_of(optimizers.TYPES)}.", path=f"{path}.type")
+      if "type" in value:
+        errors.require_name(value["type"], f"{path}.type", "an optimizer type")
       if "type" in value and value["type"] not in optimizers.TYPES:
         raise errors.unknown_name("optimizer type", value["type"],
                                   optimizers.TYPES, path=f"{path}.type")
@@ -393,6 +395,7 @@ def _parse_initializer(value, path):
     return None
   _require_mapping(value, path, "an initializer")
   kind = value.get("type")
+  errors.require_name(kind, f"{path}.type", "an initializer type")
   if kind not in INITIALIZERS:
     raise errors.unknown_name("initializer type", kind, INITIALIZERS,
                               path=f"{path}.type")

@@ -214,6 +214,9 @@ def train(config_path: str, *, model_dir: str, steps: Optional[int] = None,
     _build(model, first_batch)
     done = 0
     if manager.latest_checkpoint:
+      if hasattr(model.embedding.embedding, "check_checkpoint"):
+        model.embedding.embedding.check_checkpoint(
+            manager.latest_checkpoint, prefix="model/embedding/embedding")
       checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
       done = int(manager.latest_checkpoint.rsplit("-", 1)[1])
       print(f"Resumed from {manager.latest_checkpoint} (step {done}).", flush=True)

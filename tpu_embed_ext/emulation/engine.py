@@ -197,6 +197,37 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   def feature_config(self):
     return self._feature_config
 
+  def check_checkpoint(self, path: str, prefix: str = "embedding"):
+    """Raises ConfigError unless ``path`` holds every table and slot, same shapes.
+
+    TensorFlow's own restore reports a mismatch one variable at a time, after
+    restoring the variables before it; this checks all tables first, naming
+    the table and both shapes. ``prefix`` is the embedding's checkpoint path
+    (``tf.train.Checkpoint(embedding=e)``: "embedding").
+    """
+    stored = dict(tf.train.list_variables(path))
+    for table in self._tables:
+      key = lambda slot: (f"{prefix}/{table.name}" + (f".S{slot}" if slot else "")
+                          + "/.ATTRIBUTES/VARIABLE_VALUE")
+      want = [table.config.vocabulary_size, table.config.dim]
+      if key(None) not in stored:
+        raise errors.ConfigError(
+            f"table '{table.name}' is not in checkpoint {path}. Fix: restore a "
+            "checkpoint of the same spec, or rename the table back.")
+      if list(stored[key(None)]) != want:
+        raise errors.ConfigError(
+            f"table '{table.name}': checkpoint {path} holds shape "
+            f"{list(stored[key(None)])}, this spec has {want}. Fix: restore into a "
+            "spec with the same vocabulary_size and dim.")
+      have = sorted(k.split(".S", 1)[1].split("/", 1)[0] for k in stored
+                    if k.startswith(f"{prefix}/{table.name}.S"))
+      if sorted(table.optimizer.slot_names) != have:
+        raise errors.ConfigError(
+            f"table '{table.name}': checkpoint {path} holds optimizer slots {have}, "
+            f"its {table.optimizer.type_name} optimizer needs "
+            f"{sorted(table.optimizer.slot_names)}. Fix: restore with the optimizer "
+            "the checkpoint was trained with.")
+
   @property
   def engine(self) -> str:
     return self._engine
