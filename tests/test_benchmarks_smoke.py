@@ -11,5 +11,6 @@ def test_quick_benchmark_writes_json(tmp_path):
   results = json.loads((tmp_path / "w1_quick.json").read_text())
   assert set(results["vocabularies"]) == {"1000", "10000"}
   for contenders in results["vocabularies"].values():
-    assert set(contenders) == {"cpu_embedding", "keras_embedding", "fused_floor"}
+    assert set(contenders) == {"cpu_embedding", "cpu_embedding_unchecked",
+                               "keras_embedding", "fused_floor"}
     assert all(c["median_ms"] > 0 for c in contenders.values())

@@ -189,12 +189,7 @@ class EmbeddingSpec:
     names = [t.name for t in tables]
     for i, raw in enumerate(raw_overrides):
       path = f"overrides[{i}]"
-      _require_mapping(raw, path, "an override")
-      _check_keys(raw, _OVERRIDE_FIELDS, path, "override field")
-      for key in _OVERRIDE_FIELDS:
-        if key not in raw:
-          raise errors.ConfigError(f"override has no `{key}`. Fix: add it.",
-                                   path=f"{path}.{key}")
+      _require_fields(raw, _OVERRIDE_FIELDS, path, "override")
       pattern = raw["match"]
       if not isinstance(pattern, str):
         raise errors.ConfigTypeError(
@@ -364,6 +359,16 @@ def _entries(config, section, kind, fields):
     yield name, raw, path
 
 
+def _require_fields(value, fields, path, kind):
+  """A mapping with exactly ``fields``: no unknown key, none missing."""
+  _require_mapping(value, path, f"an {kind}" if kind[0] in "aeiou" else f"a {kind}")
+  _check_keys(value, fields, path, f"{kind} field")
+  for key in fields:
+    if key not in value:
+      raise errors.ConfigError(f"{kind} has no `{key}`. Fix: add it.",
+                               path=f"{path}.{key}")
+
+
 def _check_keys(mapping, allowed, path, kind):
   for key in mapping:
     if key not in allowed:
@@ -415,12 +420,7 @@ def _parse_initializer(value, path):
 def _parse_quantization(value, path):
   if value is None:
     return None
-  _require_mapping(value, path, "quantization")
-  _check_keys(value, _QUANTIZATION_FIELDS, path, "quantization field")
-  for key in _QUANTIZATION_FIELDS:
-    if key not in value:
-      raise errors.ConfigError(f"quantization needs {key}. Fix: add it.",
-                               path=f"{path}.{key}")
+  _require_fields(value, _QUANTIZATION_FIELDS, path, "quantization")
   buckets = value["num_buckets"]
   if isinstance(buckets, bool) or not isinstance(buckets, numbers.Integral) or buckets < 2:
     raise errors.ConfigError(
