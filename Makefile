@@ -6,6 +6,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 CONFIG ?= configs/ranking.yaml
+# Which TensorFlow to install into .venv: cpu (tensorflow-cpu), tf or tpu (Cloud TPU VMs).
+TF_FLAVOUR ?= cpu
 # TF_CPP_MIN_LOG_LEVEL hides TensorFlow's C++ start-up chatter; errors still show.
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
@@ -13,7 +15,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -e '.[cpu,test]' 2>&1 | sed '/is ignored: it is neither/d'
+	$(PIP) install -e '.[$(TF_FLAVOUR),test]' 2>&1 | sed '/is ignored: it is neither/d'
 	$(PY) -c "import tensorflow, tpu_embed_ext"
 	touch $@
 

@@ -23,20 +23,20 @@ setuptools.setup(
     ),
     python_requires=">=3.10",
     packages=setuptools.find_packages(include=["tpu_embed_ext", "tpu_embed_ext.*"]),
-    package_data={"tpu_embed_ext": ["configs/*.yaml"]},
     install_requires=[
         "absl-py>=1.0",
         "numpy>=1.23",
         "PyYAML>=6.0",
         "keras>=3.0",
-        "tensorboard",
-        "importlib_resources",
     ],
     extras_require={
         "cpu": [f"tensorflow-cpu{_TF}"],
         "tf": [f"tensorflow{_TF}"],
         "tpu": [f"tensorflow-tpu{_TF}"],
-        "data": ["tensorflow-datasets>=4.9", "matplotlib>=3.5"],
+        # The training job: tfds (which imports importlib_resources without
+        # declaring it), the learning-curve plot and TensorBoard logs.
+        "data": ["tensorflow-datasets>=4.9", "importlib_resources", "matplotlib>=3.5",
+                 "tensorboard"],
         "test": [
             "pytest>=7",
             "hypothesis>=6",
@@ -44,7 +44,9 @@ setuptools.setup(
             "nbformat>=5",
             "ipykernel>=6",
             "tensorflow-datasets>=4.9",
+            "importlib_resources",
             "matplotlib>=3.5",
+            "tensorboard",
         ],
     },
     entry_points={"console_scripts": ["tpu-embed=tpu_embed_ext.__main__:run"]},
