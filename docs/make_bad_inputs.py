@@ -13,7 +13,6 @@ for name, path, value, err, msg in ts.BAD:
 for name, _, msg in to.BAD:
   rows.append((f"optimizer spec: {name.replace('_', ' ')}", "ConfigError", msg,
                f"tests/test_optimizers.py::test_invalid_values_are_pinned[{name}]"))
-import pytest
 for p in tk.test_rejected_options_are_pinned.pytestmark:
   if p.name == "parametrize":
     ids = p.kwargs["ids"]

@@ -32,7 +32,6 @@ DATA = {"watched": [[0], [0, 1], [0, 1], [1]],
 def _scenario_step(optimizer):
   """The global batch (2 samples x R replicas) in one step; loss / R as TF does."""
   emb = tee.CPUEmbedding(*_scenario_config(optimizer))
-  rows = [DATA[k] for k in ("watched", "favorited", "friends")]
   features = {k: tf.ragged.constant(v * (REPLICAS // 2), tf.int64)
               for k, v in DATA.items()}
   emb.enqueue(features, training=True)
@@ -167,8 +166,6 @@ def test_simulated_quantization_forward_and_straight_through_backward():
   emb = tee.CPUEmbedding(config, api.SGD(1.0))
   table = emb.variables["t_sum"]["parameters"]
   before = table.numpy()
-  ids = tf.constant([3, 4], tf.int64)
-  features = {k: None for k in config}
   features, weights = _lookup_inputs()
   features["dense"] = tf.constant([[3], [4], [3], [4]], tf.int64)
   emb.enqueue(features, weights, training=True)

@@ -1,10 +1,8 @@
 """EmbeddingLayer inside model.fit: tables train with their own optimizers only."""
 
-import os
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee

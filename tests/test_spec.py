@@ -3,7 +3,6 @@
 import copy
 import json
 
-import numpy as np
 import pytest
 import tensorflow as tf
 import yaml

@@ -28,7 +28,7 @@ each engine needs); see tests/test_layer.py.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import keras
 import tensorflow as tf

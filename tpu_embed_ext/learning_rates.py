@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import numbers
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 

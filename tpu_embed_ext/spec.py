@@ -24,7 +24,7 @@ import json
 import math
 import numbers
 import os
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from tpu_embed_ext import errors, optimizers
 
