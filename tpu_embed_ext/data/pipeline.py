@@ -3,7 +3,11 @@
 ``features = {"dense": float32 [B, n], "categorical": {feature: ids}}``; each
 categorical feature names its source column and its layout: ``dense``
 (single-hot, int64 ``[B]``), ``ragged`` (``tf.RaggedTensor [B, None]``) or
-``sparse`` (``tf.SparseTensor [B, max_len]``).
+``sparse`` (``tf.SparseTensor [B, longest row in the batch]``). A spec's
+feature names need not be the dataset's column names (feature ``user`` may read
+column ``c0``), and several features may read one column.
+
+Also ``auc``: the exact ROC AUC every evaluation in the package uses.
 """
 
 from __future__ import annotations
@@ -29,11 +33,17 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
 
   Args:
     features: ``{feature: (column, layout)}``, layout one of FORMATS.
-    shuffle_seed: shuffle with this seed (same order on every run, reshuffled
-      each epoch); None: keep the stored order.
+    shuffle_seed: shuffle with this seed: the same order on every run (a
+      resumed run can skip the batches it has seen), reshuffled each epoch;
+      None: keep the stored order (read ``ds`` with ``shuffle_files=False``).
     repeat: repeat forever (after shuffling, so each epoch is reshuffled).
     num_batches: keep only this many batches.
     preprocess: maps a raw example to its columns (see ``preprocessor``).
+
+  Raises:
+    ValueError: a layout not in FORMATS.
+    tf.errors.InvalidArgumentError: (when a batch is read) a ``dense``
+      feature's row does not hold exactly one id.
   """
   for name, (column, layout) in features.items():
     if layout not in FORMATS:
@@ -45,9 +55,6 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
   def select(example):
     if preprocess is not None:
       example = preprocess(example)
-    elif "ids" in example and "lengths" in example:  # synthetic_clicks packing.
-      from tpu_embed_ext.data import synthetic_clicks
-      example = synthetic_clicks.columns(example)
     return {k: example[k] for k in keep}
 
   ds = ds.map(select, num_parallel_calls=tf.data.AUTOTUNE,
@@ -62,10 +69,16 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
     categorical = {}
     for name, (column, layout) in features.items():
       ids = batch[column]
-      if not isinstance(ids, tf.RaggedTensor):
-        ids = tf.RaggedTensor.from_tensor(ids)
+      if not isinstance(ids, tf.RaggedTensor):  # Fixed-shape column: [B] or [B, n].
+        ids = tf.RaggedTensor.from_tensor(tf.reshape(ids, [tf.shape(ids)[0], -1]))
       if layout == "dense":
-        categorical[name] = ids.to_tensor(shape=[None, 1])[:, 0]
+        # Padding or truncating would feed a wrong id silently.
+        check = tf.debugging.assert_equal(
+            ids.row_lengths(), tf.constant(1, ids.row_splits.dtype),
+            message=f"feature '{name}' (column '{column}') has layout 'dense' "
+                    "but a row without exactly one id; use 'ragged' or 'sparse'.")
+        with tf.control_dependencies([check]):
+          categorical[name] = ids.to_tensor(shape=[None, 1])[:, 0]
       elif layout == "sparse":
         categorical[name] = ids.to_sparse()
       else:
@@ -83,13 +96,13 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
 
 
 def preprocessor(dataset: str):
-  """The example -> columns function for a tfds dataset name, or None."""
+  """The example -> columns function for a tfds dataset name, or None.
+
+  None means the examples already are columns (``synthetic_clicks``).
+  """
   if dataset.startswith("movielens"):
     from tpu_embed_ext.data import movielens
     return movielens.columns
-  if dataset.startswith("synthetic_clicks"):
-    from tpu_embed_ext.data import synthetic_clicks
-    return synthetic_clicks.columns
   return None
 
 
