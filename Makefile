@@ -27,7 +27,11 @@ run: install
 test: install
 	$(PY) -m pytest -q tests
 
-bench: install
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(PIP) install -e '.[$(TF_FLAVOUR),test,bench]' 2>&1 | sed '/is ignored: it is neither/d'
+	touch $@
+
+bench: $(VENV)/.bench-installed
 	$(PY) -m benchmarks.run_all
 
 clean:

@@ -37,6 +37,9 @@ setuptools.setup(
         # declaring it), the learning-curve plot and TensorBoard logs.
         "data": ["tensorflow-datasets>=4.9", "importlib_resources", "matplotlib>=3.5",
                  "tensorboard"],
+        # `make bench`: keras-rs is one of the contenders (skipped where it
+        # does not install: it needs Python >= 3.11).
+        "bench": ["keras-rs>=0.2; python_version >= '3.11'", "matplotlib>=3.5"],
         "test": [
             "pytest>=7",
             "hypothesis>=6",

@@ -1,22 +1,24 @@
-"""Benchmarks: one training step of an embedding table, per contender.
+"""Benchmarks: one training step of embedding tables, per contender.
 
-W1: one table, dim 16, a batch of 4096 single-hot Zipf ids, vocabulary 1e5,
-1e6, 1e7; Adagrad. Contenders, run interleaved in this one process (round
-robin, after warm-up), median of the repeats reported:
+Workloads (``benchmarks/workloads.py``): W1, one table of dim 16 at vocabulary
+1e5, 1e6 and 1e7; W2, the 26 Criteo-like tables (Criteo's cardinalities,
+capped so that every contender's tables fit this machine; six multi-hot
+features). Batch 4096 Zipf(1.2) ids; optimizers SGD, Adagrad, Adam and FTRL.
 
-* ``cpu_embedding``: tpu_embed_ext.CPUEmbedding (enqueue, dequeue,
-  apply_gradients) -- the TPU's Adagrad on the touched rows only, with its
-  default input validation; ``cpu_embedding_unchecked``: ``validate=False``.
-* ``keras_embedding``: keras.layers.Embedding + keras.optimizers.Adagrad, what a
-  Keras user writes; Keras 3 updates the whole table every step.
-* ``fused_floor``: the least work a sparse step can do in TensorFlow: unique +
-  segment sum + one fused ``ResourceSparseApplyAdagradV2`` kernel.
+Method: for one (workload, optimizer) all contenders are built in this one
+process, warmed up, then stepped round robin (each repeat runs every contender
+once on the same batch, so machine noise hits them alike); the median step
+time is reported, with p10/p90 in the JSON. ``scaling`` times CPUEmbedding
+alone, consecutive steps as in a training loop, at each W1 vocabulary.
+``memory`` runs CPUEmbedding alone in a subprocess per optimizer and compares
+its peak RSS with the bytes of its tables and slots.
 
-Each step computes the same loss, sum(activations^2) / batch. Usage:
-``python -m benchmarks.run_all [--quick]`` (``make bench``); writes
-benchmarks/results/w1.json, the table in benchmarks/RESULTS.md and
-benchmarks/results/w1.png.
+Usage: ``python -m benchmarks.run_all [--quick]`` (``make bench``). Writes
+``results/bench.json`` (``bench_quick.json``), the tables in RESULTS.md and
+``results/w1.png`` (full run only).
 """
+
+from __future__ import annotations
 
 import argparse
 import gc
@@ -25,169 +27,217 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
+import sys
 import time
 
+import keras
 import numpy as np
 import tensorflow as tf
-import keras
 
-import tpu_embed_ext as tee
+from benchmarks import workloads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DIM, BATCH, LR = 16, 4096, 0.1
+MARK = "<!-- results -->"
 
 
-def zipf_ids(vocab, n, seed):
-  rng = np.random.default_rng(seed)
-  ranks = np.minimum(rng.zipf(1.2, n) - 1, vocab - 1)
-  return tf.constant(rng.permutation(vocab)[ranks], tf.int64)
+def _summary(times):
+  return {"median_ms": statistics.median(times),
+          "p10_ms": float(np.percentile(times, 10)),
+          "p90_ms": float(np.percentile(times, 90))}
 
 
-def cpu_embedding(vocab, validate=True):
-  table = tf.tpu.experimental.embedding.TableConfig(
-      vocab, DIM, initializer=tf.zeros_initializer(), name="t")
-  emb = tee.CPUEmbedding({"f": tf.tpu.experimental.embedding.FeatureConfig(table)},
-                         tf.tpu.experimental.embedding.Adagrad(LR), validate=validate)
-  emb.build()
-
-  @tf.function
-  def step(ids):
-    emb.enqueue({"f": ids}, training=True)
-    with tf.GradientTape() as tape:
-      act = emb.dequeue()
-      tape.watch(act)
-      loss = tf.reduce_sum(act["f"] ** 2) / BATCH
-    emb.apply_gradients(tape.gradient(loss, act))
-  return step, emb
-
-
-def keras_embedding(vocab):
-  layer = keras.layers.Embedding(vocab, DIM, embeddings_initializer="zeros")
-  layer.build((None,))
-  opt = keras.optimizers.Adagrad(LR)
-  opt.build(layer.trainable_variables)
-
-  @tf.function
-  def step(ids):
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_sum(layer(ids) ** 2) / BATCH
-    grads = tape.gradient(loss, layer.trainable_variables)
-    opt.apply_gradients(zip(grads, layer.trainable_variables))
-  return step, (layer, opt)
-
-
-def fused_floor(vocab):
-  var = tf.Variable(tf.zeros([vocab, DIM]))
-  acc = tf.Variable(tf.fill([vocab, DIM], 0.1))
-
-  @tf.function
-  def step(ids):
-    unique, index = tf.unique(ids)
-    rows = tf.gather(var, ids)
-    grad = tf.math.unsorted_segment_sum(2.0 * rows / BATCH, index, tf.size(unique))
-    tf.raw_ops.ResourceSparseApplyAdagradV2(
-        var=var.handle, accum=acc.handle, lr=LR, epsilon=0.0, grad=grad,
-        indices=unique, update_slots=True)
-  return step, (var, acc)
-
-
-CONTENDERS = {"cpu_embedding": cpu_embedding,
-              "cpu_embedding_unchecked": lambda v: cpu_embedding(v, validate=False),
-              "keras_embedding": keras_embedding, "fused_floor": fused_floor}
-
-
-def measure(vocab, repeats, warmup):
-  steps = {name: make(vocab) for name, make in CONTENDERS.items()}
-  batches = [zipf_ids(vocab, BATCH, s) for s in range(8)]
-  for name, (step, _) in steps.items():
+def compare(workload, optimizer, contenders, repeats, warmup):
+  """Median step time of each contender, interleaved round robin."""
+  steps = {name: workloads.CONTENDERS[name](workload, optimizer)
+           for name in contenders}
+  batches = workload.batches(8)
+  for step, _ in steps.values():
     for i in range(warmup):
       step(batches[i % len(batches)])
   times = {name: [] for name in steps}
   for r in range(repeats):
-    for name, (step, _) in steps.items():  # Round robin: same machine noise.
-      ids = batches[r % len(batches)]
+    for name, (step, _) in steps.items():
       start = time.perf_counter()
-      step(ids)
+      step(batches[r % len(batches)])
       times[name].append((time.perf_counter() - start) * 1e3)
   del steps
   gc.collect()
-  return {name: {"median_ms": statistics.median(t),
-                 "p10_ms": float(np.percentile(t, 10)),
-                 "p90_ms": float(np.percentile(t, 90))} for name, t in times.items()}
+  return {name: _summary(t) for name, t in times.items()}
+
+
+def scaling(vocabs, optimizer, steps, warmup):
+  """CPUEmbedding alone: consecutive steps, as in a training loop."""
+  out = {}
+  for vocab in vocabs:
+    workload = workloads.w1(vocab)
+    step, emb = workloads.cpu_embedding(workload, optimizer)
+    batches = workload.batches(16, seed=1)
+    for i in range(warmup):
+      step(batches[i % len(batches)])
+    times = []
+    for i in range(steps):
+      start = time.perf_counter()
+      step(batches[i % len(batches)])
+      times.append((time.perf_counter() - start) * 1e3)
+    out[str(vocab)] = _summary(times)
+    del step, emb
+    gc.collect()
+  return out
+
+
+def memory(workload_name, optimizer, steps):
+  """Peak RSS of a fresh process running CPUEmbedding alone, in MiB."""
+  code = (
+      "import resource, sys\n"
+      "from benchmarks import workloads\n"
+      "rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024\n"
+      f"w = {workload_name}\n"
+      "b = w.batches(4)\n"
+      "base = rss()\n"
+      f"step, tables = workloads.cpu_embedding(w, {optimizer!r})\n"
+      "built = rss()\n"
+      f"for i in range({steps}): step(b[i % 4])\n"
+      f"slots = workloads.SLOTS[{optimizer!r}]\n"
+      "state = w.parameters * 4 * (1 + slots) / 2**20\n"
+      "print(base, built, rss(), state)\n")
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  out = subprocess.run([sys.executable, "-c", code], check=True, text=True,
+                       capture_output=True, env=env,
+                       cwd=os.path.dirname(HERE)).stdout.split()
+  base, built, peak, state = map(float, out[-4:])
+  return {"baseline_mib": base, "after_build_mib": built, "peak_mib": peak,
+          "tables_and_slots_mib": state,
+          "peak_over_tables_and_slots_mib": peak - base - state}
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny sizes and few repeats (a smoke test)")
   parser.add_argument("--out", default=os.path.join(HERE, "results"))
+  parser.add_argument("--optimizers", default="sgd,adagrad,adam,ftrl")
   args = parser.parse_args()
-  vocabs = [10**3, 10**4] if args.quick else [10**5, 10**6, 10**7]
-  repeats, warmup = (5, 2) if args.quick else (30, 5)
-  results = {"machine": {"cores": os.cpu_count(), "platform": platform.platform(),
-                         "tensorflow": tf.__version__, "keras": keras.__version__},
-             "workload": {"name": "W1", "dim": DIM, "batch": BATCH,
-                          "optimizer": "adagrad", "ids": "zipf(1.2), single-hot"},
-             "repeats": repeats, "vocabularies": {}}
-  for vocab in vocabs:
-    print(f"vocabulary {vocab:,}...", flush=True)
-    results["vocabularies"][str(vocab)] = measure(vocab, repeats, warmup)
+  optimizers = args.optimizers.split(",")
+  if args.quick:
+    vocabs, w2_cap, repeats, warmup, scaling_steps = [10**3, 10**4], 2000, 3, 1, 10
+  else:
+    vocabs, w2_cap, repeats, warmup, scaling_steps = [10**5, 10**6, 10**7], 500_000, 20, 3, 300
+  contenders = list(workloads.CONTENDERS)
+  skipped = {}
+  reason = workloads.keras_rs_available()
+  if reason:
+    contenders.remove("keras_rs")
+    skipped["keras_rs"] = reason
+  results = {
+      "machine": {"cores": os.cpu_count(), "platform": platform.platform(),
+                  "python": platform.python_version(),
+                  "tensorflow": tf.__version__, "keras": keras.__version__},
+      "batch": workloads.BATCH, "repeats": repeats, "warmup": warmup,
+      "skipped": skipped, "w1": {}, "w2": {}, "scaling": {}, "memory": {}}
+  w2 = workloads.w2(w2_cap)
+  results["w2_tables"] = [dict(name=t.name, vocab=t.vocab, dim=t.dim,
+                               combiner=t.combiner, max_ids=t.max_ids)
+                          for t in w2.tables]
+  for optimizer in optimizers:
+    results["w1"][optimizer] = {}
+    for vocab in vocabs:
+      print(f"W1 {optimizer} vocabulary {vocab:,}...", flush=True)
+      results["w1"][optimizer][str(vocab)] = compare(
+          workloads.w1(vocab), optimizer, contenders, repeats, warmup)
+    print(f"W2 {optimizer}...", flush=True)
+    results["w2"][optimizer] = compare(w2, optimizer, contenders, repeats, warmup)
+    results["scaling"][optimizer] = scaling(vocabs, optimizer, scaling_steps, warmup)
+    results["memory"][optimizer] = memory(
+        f"workloads.w1({vocabs[-1]})", optimizer, 3 if args.quick else 50)
   results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   os.makedirs(args.out, exist_ok=True)
-  name = "w1_quick" if args.quick else "w1"
+  name = "bench_quick" if args.quick else "bench"
   with open(os.path.join(args.out, f"{name}.json"), "w") as f:
     json.dump(results, f, indent=2)
-  table = markdown(results)
-  print(table)
+  text = markdown(results)
+  print(text)
   if not args.quick:
-    plot(results, os.path.join(args.out, f"{name}.png"))
-    write_results_md(table)
+    plot(results, os.path.join(args.out, "w1.png"))
+    path = os.path.join(HERE, "RESULTS.md")
+    head = open(path).read().split(MARK)[0] if os.path.exists(path) else ""
+    with open(path, "w") as f:
+      f.write(head + MARK + "\n" + text)
 
 
-def markdown(results):
-  vocabs = list(results["vocabularies"])
-  lines = ["| vocabulary | " + " | ".join(CONTENDERS) +
-           " | keras / cpu_embedding | cpu_embedding / floor |",
-           "|---|" + "---|" * (len(CONTENDERS) + 2)]
-  for v in vocabs:
-    r = results["vocabularies"][v]
-    ms = {n: r[n]["median_ms"] for n in CONTENDERS}
-    lines.append(f"| {int(v):,} | " + " | ".join(f"{ms[n]:.2f} ms" for n in CONTENDERS)
-                 + f" | {ms['keras_embedding'] / ms['cpu_embedding']:.1f}x"
-                 + f" | {ms['cpu_embedding'] / ms['fused_floor']:.2f}x |")
-  first, last = vocabs[0], vocabs[-1]
-  ratio = (results["vocabularies"][last]["cpu_embedding"]["median_ms"]
-           / results["vocabularies"][first]["cpu_embedding"]["median_ms"])
-  lines.append("")
-  lines.append(f"cpu_embedding step time at {int(last):,} rows / at {int(first):,} rows: "
-               f"{ratio:.2f}x. Peak RSS of the process: {results['peak_rss_mib']:,.0f} MiB.")
+def _ms(x):
+  return f"{x:.2f}" if x < 100 else f"{x:.0f}"
+
+
+def markdown(results) -> str:
+  """The RESULTS.md tables: median ms, and each contender's time / CPUEmbedding's."""
+  lines = []
+  for optimizer, by_vocab in results["w1"].items():
+    lines += [f"### W1, {optimizer}: one table, dim 16 (median ms per step; "
+              "x = time / cpu_embedding's)", ""]
+    names = list(next(iter(by_vocab.values())))
+    lines += ["| vocabulary | " + " | ".join(names) + " |",
+              "|---|" + "---|" * len(names)]
+    for vocab, r in by_vocab.items():
+      ours = r["cpu_embedding"]["median_ms"]
+      cells = [_ms(r[n]["median_ms"]) + (
+          "" if n == "cpu_embedding" else f" ({r[n]['median_ms'] / ours:.2f}x)")
+               for n in names]
+      lines.append(f"| {int(vocab):,} | " + " | ".join(cells) + " |")
+    s = results["scaling"][optimizer]
+    first, last = list(s)[0], list(s)[-1]
+    m = results["memory"][optimizer]
+    lines += ["", f"cpu_embedding alone, consecutive steps: {_ms(s[first]['median_ms'])} ms "
+              f"at {int(first):,} rows, {_ms(s[last]['median_ms'])} ms at {int(last):,} "
+              f"rows: **{s[last]['median_ms'] / s[first]['median_ms']:.2f}x**. Memory at "
+              f"{int(last):,} rows: tables + slots {m['tables_and_slots_mib']:,.0f} MiB, "
+              f"peak RSS {m['peak_mib']:,.0f} MiB of which {m['baseline_mib']:,.0f} MiB "
+              f"before building (TensorFlow): "
+              f"{m['peak_over_tables_and_slots_mib']:+,.0f} MiB beyond tables + slots.", ""]
+  names = list(next(iter(results["w2"].values()))) if results["w2"] else []
+  if names:
+    lines += ["### W2: 26 Criteo-like tables (median ms per step; x = time / "
+              "cpu_embedding's)", "",
+              "| optimizer | " + " | ".join(names) + " |",
+              "|---|" + "---|" * len(names)]
+    for optimizer, r in results["w2"].items():
+      ours = r["cpu_embedding"]["median_ms"]
+      cells = [_ms(r[n]["median_ms"]) + (
+          "" if n == "cpu_embedding" else f" ({r[n]['median_ms'] / ours:.2f}x)")
+               for n in names]
+      lines.append(f"| {optimizer} | " + " | ".join(cells) + " |")
+  if results["skipped"]:
+    lines += [""] + [f"Skipped {k}: {v}" for k, v in results["skipped"].items()]
+  m = results["machine"]
+  lines += ["", f"Machine: {m['cores']} cores, Python {m['python']}, TensorFlow "
+            f"{m['tensorflow']}, Keras {m['keras']}; {results['repeats']} "
+            f"interleaved repeats after {results['warmup']} warm-up steps; peak RSS "
+            f"of the benchmark process {results['peak_rss_mib']:,.0f} MiB.", ""]
   return "\n".join(lines)
 
 
 def plot(results, path):
-  import matplotlib
+  import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  vocabs = [int(v) for v in results["vocabularies"]]
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for name in CONTENDERS:
-    ax.plot(vocabs, [results["vocabularies"][str(v)][name]["median_ms"] for v in vocabs],
-            marker="o", label=name)
-  ax.set_xscale("log")
-  ax.set_yscale("log")
-  ax.set_xlabel("vocabulary (rows)")
-  ax.set_ylabel("median step time (ms)")
-  ax.set_title("W1: Adagrad step, dim 16, batch 4096")
-  ax.grid(alpha=0.3, which="both")
-  ax.legend()
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  optimizers = list(results["w1"])
+  fig, axes = plt.subplots(1, len(optimizers), figsize=(4 * len(optimizers), 3.8),
+                           sharey=True)
+  for ax, optimizer in zip(np.atleast_1d(axes), optimizers):
+    by_vocab = results["w1"][optimizer]
+    vocabs = [int(v) for v in by_vocab]
+    for name in next(iter(by_vocab.values())):
+      ax.plot(vocabs, [by_vocab[str(v)][name]["median_ms"] for v in vocabs],
+              marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_title(f"W1 {optimizer}")
+    ax.set_xlabel("vocabulary (rows)")
+    ax.grid(alpha=0.3, which="both")
+  np.atleast_1d(axes)[0].set_ylabel("median step time (ms)")
+  np.atleast_1d(axes)[0].legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
-
-
-def write_results_md(table):
-  path = os.path.join(HERE, "RESULTS.md")
-  head = open(path).read().split("<!-- w1 -->")[0] if os.path.exists(path) else ""
-  with open(path, "w") as f:
-    f.write(head + "<!-- w1 -->\n" + table + "\n")
+  fig.savefig(path, dpi=90)
 
 
 if __name__ == "__main__":

@@ -364,11 +364,36 @@ def test_out_of_range_ids_fail_inside_tf_function_before_any_write():
     emb.apply_gradients(tf.nest.map_structure(tf.ones_like, acts))
 
   with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r"ids must be in \[0, 6\)\. Fix: .* Offending ids:\] \[6\]"):
+                     match=r"feature \\?'f\\?' \(table \\?'t\\?'\): ids must be in "
+                           r"\[0, 6\)\. Fix: map ids into the vocabulary or enlarge "
+                           r"vocabulary_size\.\] \[Smallest and largest ids:\] \[1\] \[6\]"):
     step(tf.ragged.constant([[1], [6]], tf.int64))
   after = _snapshot(emb)
   for key in before:
     np.testing.assert_array_equal(after[key], before[key])
+
+
+def test_non_finite_gradient_fails_inside_tf_function_naming_the_table():
+  tables = [api.TableConfig(6, 2, initializer=tf.ones_initializer(), name=n)
+            for n in ("a", "b")]
+  emb = tee.CPUEmbedding({"x": api.FeatureConfig(tables[0]),
+                          "y": api.FeatureConfig(tables[1])}, api.Adagrad(0.1))
+  before = _snapshot(emb)
+
+  @tf.function
+  def step(grad_b):
+    emb.enqueue({"x": tf.constant([1, 2]), "y": tf.constant([3, 3])}, training=True)
+    acts = emb.dequeue()
+    emb.apply_gradients({"x": tf.ones_like(acts["x"]), "y": grad_b})
+
+  # Two finite contributions whose per-id sum overflows are rejected too.
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=r"gradient has NaN or Inf values; no table, slot or step "
+                           r"was changed\. Fix: .* Tables:\] \[table \\?'b\\?'\]"):
+    step(tf.fill([2, 2], 3e38))
+  after = _snapshot(emb)
+  for key in before:
+    np.testing.assert_array_equal(after[key], before[key], err_msg=key)
 
 
 @pytest.mark.parametrize("features,message", [

@@ -57,6 +57,19 @@ class _Feature(NamedTuple):
   table: int         # index into CPUEmbedding._tables
 
 
+class _Update(NamedTuple):
+  """One table's step, prepared: ``grads`` is checked, then ``write`` runs.
+
+  Tables are written independently (not batched by optimizer): measured on
+  W2 (benchmarks/), concatenating same-optimizer tables for one update cost
+  more than it saved, as it serialises the per-table gathers and scatters
+  that TensorFlow otherwise runs in parallel.
+  """
+  table: Any
+  grads: tf.Tensor           # what is applied; checked for NaN/Inf first
+  write: Any                 # () -> op, or None when eager
+
+
 class _Occurrences(NamedTuple):
   """One feature's lookup in flat form: ids[i] * gains[i] -> row rows[i]."""
   ids: tf.Tensor            # [n] int64
@@ -237,15 +250,16 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   def __call__(self, features, weights=None):
     """Looks up ``features`` without recording anything for training."""
     self.build()
-    occurrences = self._occurrences(features, weights)
-    return self._activations(features, occurrences)
+    occurrences, check = self._occurrences(features, weights)
+    return self._activations(features, occurrences, check)
 
   def enqueue(self, features, weights=None, training: bool = True,
               name: Optional[str] = None, device: Optional[str] = None):
     """Records a batch for ``dequeue`` (and, if training, ``apply_gradients``)."""
     del name, device
     self.build()
-    _untracked(self, _pending=self._occurrences(features, weights),
+    occurrences, check = self._occurrences(features, weights)
+    _untracked(self, _pending=occurrences, _pending_check=check,
                _pending_features=features, _training=training)
 
   def dequeue(self, name: Optional[str] = None):
@@ -255,7 +269,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       raise errors.InputError(
           "dequeue() called before enqueue(). Fix: call enqueue(features) "
           "first, once per step.")
-    return self._activations(self._pending_features, self._pending)
+    return self._activations(self._pending_features, self._pending,
+                             self._pending_check)
 
   def _check_structure(self, what, value, fix):
     paths = [p for p, _ in nest.flatten_with_joined_string_paths(value)]
@@ -267,7 +282,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           f"{what} do not match the feature config's structure: missing "
           f"{missing}, unexpected {unexpected}. Fix: {fix}")
 
-  def _occurrences(self, features, weights) -> List[_Occurrences]:
+  def _occurrences(self, features, weights):
+    """``([_Occurrences per feature], id check op or None)``."""
     self._check_structure(
         "features", features, "pass one entry per FeatureConfig "
         f"({', '.join(f.path for f in self._features)}).")
@@ -278,13 +294,15 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           "weights", weights, "give weights the structure of features (None "
           "entries allowed).")
       flat_weights = tf.nest.flatten(weights)
-    return [self._feature_occurrences(f, x, w)
-            for f, x, w in zip(self._features, flat, flat_weights)]
+    occurrences = [self._feature_occurrences(f, x, w)
+                   for f, x, w in zip(self._features, flat, flat_weights)]
+    check = self._check_ids(occurrences) if self._validate else None
+    return occurrences, check
 
   def _feature_occurrences(self, feature: _Feature, x, w) -> _Occurrences:
     config = feature.config
     table = self._tables[feature.table]
-    where = f"feature '{feature.path}' (table '{table.name}')"
+    where = _where(feature, table)
     if not isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
       x = tf.convert_to_tensor(x)
     if not x.dtype.is_integer:
@@ -310,18 +328,13 @@ class CPUEmbedding(autotrackable.AutoTrackable):
             f"{config.max_sequence_length}) but got a dense tensor. Fix: pass a "
             "RaggedTensor or SparseTensor.")
       ids = tf.reshape(x, [-1])
-      occ = _Occurrences(ids, None, None, tf.size(ids), tf.shape(x))
+      shape = x.shape.as_list() if x.shape.is_fully_defined() else tf.shape(x)
+      occ = _Occurrences(ids, None, None, tf.size(ids), shape)
     elif isinstance(x, tf.RaggedTensor):
       occ = self._ragged_occurrences(where, config, x, w)
     else:
       occ = self._sparse_occurrences(where, config, x, w)
-    ids = tf.cast(occ.ids, tf.int64)
-    if self._validate:
-      check = self._check_ids(where, table, ids)
-      if check is not None:  # Graph mode: every use of the ids waits for it.
-        with tf.control_dependencies([check]):
-          ids = tf.identity(ids)
-    return occ._replace(ids=ids)
+    return occ._replace(ids=tf.cast(occ.ids, tf.int64))
 
   def _ragged_occurrences(self, where, config, x, w) -> _Occurrences:
     if x.shape.rank != 2:
@@ -329,7 +342,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           f"{where}: ragged ids must have rank 2 [batch, (ids)], got rank "
           f"{x.shape.rank}. Fix: merge the extra ragged dimensions.")
     batch = x.nrows(out_type=tf.int64)
-    ids, row, col = x.values, x.value_rowids(), _positions(x)
+    ids, row = x.values, x.value_rowids()
     weight = None if w is None else tf.cast(w.values, tf.float32)
     if w is not None and self._validate:
       _check_same_layout(where, x, w)
@@ -345,10 +358,10 @@ class CPUEmbedding(autotrackable.AutoTrackable):
             f"{where}: output_shape {list(out)} must have the batch size "
             f"{static_batch} or a multiple of it as its number of elements. "
             "Fix: change FeatureConfig.output_shape.")
-      return _sequence(ids, row, col, batch, length, list(out))
+      return _sequence(ids, row, _positions(x), batch, length, list(out))
     if config.max_sequence_length > 0:
       length = config.max_sequence_length
-      return _sequence(ids, row, col, batch, length, [batch, length])
+      return _sequence(ids, row, _positions(x), batch, length, [batch, length])
     return self._combined(config, ids, row, weight, batch, tf.reshape(batch, [1]))
 
   def _sparse_occurrences(self, where, config, x, w) -> _Occurrences:
@@ -387,31 +400,46 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       gains = tf.math.divide_no_nan(w, tf.gather(total, row))
     return _Occurrences(ids, row, gains, num_rows, shape)
 
-  def _check_ids(self, where, table, ids):
-    vocab = table.config.vocabulary_size
-    if tf.executing_eagerly():
-      if tf.size(ids) == 0:
-        return None
-      low, high = int(tf.reduce_min(ids)), int(tf.reduce_max(ids))
-      if low < 0 or high >= vocab:
-        bad = low if low < 0 else high
-        raise errors.InputError(
-            f"{where}: id {bad} is out of range [0, {vocab}). Fix: map ids into "
-            f"the vocabulary (e.g. hash them modulo {vocab}) or enlarge "
-            "vocabulary_size.")
-      return None
-    message = (f"{where}: ids must be in [0, {vocab}). Fix: map ids into the "
-               "vocabulary or enlarge vocabulary_size. Offending ids:")
-    bad = tf.logical_or(ids < 0, ids >= vocab)
-    return tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)),
-                               [message, tf.boolean_mask(ids, bad)[:5]])
+  def _check_ids(self, occurrences: List[_Occurrences]):
+    """Raises (eagerly) or asserts (in graphs) that every id is in range.
 
-  def _activations(self, features, occurrences):
+    In a graph one assertion covers every feature and is returned; gathers
+    and table writes wait for it, so a bad batch fails before anything changes.
+    """
+    vocabs = [self._tables[f.table].config.vocabulary_size for f in self._features]
+    if tf.executing_eagerly():
+      for feature, occ, vocab in zip(self._features, occurrences, vocabs):
+        if tf.size(occ.ids) == 0:
+          continue
+        low, high = int(tf.reduce_min(occ.ids)), int(tf.reduce_max(occ.ids))
+        if low < 0 or high >= vocab:
+          bad = low if low < 0 else high
+          raise errors.InputError(
+              f"{_where(feature, self._tables[feature.table])}: id {bad} is out "
+              f"of range [0, {vocab}). Fix: map ids into the vocabulary (e.g. "
+              f"hash them modulo {vocab}) or enlarge vocabulary_size.")
+      return None
+    # Two reductions per feature (an empty feature gives min=MAX, max=MIN: ok).
+    low = tf.stack([tf.reduce_min(o.ids) for o in occurrences])
+    high = tf.stack([tf.reduce_max(o.ids) for o in occurrences])
+    bad = tf.logical_or(low < 0, high >= tf.constant(vocabs, tf.int64))
+    messages = tf.constant([
+        f"{_where(f, self._tables[f.table])}: ids must be in [0, {v}). Fix: map "
+        "ids into the vocabulary or enlarge vocabulary_size."
+        for f, v in zip(self._features, vocabs)])
+    return tf.debugging.Assert(
+        tf.logical_not(tf.reduce_any(bad)),
+        [tf.boolean_mask(messages, bad), "Smallest and largest ids:",
+         tf.boolean_mask(low, bad), tf.boolean_mask(high, bad)],
+        summarize=8)
+
+  def _activations(self, features, occurrences, check):
     outputs = []
     for feature, occ in zip(self._features, occurrences):
       table = self._tables[feature.table]
       params = self._variables[table.name]["parameters"]
-      rows = tf.gather(params, occ.ids)
+      with tf.control_dependencies([check] if check is not None else []):
+        rows = tf.gather(params, occ.ids)
       rows = _quantize(rows, table.config.quantization_config)
       dim = table.config.dim
       if occ.rows is None:
@@ -420,8 +448,11 @@ class CPUEmbedding(autotrackable.AutoTrackable):
         if occ.gains is not None:
           rows = rows * occ.gains[:, None]
         out = tf.math.unsorted_segment_sum(rows, occ.rows, occ.num_rows)
-      outputs.append(tf.reshape(out, tf.concat(
-          [tf.cast(occ.shape, tf.int32), [dim]], 0)))
+      if isinstance(occ.shape, list):
+        outputs.append(tf.reshape(out, occ.shape + [dim]))
+      else:
+        outputs.append(tf.reshape(out, tf.concat(
+            [tf.cast(occ.shape, tf.int32), [dim]], 0)))
       _set_static_shape(outputs[-1], occ.shape, dim)
     return tf.nest.pack_sequence_as(features, outputs)
 
@@ -442,20 +473,19 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     per_table = [[] for _ in self._tables]
     for feature, occ, grad in zip(self._features, self._pending, flat):
       per_table[feature.table].append(self._occurrence_gradients(feature, occ, grad))
-    checks = []
-    updates = []
     rates = {}
+    updates = []
     for table, parts in zip(self._tables, per_table):
-      ids = tf.concat([p[0] for p in parts], 0)
-      grads = tf.concat([p[1] for p in parts], 0)
-      checks.append(self._check_finite(table, grads))
+      ids, grads = (parts[0] if len(parts) == 1 else
+                    [tf.concat(p, 0) for p in zip(*parts)])
       lr = self._learning_rate(table.optimizer, rates)
-      updates.append((table, ids, grads, lr))
+      updates.append(self._reduce(table, ids, grads, lr))
+    checks = [self._pending_check, self._check_finite(updates)]
     with tf.control_dependencies([c for c in checks if c is not None]):
-      writes = [self._update_table(*u) for u in updates]
+      writes = [u.write() for u in updates]
     with tf.control_dependencies([w for w in writes if w is not None]):
       self.step.assign_add(1)
-    _untracked(self, _pending=None)
+    _untracked(self, _pending=None, _pending_check=None)
 
   def _flat_gradients(self, gradients):
     self._check_structure(
@@ -466,18 +496,17 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   def _occurrence_gradients(self, feature, occ, grad):
     table = self._tables[feature.table]
     dim = table.config.dim
-    n = tf.size(occ.ids)
     if grad is None:
-      return occ.ids, tf.zeros([n, dim], tf.float32)
+      return occ.ids, tf.zeros([tf.size(occ.ids), dim], tf.float32)
     grad = tf.convert_to_tensor(grad, tf.float32)
-    expected = tf.concat([tf.cast(occ.shape, tf.int32), [dim]], 0)
     if self._validate and tf.executing_eagerly():
-      if grad.shape.as_list() != expected.numpy().tolist():
+      expected = [int(s) for s in occ.shape] + [dim]
+      if grad.shape.as_list() != expected:
         raise errors.InputError(
             f"feature '{feature.path}' (table '{table.name}'): gradient shape "
             f"{grad.shape.as_list()} does not match its activation shape "
-            f"{expected.numpy().tolist()}. Fix: pass dL/d(activation) for "
-            "exactly the activations dequeue() returned.")
+            f"{expected}. Fix: pass dL/d(activation) for exactly the "
+            "activations dequeue() returned.")
     grad = tf.reshape(grad, [-1, dim])
     if occ.rows is not None:
       grad = tf.gather(grad, occ.rows)
@@ -485,18 +514,29 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       grad = grad * occ.gains[:, None]
     return occ.ids, grad
 
-  def _check_finite(self, table, grads):
+  def _check_finite(self, updates):
+    """Rejects non-finite gradients of any table before any write.
+
+    Checks what each table will apply (per-id sums with accumulation), so a
+    sum that overflows is rejected too. Eagerly raises InputError; in a graph
+    returns one assertion over all tables.
+    """
     if not self._validate:
       return None
-    finite = tf.reduce_all(tf.math.is_finite(grads))
-    message = (f"table '{table.name}': gradient has NaN or Inf values; no "
-               "table, slot or step was changed. Fix: check the loss for "
-               "overflow, or clip the activations' gradients.")
+    message = ("gradient has NaN or Inf values; no table, slot or step was "
+               "changed. Fix: check the loss for overflow, or clip the "
+               "activations' gradients.")
+    finite = [tf.reduce_all(tf.math.is_finite(u.grads)) for u in updates]
     if tf.executing_eagerly():
-      if not bool(finite):
-        raise errors.InputError(message)
+      for update, ok in zip(updates, finite):
+        if not bool(ok):
+          raise errors.InputError(f"table '{update.table.name}': {message}")
       return None
-    return tf.debugging.Assert(finite, [message])
+    finite = tf.stack(finite)
+    names = tf.constant([f"table '{u.table.name}'" for u in updates])
+    return tf.debugging.Assert(
+        tf.reduce_all(finite),
+        [f"{message} Tables:", tf.boolean_mask(names, tf.logical_not(finite))])
 
   def _learning_rate(self, spec, cache):
     lr = spec.learning_rate
@@ -507,35 +547,42 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       cache[id(lr)] = tf.cast(lr(), tf.float32)
     return cache[id(lr)]
 
-  def _update_table(self, table: _Table, ids, grads, lr):
+  def _reduce(self, table: _Table, ids, grads, lr) -> "_Update":
+    """What one table applies this step: per-id sums, unless the mode differs."""
     spec = table.optimizer
-    variables = self._variables[table.name]
-    slot_vars = [variables[s] for s in spec.slot_names]
-    params = variables["parameters"]
-    dense = (self._engine == "v1" and isinstance(spec, optimizers.Adam)
-             and not spec.lazy_adam)
-    sequential = self._engine == "v1" and not spec.use_gradient_accumulation
-    if dense:
-      return self._update_all_rows(spec, params, slot_vars, ids, grads, lr)
-    if sequential:
-      return self._update_in_rounds(spec, params, slot_vars, ids, grads, lr)
+    args = (spec, *self._table_variables(table))
+    if (self._engine == "v1" and isinstance(spec, optimizers.Adam)
+        and not spec.lazy_adam):
+      g = tf.tensor_scatter_nd_add(tf.zeros_like(args[1]), ids[:, None], grads)
+      return _Update(table, g, functools.partial(
+          self._update_all_rows, *args, g, lr))
+    if self._engine == "v1" and not spec.use_gradient_accumulation:
+      return _Update(table, grads, functools.partial(
+          self._update_in_rounds, *args, ids, grads, lr))
     unique, index = tf.unique(ids)
     g = tf.math.unsorted_segment_sum(grads, index, tf.size(unique))
-    return self._write_rows(spec, params, slot_vars, unique, g, lr)
+    return _Update(table, g, functools.partial(
+        self._write_rows, *args, unique, g, lr))
+
+  def _table_variables(self, table: _Table):
+    """``(parameters, [slot variables in the spec's slot order])``."""
+    variables = self._variables[table.name]
+    return (variables["parameters"],
+            [variables[s] for s in table.optimizer.slot_names])
 
   def _write_rows(self, spec, params, slot_vars, rows, g, lr):
+    """Updates ``rows`` (unique ids) of one table with their gradients ``g``."""
     w = tf.gather(params, rows)
     slots = tuple(tf.gather(s, rows) for s in slot_vars)
     w, slots = update_rules.apply_update(spec, w, slots, g, lr,
                                          engine=self._engine)
-    indices = rows[:, None]
-    ops = [params.scatter_nd_update(indices, w)]
-    ops += [v.scatter_nd_update(indices, s) for v, s in zip(slot_vars, slots)]
+    ops = [params.scatter_update(tf.IndexedSlices(w, rows))]
+    ops += [v.scatter_update(tf.IndexedSlices(s, rows))
+            for v, s in zip(slot_vars, slots)]
     return tf.group(ops)
 
-  def _update_all_rows(self, spec, params, slot_vars, ids, grads, lr):
+  def _update_all_rows(self, spec, params, slot_vars, g, lr):
     """Non-lazy Adam: every row steps, untouched ones with g = 0."""
-    g = tf.tensor_scatter_nd_add(tf.zeros_like(params), ids[:, None], grads)
     w, slots = update_rules.apply_update(
         spec, params.read_value(), tuple(s.read_value() for s in slot_vars), g,
         lr, engine=self._engine)
@@ -570,6 +617,10 @@ class CPUEmbedding(autotrackable.AutoTrackable):
 
 
 # --- helpers -----------------------------------------------------------------
+
+def _where(feature: _Feature, table: _Table) -> str:
+  return f"feature '{feature.path}' (table '{table.name}')"
+
 
 def _untracked(obj, **attributes):
   """Sets attributes without checkpoint dependency tracking."""
