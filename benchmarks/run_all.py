@@ -5,7 +5,7 @@ Workloads (``benchmarks/workloads.py``): W1, one table of dim 16 at vocabulary
 capped so that every contender's tables fit this machine; six multi-hot
 features). Batch 4096 Zipf(1.2) ids; optimizers SGD, Adagrad, Adam and FTRL.
 
-Method: for one (workload, optimizer) all contenders are built in this one
+Method: for one (workload, optimizer) all contenders are built in one fresh
 process, warmed up, then stepped round robin (each repeat runs every contender
 once on the same batch, so machine noise hits them alike); the median step
 time is reported, with p10/p90 in the JSON. ``scaling`` times CPUEmbedding
@@ -45,6 +45,38 @@ def _summary(times):
   return {"median_ms": statistics.median(times),
           "p10_ms": float(np.percentile(times, 10)),
           "p90_ms": float(np.percentile(times, 90))}
+
+
+def compare_in_subprocess(workload_expr, optimizer, contenders, repeats, warmup):
+  """``compare`` in a fresh process: no memory carried over between runs.
+
+  At 10^7 rows the six contenders hold about 12 GB of tables and slots; a
+  fresh process per comparison keeps the peak at one comparison's.
+  """
+  code = (
+      "import json\n"
+      "from benchmarks import run_all, workloads\n"
+      f"r = run_all.compare({workload_expr}, {optimizer!r}, {contenders!r}, "
+      f"{repeats}, {warmup})\n"
+      "import resource\n"
+      "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024\n"
+      "print('RESULT ' + json.dumps([r, peak]))\n")
+  timings, peak = json.loads(_run_python(code).split("RESULT ", 1)[1])
+  _PEAK_RSS_MIB[0] = max(_PEAK_RSS_MIB[0], peak)
+  return timings
+
+
+_PEAK_RSS_MIB = [0.0]  # The largest comparison process's peak RSS.
+
+
+def _run_python(code: str) -> str:
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  done = subprocess.run([sys.executable, "-c", code], text=True,
+                        capture_output=True, env=env, cwd=os.path.dirname(HERE))
+  if done.returncode:
+    raise RuntimeError(f"benchmark subprocess failed ({done.returncode}):\n"
+                       f"{done.stderr[-3000:]}")
+  return done.stdout
 
 
 def compare(workload, optimizer, contenders, repeats, warmup):
@@ -87,28 +119,35 @@ def scaling(vocabs, optimizer, steps, warmup):
 
 
 def memory(workload_name, optimizer, steps):
-  """Peak RSS of a fresh process running CPUEmbedding alone, in MiB."""
+  """Resident memory of a fresh process running CPUEmbedding alone, in MiB.
+
+  ``built - before`` is what building the tables and slots added; ``peak -
+  built`` is the most the training steps ever held on top of that (the
+  high-water mark is reset after building, through /proc/self/clear_refs).
+  """
   code = (
-      "import resource, sys\n"
+      "import gc\n"
       "from benchmarks import workloads\n"
-      "rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024\n"
+      "def status(key):\n"
+      "  for line in open('/proc/self/status'):\n"
+      "    if line.startswith(key + ':'):\n"
+      "      return int(line.split()[1]) / 1024\n"
       f"w = {workload_name}\n"
       "b = w.batches(4)\n"
-      "base = rss()\n"
+      "gc.collect()\n"
+      "before = status('VmRSS')\n"
       f"step, tables = workloads.cpu_embedding(w, {optimizer!r})\n"
-      "built = rss()\n"
+      "gc.collect()\n"
+      "built = status('VmRSS')\n"
+      "open('/proc/self/clear_refs', 'w').write('5')\n"
       f"for i in range({steps}): step(b[i % 4])\n"
-      f"slots = workloads.SLOTS[{optimizer!r}]\n"
-      "state = w.parameters * 4 * (1 + slots) / 2**20\n"
-      "print(base, built, rss(), state)\n")
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-  out = subprocess.run([sys.executable, "-c", code], check=True, text=True,
-                       capture_output=True, env=env,
-                       cwd=os.path.dirname(HERE)).stdout.split()
-  base, built, peak, state = map(float, out[-4:])
-  return {"baseline_mib": base, "after_build_mib": built, "peak_mib": peak,
-          "tables_and_slots_mib": state,
-          "peak_over_tables_and_slots_mib": peak - base - state}
+      "peak = status('VmHWM')\n"
+      f"state = w.parameters * 4 * (1 + workloads.SLOTS[{optimizer!r}]) / 2**20\n"
+      "print(before, built, peak, state)\n")
+  before, built, peak, state = map(float, _run_python(code).split()[-4:])
+  return {"before_build_mib": before, "after_build_mib": built, "peak_mib": peak,
+          "tables_and_slots_mib": state, "build_added_mib": built - before,
+          "steps_added_mib": peak - built}
 
 
 def main():
@@ -135,22 +174,23 @@ def main():
                   "tensorflow": tf.__version__, "keras": keras.__version__},
       "batch": workloads.BATCH, "repeats": repeats, "warmup": warmup,
       "skipped": skipped, "w1": {}, "w2": {}, "scaling": {}, "memory": {}}
-  w2 = workloads.w2(w2_cap)
   results["w2_tables"] = [dict(name=t.name, vocab=t.vocab, dim=t.dim,
                                combiner=t.combiner, max_ids=t.max_ids)
-                          for t in w2.tables]
+                          for t in workloads.w2(w2_cap).tables]
   for optimizer in optimizers:
     results["w1"][optimizer] = {}
     for vocab in vocabs:
       print(f"W1 {optimizer} vocabulary {vocab:,}...", flush=True)
-      results["w1"][optimizer][str(vocab)] = compare(
-          workloads.w1(vocab), optimizer, contenders, repeats, warmup)
+      results["w1"][optimizer][str(vocab)] = compare_in_subprocess(
+          f"workloads.w1({vocab})", optimizer, contenders, repeats, warmup)
     print(f"W2 {optimizer}...", flush=True)
-    results["w2"][optimizer] = compare(w2, optimizer, contenders, repeats, warmup)
+    results["w2"][optimizer] = compare_in_subprocess(
+        f"workloads.w2({w2_cap})", optimizer, contenders, repeats, warmup)
     results["scaling"][optimizer] = scaling(vocabs, optimizer, scaling_steps, warmup)
     results["memory"][optimizer] = memory(
         f"workloads.w1({vocabs[-1]})", optimizer, 3 if args.quick else 50)
-  results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  results["peak_rss_mib"] = max(
+      _PEAK_RSS_MIB[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
   os.makedirs(args.out, exist_ok=True)
   name = "bench_quick" if args.quick else "bench"
   with open(os.path.join(args.out, f"{name}.json"), "w") as f:
@@ -190,10 +230,10 @@ def markdown(results) -> str:
     lines += ["", f"cpu_embedding alone, consecutive steps: {_ms(s[first]['median_ms'])} ms "
               f"at {int(first):,} rows, {_ms(s[last]['median_ms'])} ms at {int(last):,} "
               f"rows: **{s[last]['median_ms'] / s[first]['median_ms']:.2f}x**. Memory at "
-              f"{int(last):,} rows: tables + slots {m['tables_and_slots_mib']:,.0f} MiB, "
-              f"peak RSS {m['peak_mib']:,.0f} MiB of which {m['baseline_mib']:,.0f} MiB "
-              f"before building (TensorFlow): "
-              f"{m['peak_over_tables_and_slots_mib']:+,.0f} MiB beyond tables + slots.", ""]
+              f"{int(last):,} rows: tables + slots {m['tables_and_slots_mib']:,.0f} MiB; "
+              f"building them added {m['build_added_mib']:,.0f} MiB of resident memory, "
+              f"{m['steps_added_mib']:,.0f} MiB more at the peak of "
+              f"training steps.", ""]
   names = list(next(iter(results["w2"].values()))) if results["w2"] else []
   if names:
     lines += ["### W2: 26 Criteo-like tables (median ms per step; x = time / "
@@ -212,7 +252,8 @@ def markdown(results) -> str:
   lines += ["", f"Machine: {m['cores']} cores, Python {m['python']}, TensorFlow "
             f"{m['tensorflow']}, Keras {m['keras']}; {results['repeats']} "
             f"interleaved repeats after {results['warmup']} warm-up steps; peak RSS "
-            f"of the benchmark process {results['peak_rss_mib']:,.0f} MiB.", ""]
+            f"of the largest comparison process (all six contenders' tables) "
+            f"{results['peak_rss_mib']:,.0f} MiB.", ""]
   return "\n".join(lines)
 
 

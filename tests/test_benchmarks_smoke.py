@@ -27,7 +27,8 @@ def test_quick_benchmark_writes_json_and_tables(tmp_path):
   assert len(results["w2_tables"]) == 26
   assert set(results["scaling"]["adagrad"]) == {"1000", "10000"}
   memory = results["memory"]["adagrad"]
-  assert memory["tables_and_slots_mib"] > 0 and memory["peak_mib"] >= memory["baseline_mib"]
+  assert memory["tables_and_slots_mib"] > 0
+  assert memory["peak_mib"] >= memory["after_build_mib"] >= memory["before_build_mib"] > 0
   text = run_all.markdown(results)
   assert "### W1, adagrad" in text and "### W2" in text
 
