@@ -97,3 +97,29 @@ def test_unknown_layout_is_rejected(builder):
   with pytest.raises(ValueError, match="feature 'x': layout must be one of"):
     pipeline.make_dataset(builder.as_dataset(split="train"),
                           features={"x": ("c0", "dense_ish")}, batch_size=2)
+
+
+@pytest.mark.parametrize("shuffle_seed", [None, 3])
+def test_batch_parsing_gives_the_tfds_batches(builder, shuffle_seed):
+  features = {"user": ("c0", "dense"), "tags": ("c21", "ragged"),
+              "more": ("c22", "sparse")}
+  common = dict(features=features, batch_size=64, drop_remainder=False,
+                shuffle_seed=shuffle_seed)
+  by_example = pipeline.make_dataset(
+      builder.as_dataset(split="test", shuffle_files=False), **common)
+  by_batch = pipeline.make_dataset(
+      synthetic_clicks.serialized_split(builder, "test"),
+      parse_batch=synthetic_clicks.parse_batch, **common)
+  batches = 0
+  for (a, label_a), (b, label_b) in zip(by_example, by_batch):
+    np.testing.assert_array_equal(label_a, label_b)
+    np.testing.assert_array_equal(a["dense"], b["dense"])
+    np.testing.assert_array_equal(a["categorical"]["user"], b["categorical"]["user"])
+    assert a["categorical"]["tags"].to_list() == b["categorical"]["tags"].to_list()
+    x, y = a["categorical"]["more"], b["categorical"]["more"]
+    for part in ("indices", "values", "dense_shape"):
+      np.testing.assert_array_equal(getattr(x, part), getattr(y, part))
+    batches += 1
+  assert batches == 16  # 1,000 examples: 15 batches of 64 and one of 40.
+  # A split tfds must slice falls back to tfds's own reading.
+  assert synthetic_clicks.serialized_split(builder, "train[:10%]") is None

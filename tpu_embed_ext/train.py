@@ -122,12 +122,22 @@ def input_datasets(spec: EmbeddingSpec, cfg: TrainConfig, *, skip_batches=0):
                 dense_column=cfg.dense_column, label_column=cfg.label,
                 preprocess=pipeline.preprocessor(cfg.dataset))
   train = pipeline.make_dataset(
-      builder.as_dataset(split=cfg.train_split, shuffle_files=False),
-      shuffle_seed=cfg.seed, repeat=True, **common).skip(skip_batches)
+      **_split(builder, cfg.train_split), shuffle_seed=cfg.seed, repeat=True,
+      **common).skip(skip_batches)
   evaluation = pipeline.make_dataset(
-      builder.as_dataset(split=cfg.eval_split, shuffle_files=False),
-      num_batches=cfg.eval_batches, drop_remainder=False, **common)
+      **_split(builder, cfg.eval_split), num_batches=cfg.eval_batches,
+      drop_remainder=False, **common)
   return train, evaluation
+
+
+def _split(builder, split: str) -> Dict[str, Any]:
+  """``make_dataset``'s source: batch-parsed records where we can, else tfds's."""
+  if builder.name == "synthetic_clicks":
+    from tpu_embed_ext.data import synthetic_clicks
+    records = synthetic_clicks.serialized_split(builder, split)
+    if records is not None:
+      return {"ds": records, "parse_batch": synthetic_clicks.parse_batch}
+  return {"ds": builder.as_dataset(split=split, shuffle_files=False)}
 
 
 def build_model(spec: EmbeddingSpec, cfg: TrainConfig, *, engine=None):

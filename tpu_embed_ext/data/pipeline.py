@@ -28,7 +28,7 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
                  shuffle_buffer: int = 10_000, repeat: bool = False,
                  drop_remainder: bool = True,
                  num_batches: Optional[int] = None,
-                 preprocess=None) -> tf.data.Dataset:
+                 preprocess=None, parse_batch=None) -> tf.data.Dataset:
   """Batches a tfds split (a dataset of example dicts).
 
   Args:
@@ -39,6 +39,9 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
     repeat: repeat forever (after shuffling, so each epoch is reshuffled).
     num_batches: keep only this many batches.
     preprocess: maps a raw example to its columns (see ``preprocessor``).
+    parse_batch: if given, ``ds`` holds serialized examples and this maps a
+      batch of them to batched columns (``synthetic_clicks.parse_batch``):
+      the same batches, parsed a batch at a time instead of one by one.
 
   Raises:
     ValueError: a layout not in FORMATS.
@@ -57,13 +60,20 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
       example = preprocess(example)
     return {k: example[k] for k in keep}
 
-  ds = ds.map(select, num_parallel_calls=tf.data.AUTOTUNE,
-              deterministic=True).cache()
+  if parse_batch is None:
+    ds = ds.map(select, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  # Cached after the first pass: decoded examples, or the serialized ones.
+  ds = ds.cache()
   if shuffle_seed is not None:
     ds = ds.shuffle(shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=True)
   if repeat:
     ds = ds.repeat()
-  ds = ds.ragged_batch(batch_size, drop_remainder=drop_remainder)
+  if parse_batch is None:
+    ds = ds.ragged_batch(batch_size, drop_remainder=drop_remainder)
+  else:
+    ds = ds.batch(batch_size, drop_remainder=drop_remainder).map(
+        lambda serialized: select(parse_batch(serialized)),
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
   def to_model_inputs(batch):
     categorical = {}

@@ -17,6 +17,7 @@ download, same bytes on every machine.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
@@ -26,8 +27,8 @@ import tensorflow_datasets as tfds
 from tpu_embed_ext.data.pipeline import auc
 
 __all__ = ["SyntheticClicks", "SyntheticClicksConfig", "vocabulary_sizes",
-           "multi_hot_lengths", "planted_auc", "NUM_DENSE", "CATEGORICAL",
-           "MULTI_HOT"]
+           "multi_hot_lengths", "planted_auc", "serialized_split", "parse_batch",
+           "NUM_DENSE", "CATEGORICAL", "MULTI_HOT"]
 
 NUM_DENSE = 13
 CATEGORICAL = tuple(f"c{i}" for i in range(26))
@@ -278,3 +279,45 @@ def planted_auc(dataset: str = "synthetic_clicks/default", split: str = "test",
     labels.append(label.numpy())
     logits.append(logit.numpy())
   return auc(np.concatenate(labels), np.concatenate(logits))
+
+
+# --- fast reading for training -------------------------------------------------
+
+def serialized_split(builder: tfds.core.DatasetBuilder,
+                     split: str) -> Optional[tf.data.Dataset]:
+  """A split's serialized examples in stored order (``parse_batch`` reads them).
+
+  tfds decodes one example at a time, about 60 ms per batch of 512 on two
+  cores, more than a training step; parsing a whole batch at once is about
+  ten times cheaper. None for a split tfds must slice (``train[:90%]``).
+  """
+  if split not in builder.info.splits:
+    return None
+  return tf.data.TFRecordDataset(
+      [os.fspath(p) for p in builder.info.splits[split].filepaths])
+
+
+def parse_batch(serialized: tf.Tensor) -> Dict[str, tf.Tensor]:
+  """A batch of serialized examples -> the columns tfds would give, batched.
+
+  ``c0``..``c25`` are RaggedTensors ``[batch, (ids)]``; ``dense`` ``[batch,
+  13]``; ``label`` and ``planted_logit`` ``[batch]``. Undoes
+  ``_PackedIdLists``: every example stores its id lists back to back, in
+  CATEGORICAL order, with their lengths.
+  """
+  parsed = tf.io.parse_example(serialized, {
+      _PackedIdLists._IDS: tf.io.RaggedFeature(tf.int64),  # pylint: disable=protected-access
+      _PackedIdLists._LENGTHS: tf.io.FixedLenFeature(  # pylint: disable=protected-access
+          [len(CATEGORICAL)], tf.int64),
+      "dense": tf.io.FixedLenFeature([NUM_DENSE], tf.float32),
+      "label": tf.io.FixedLenFeature([], tf.int64),
+      "planted_logit": tf.io.FixedLenFeature([], tf.float32)})
+  ids = parsed.pop(_PackedIdLists._IDS)  # pylint: disable=protected-access
+  lengths = parsed.pop(_PackedIdLists._LENGTHS)  # pylint: disable=protected-access
+  # [batch * 26, (ids)] in example-major order: column j of example b is
+  # list 26 b + j.
+  lists = tf.RaggedTensor.from_row_lengths(ids.values, tf.reshape(lengths, [-1]))
+  first = tf.range(tf.shape(lengths, out_type=tf.int64)[0]) * len(CATEGORICAL)
+  for j, name in enumerate(CATEGORICAL):
+    parsed[name] = tf.gather(lists, first + j)
+  return parsed
