@@ -50,6 +50,8 @@ setuptools.setup(
             "importlib_resources",
             "matplotlib>=3.5",
             "tensorboard",
+            # The benchmark contenders' equivalence test covers keras-rs too.
+            "keras-rs>=0.2; python_version >= '3.11'",
         ],
     },
     entry_points={"console_scripts": ["tpu-embed=tpu_embed_ext.__main__:run"]},
