@@ -100,22 +100,9 @@ def compare(workload, optimizer, contenders, repeats, warmup):
 
 def scaling(vocabs, optimizer, steps, warmup):
   """CPUEmbedding alone: consecutive steps, as in a training loop."""
-  out = {}
-  for vocab in vocabs:
-    workload = workloads.w1(vocab)
-    step, emb = workloads.cpu_embedding(workload, optimizer)
-    batches = workload.batches(16, seed=1)
-    for i in range(warmup):
-      step(batches[i % len(batches)])
-    times = []
-    for i in range(steps):
-      start = time.perf_counter()
-      step(batches[i % len(batches)])
-      times.append((time.perf_counter() - start) * 1e3)
-    out[str(vocab)] = _summary(times)
-    del step, emb
-    gc.collect()
-  return out
+  return {str(vocab): compare(workloads.w1(vocab), optimizer, ["cpu_embedding"],
+                              steps, warmup)["cpu_embedding"]
+          for vocab in vocabs}
 
 
 def memory(workload_name, optimizer, steps):

@@ -120,8 +120,10 @@ def _loss(activations, batch: int):
   return tf.add_n([tf.reduce_sum(a * a) for a in tf.nest.flatten(activations)]) / batch
 
 
-SLOTS = {"sgd": 0, "adagrad": 1, "adam": 2, "ftrl": 2}
-"""Slot variables per table, each the table's shape."""
+SLOT_INITIAL_VALUES = {"sgd": (), "adagrad": (0.1,), "adam": (0.0, 0.0),
+                       "ftrl": (0.1, 0.0)}
+"""Each optimizer's slot variables (each the table's shape), as initialised."""
+SLOTS = {name: len(values) for name, values in SLOT_INITIAL_VALUES.items()}
 
 INIT = 0.01
 """Every table starts at this value, so the first steps already move rows."""
@@ -227,11 +229,10 @@ def keras_rs(workload: Workload, optimizer: str):
 
 def sparse_floor(workload: Workload, optimizer: str):
   """Per table: unique + segment sum + one fused sparse-apply kernel."""
+  slots = SLOT_INITIAL_VALUES[optimizer]
   tables = {}
   for t in workload.tables:
     shape = [t.vocab, t.dim]
-    slots = {"sgd": [], "adagrad": [0.1], "ftrl": [0.1, 0.0],
-             "adam": [0.0, 0.0]}[optimizer]
     tables[t.name] = (t, tf.Variable(tf.fill(shape, INIT)),
                       [tf.Variable(tf.fill(shape, v)) for v in slots])
 

@@ -109,7 +109,7 @@ def test_batch_parsing_gives_the_tfds_batches(builder, shuffle_seed):
       builder.as_dataset(split="test", shuffle_files=False), **common)
   by_batch = pipeline.make_dataset(
       synthetic_clicks.serialized_split(builder, "test"),
-      parse_batch=synthetic_clicks.parse_batch, **common)
+      parse_batch=builder.info.features.decode_batch, **common)
   batches = 0
   for (a, label_a), (b, label_b) in zip(by_example, by_batch):
     np.testing.assert_array_equal(label_a, label_b)

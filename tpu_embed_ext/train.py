@@ -136,7 +136,7 @@ def _split(builder, split: str) -> Dict[str, Any]:
     from tpu_embed_ext.data import synthetic_clicks
     records = synthetic_clicks.serialized_split(builder, split)
     if records is not None:
-      return {"ds": records, "parse_batch": synthetic_clicks.parse_batch}
+      return {"ds": records, "parse_batch": builder.info.features.decode_batch}
   return {"ds": builder.as_dataset(split=split, shuffle_files=False)}
 
 

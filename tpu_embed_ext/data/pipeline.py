@@ -40,7 +40,8 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
     num_batches: keep only this many batches.
     preprocess: maps a raw example to its columns (see ``preprocessor``).
     parse_batch: if given, ``ds`` holds serialized examples and this maps a
-      batch of them to batched columns (``synthetic_clicks.parse_batch``):
+      batch of them to batched columns (``synthetic_clicks``' features'
+      ``decode_batch``):
       the same batches, parsed a batch at a time instead of one by one.
 
   Raises:
