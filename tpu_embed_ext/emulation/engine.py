@@ -381,32 +381,32 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       planned.append(updates.prepare(
           table.optimizer, variables["parameters"],
           [variables[s] for s in table.optimizer.slot_names], ids, grads,
-          updates.learning_rate(table.optimizer, rates), engine=self._engine))
+          updates.learning_rate(table.optimizer, rates), engine=self._engine,
+          where=f"table '{table.name}'"))
     finite = None
     if self._validate:
       finite = validation.check_finite([t.name for t in self._tables],
                                        [u.grads for u in planned])
 
-    def write():
-      with tf.control_dependencies([w for w in (u.write() for u in planned)
+    def write(accept=None):
+      with tf.control_dependencies([w for w in (u.write(accept) for u in planned)
                                     if w is not None]):
-        return self.step.assign_add(1)
+        if accept is None:
+          return self.step.assign_add(1)
+        return self.step.assign_add(tf.cast(accept, tf.int64))
 
     if tf.executing_eagerly():
       write()
       return
-    if finite is not None and finite.assertion is None:  # XLA
-      ok = tf.logical_and(tf.reduce_all(status[:, 0] > 0), finite.ok)
-      first_bad = tf.argmin(status[:, 0], output_type=tf.int64)
-      failure = tf.where(tf.reduce_all(status[:, 0] > 0), finite.failure,
-                         status[first_bad, 1:])
-
-      def reject():
-        return self._failure.assign(failure).op
-
-      def accept():
-        return write().op
-      tf.cond(ok, accept, reject)
+    if finite is not None and finite.assertion is None:
+      # XLA: no assertion can stop the step, so it is gated instead, and the
+      # failure recorded for raise_if_failed.
+      ids_ok = tf.reduce_all(status[:, 0] > 0)
+      accept = tf.logical_and(ids_ok, finite.ok)
+      failure = tf.where(ids_ok, finite.failure,
+                         tf.gather(status, tf.argmin(status[:, 0]))[1:])
+      with tf.control_dependencies([write(accept)]):
+        self._failure.assign(tf.where(accept, self._failure, failure))
       return
     checks = [status] + ([finite.assertion] if finite is not None else [])
     with tf.control_dependencies(checks):

@@ -28,12 +28,19 @@ __all__ = ["Occurrences", "feature_occurrences", "activation",
 
 
 class Occurrences(NamedTuple):
-  """One feature's lookup in flat form: ids[i] * gains[i] -> row rows[i]."""
+  """One feature's lookup in flat form: ids[i] * gains[i] -> row rows[i].
+
+  ``kept`` marks occurrences that count (None: all). Only XLA uses it: there
+  truncated sequence positions stay in place with gain 0 instead of being
+  masked out, because XLA mishandles the data-dependent sizes that masking
+  makes (measured: ``tf.unique`` of a masked tensor returned a duplicate).
+  """
   ids: tf.Tensor              # [n] int64
   rows: Optional[tf.Tensor]   # [n] int; None: the identity (dense lookups)
   gains: Optional[tf.Tensor]  # [n] float32; None: all ones
   num_rows: tf.Tensor         # scalar: rows of the [num_rows, dim] output
   shape: Any                  # the activation shape, without dim
+  kept: Optional[tf.Tensor] = None  # [n] bool
 
 
 def feature_occurrences(where: str, config, x, w, check: bool) -> Occurrences:
@@ -81,7 +88,8 @@ def _ragged(where, config, x, w, check) -> Occurrences:
     raise errors.InputError(
         f"{where}: ragged ids must have rank 2 [batch, (ids)], got rank "
         f"{x.shape.rank}. Fix: merge the extra ragged dimensions.")
-  batch = x.nrows(out_type=tf.int64)
+  # A static batch size when known: XLA needs static reshapes.
+  batch = x.shape[0] if x.shape[0] is not None else x.nrows(out_type=tf.int64)
   ids, row = x.values, x.value_rowids()
   weight = None if w is None else tf.cast(w.values, tf.float32)
   if w is not None and check:
@@ -102,7 +110,8 @@ def _ragged(where, config, x, w, check) -> Occurrences:
   if config.max_sequence_length > 0:
     length = config.max_sequence_length
     return _sequence(ids, row, _positions(x), batch, length, [batch, length])
-  return _combined(config, ids, row, weight, batch, tf.reshape(batch, [1]))
+  return _combined(config, ids, row, weight, batch,
+                   [batch] if isinstance(batch, int) else tf.reshape(batch, [1]))
 
 
 def _sparse(where, config, x, w, check) -> Occurrences:
@@ -119,13 +128,16 @@ def _sparse(where, config, x, w, check) -> Occurrences:
     batch = x.dense_shape[0]
     return _sequence(x.values, x.indices[:, 0], x.indices[:, 1], batch,
                      length, [batch, length])
-  # Combine over the last dimension, as embedding_lookup_sparse does.
-  outer = x.dense_shape[:-1]
+  # Combine over the last dimension, as embedding_lookup_sparse does. A
+  # static outer shape is used when known (XLA needs static reshapes).
+  static = x.shape[:-1]
+  outer = static.as_list() if static.is_fully_defined() else x.dense_shape[:-1]
   row = tf.zeros_like(x.indices[:, 0])
   for d in range(rank - 1):
-    row = row * x.dense_shape[d] + x.indices[:, d]
+    row = row * outer[d] + x.indices[:, d]
   # Like embedding_lookup_sparse, output_shape does not reshape sparse input.
-  return _combined(config, x.values, row, weight, tf.reduce_prod(outer), outer)
+  num_rows = _prod(outer) if isinstance(outer, list) else tf.reduce_prod(outer)
+  return _combined(config, x.values, row, weight, num_rows, outer)
 
 
 def _combined(config, ids, row, weight, num_rows, shape) -> Occurrences:
@@ -151,9 +163,14 @@ def _positions(x: tf.RaggedTensor) -> tf.Tensor:
 def _sequence(ids, row, col, batch, length, shape) -> Occurrences:
   """Sequence lookups: position col of row lands in output row*length+col."""
   keep = col < length
+  num_rows = tf.cast(batch, tf.int64) * length
+  if validation.in_xla_context():
+    zero = tf.zeros_like(ids)
+    return Occurrences(tf.where(keep, ids, zero),
+                       tf.where(keep, row * length + col, tf.zeros_like(row)),
+                       tf.cast(keep, tf.float32), num_rows, shape, keep)
   ids, row, col = (tf.boolean_mask(t, keep) for t in (ids, row, col))
-  return Occurrences(ids, row * length + col, None,
-                     tf.cast(batch, tf.int64) * length, shape)
+  return Occurrences(ids, row * length + col, None, num_rows, shape)
 
 
 def _prod(shape) -> int:
@@ -193,14 +210,17 @@ def occurrence_gradients(occ: Occurrences, grad, dim: int):
   ``grad`` None is a zero gradient for every occurrence (the TPU applies a
   zero-gradient update then, docs/semantics.md section 7).
   """
+  # Occurrences that do not count get id -1: no row is touched for them.
+  ids = occ.ids if occ.kept is None else tf.where(
+      occ.kept, occ.ids, -tf.ones_like(occ.ids))
   if grad is None:
-    return occ.ids, tf.zeros([tf.size(occ.ids), dim], tf.float32)
+    return ids, tf.zeros([tf.size(ids), dim], tf.float32)
   grad = tf.reshape(tf.cast(grad, tf.float32), [-1, dim])
   if occ.rows is not None:
     grad = tf.gather(grad, occ.rows)
   if occ.gains is not None:
     grad = grad * occ.gains[:, None]
-  return occ.ids, grad
+  return ids, grad
 
 
 def _quantize(rows, config):
