@@ -9,7 +9,7 @@ sqrt(sum(w^2))``, 0 for an empty row); a sequence feature
 with later positions truncated and missing ones zero; ``output_shape``
 reshapes as ``TPUEmbeddingForServing`` does. Simulated quantization
 (``TableConfig.quantization_config``) is applied to the gathered rows before
-the combiner, forward only (SEMANTICS.md section 7).
+the combiner, forward only (docs/semantics.md, other options).
 
 Every lookup is reduced to one form per feature: occurrence ``i`` sends
 ``gain_i * E[id_i]`` to output row ``r_i``. Training reuses it backwards: the
@@ -93,14 +93,14 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     engine: ``"v1"`` emulates ``TPUEmbedding`` (TPU v2-v4); ``"v2"`` emulates
       ``TPUEmbeddingV2`` (SparseCore), which ignores weight clipping,
       ``clipvalue``, ``use_gradient_accumulation`` and ``lazy_adam`` and
-      rejects weight decay (SEMANTICS.md "Engine B").
+      rejects weight decay (docs/semantics.md, engine v1 and v2).
     validate: check ids, shapes and gradients on every step (one reduction
       per feature; on by default).
 
   ``use_gradient_accumulation=False``: the TPU then applies the optimizer to
   gradient contributions as they arrive, so an id that occurs several times in
   a step is updated several times, in an order the TPU does not specify
-  (SEMANTICS.md section 7). The emulator makes that order deterministic: in
+  (docs/semantics.md, other options). The emulator makes that order deterministic: in
   round ``k`` it applies the ``k``-th contribution (in input order) of every
   id that has at least ``k`` contributions. With accumulation (the default)
   contributions are summed and each id is updated once.
@@ -388,7 +388,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
                           outer)
 
   def _combined(self, config, ids, row, weight, num_rows, shape):
-    """Per-row combiner gains (SEMANTICS.md section 0.1)."""
+    """Per-row combiner gains (docs/semantics.md, the step)."""
     combiner = config.table.combiner
     w = tf.ones_like(ids, tf.float32) if weight is None else weight
     if combiner == "sum":
@@ -657,7 +657,7 @@ def _quantize(rows, config):
   quantum = (upper - lower) / (config.num_buckets - 1)
   x = tf.clip_by_value(rows, lower, upper)
   q = tf.floor((x - lower) / quantum + 0.5) * quantum + lower
-  # Straight-through: the backward pass sees the identity (SEMANTICS.md s7).
+  # Straight-through: the backward pass sees the identity (docs/semantics.md).
   return rows + tf.stop_gradient(q - rows)
 
 
