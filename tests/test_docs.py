@@ -172,3 +172,53 @@ def test_cited_tests_exist():
                    if not (ROOT / "tests" / module).exists()
                    or f"def {name}(" not in (ROOT / "tests" / module).read_text())
   assert not missing, missing
+
+
+# --- the config format page ----------------------------------------------------
+
+def _sections(text: str):
+  """``{### heading: {`key`: default text}}`` from the tables under each heading."""
+  out, heading = {}, None
+  for line in text.splitlines():
+    if line.startswith("## ") or line.startswith("### "):
+      heading = line.lstrip("#").strip()
+      out[heading] = {}
+    row = re.match(r"\| `(\w+)` \| ([^|]*) \|", line)
+    if row and heading is not None:
+      out[heading][row.group(1)] = row.group(2).strip()
+  return out
+
+
+def test_config_examples_load():
+  from tpu_embed_ext import spec as spec_lib
+  from tpu_embed_ext import train
+  import yaml
+  blocks = re.findall(r"```yaml\n(.*?)```", (DOCS / "config.md").read_text(), re.S)
+  assert len(blocks) >= 5
+  for block in blocks:
+    config = yaml.safe_load(block)
+    spec = spec_lib.EmbeddingSpec.from_dict(config)
+    train.TrainConfig.from_dict(spec.train)
+
+
+def test_config_page_lists_every_key_with_its_default():
+  import dataclasses
+  import yaml
+  from tpu_embed_ext import optimizers, spec as spec_lib, train
+  sections = _sections((DOCS / "config.md").read_text())
+  assert set(sections["Top-level keys"]) == set(spec_lib._TOP_LEVEL)  # pylint: disable=protected-access
+  assert set(sections["`tables`"]) == set(spec_lib._TABLE_FIELDS)  # pylint: disable=protected-access
+  assert set(sections["`features`"]) == set(spec_lib._FEATURE_FIELDS)  # pylint: disable=protected-access
+  assert set(sections["`train`"]) == {f.name for f in dataclasses.fields(train.TrainConfig)}
+  for heading, cls in (("`tables`", spec_lib.TableSpec), ("`features`", spec_lib.FeatureSpec)):
+    for field in dataclasses.fields(cls):
+      if field.name in sections[heading] and field.default is not dataclasses.MISSING:
+        assert yaml.safe_load(sections[heading][field.name].strip("`")) == field.default, (
+            heading, field.name)
+  common = sections["Common fields"]
+  for name, cls in optimizers.TYPES.items():
+    rows = {**common, **sections[f"`{name}`"]}
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
+    assert set(rows) == set(fields), name
+    for key, default in fields.items():
+      assert yaml.safe_load(rows[key].strip("`")) == default, (name, key)
