@@ -1,5 +1,5 @@
-"""The TPU embedding engine emulated on CPU: update rules and the engine.
+"""The TPU embedding engine emulated on CPU (``engine.CPUEmbedding``).
 
-A regular package (not a namespace one), so ``setuptools.find_packages``
-ships it and the API reference generator finds it.
+A regular package, not a namespace one, so that ``setuptools.find_packages``
+ships it and the API reference generator (mkdocstrings) finds it.
 """
