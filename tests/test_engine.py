@@ -10,7 +10,7 @@ from tpu_embed_ext.emulation import dispatch
 api = tf.tpu.experimental.embedding
 
 
-# --- SEMANTICS.md section 9a: TensorFlow's one-step TPU test scenario --------
+# --- TensorFlow's one-step TPU test scenario (docs/semantics.md) ----------
 
 def _scenario_config(optimizer):
   video = api.TableConfig(8, 4, initializer=tf.constant_initializer(

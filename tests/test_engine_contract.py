@@ -1,4 +1,4 @@
-"""CPUEmbedding against a numpy reference written from SEMANTICS.md.
+"""CPUEmbedding against a numpy reference written from docs/semantics.md.
 
 One contract table runs every optimizer through the same checks: slot names,
 shapes and initial values, then 10 training steps whose tables and slots must
@@ -32,18 +32,18 @@ FEATURES = {"watched": ("video", 0, "ragged"), "favorited": ("video", 0, "sparse
 WEIGHTED = {"watched", "friends", "terms"}
 
 
-# --- numpy reference, from SEMANTICS.md --------------------------------------
+# --- numpy reference, from docs/semantics.md ------------------------------
 
-def ref_sgd(w, s, g, lr, o):                                  # section 1
+def ref_sgd(w, s, g, lr, o):                                  # SGD
   return w - lr * g, s
 
 
-def ref_adagrad(w, s, g, lr, o):                              # section 2
+def ref_adagrad(w, s, g, lr, o):                              # Adagrad
   acc = s["accumulators"] + g ** 2
   return w - lr * g / np.sqrt(acc), {"accumulators": acc}
 
 
-def ref_adagrad_momentum(w, s, g, lr, o):                     # section 3
+def ref_adagrad_momentum(w, s, g, lr, o):                     # AdagradMomentum
   acc, mom = s["accumulators"], s["momenta"]
   acc = acc + g ** 2 if o["beta2"] == 1 else o["beta2"] * acc + (1 - o["beta2"]) * g ** 2
   sg = (acc + o["epsilon"]) ** (-1.0 / o["exponent"]) * g
@@ -52,7 +52,7 @@ def ref_adagrad_momentum(w, s, g, lr, o):                     # section 3
   return w - lr * upd, {"accumulators": acc, "momenta": mom}
 
 
-def ref_adam(w, s, g, lr, o):                                 # section 4
+def ref_adam(w, s, g, lr, o):                                 # Adam
   m = o["beta_1"] * s["momenta"] + (1 - o["beta_1"]) * g
   v = o["beta_2"] * s["velocities"] + (1 - o["beta_2"]) * g ** 2
   den = (np.sqrt(v + o["epsilon"] ** 2) if o["sum_inside_sqrt"]
@@ -60,7 +60,7 @@ def ref_adam(w, s, g, lr, o):                                 # section 4
   return w - lr * m / den, {"momenta": m, "velocities": v}
 
 
-def ref_ftrl(w, s, g, lr, o):                                 # section 5
+def ref_ftrl(w, s, g, lr, o):                                 # FTRL
   acc, lin = s["accumulators"], s["linears"]
   k = -o["learning_rate_power"]
   l1, l2, beta = (o["l1_regularization_strength"],

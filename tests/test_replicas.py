@@ -1,7 +1,7 @@
 """Several replicas: MirroredStrategy over logical CPU devices.
 
 The TPU sums the per-id gradients of all replicas and updates every touched id
-once per step, on one copy of each table (docs/semantics.md, section 0).
+once per step, on one copy of each table (docs/semantics.md, replicas).
 Here that is checked against TensorFlow's TPU goldens at R = 2 and R = 8,
 against the numpy contract reference over 10 steps at R = 2, and with ids
 that only one replica sees.

@@ -185,7 +185,7 @@ class OptimizerSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SGD(OptimizerSpec):
-  """``w <- w - lr * g`` (SEMANTICS.md section 1)."""
+  """``w <- w - lr * g`` (docs/semantics.md, SGD)."""
 
   learning_rate: LearningRate = 0.01
   type_name: ClassVar[str] = "sgd"
@@ -193,7 +193,7 @@ class SGD(OptimizerSpec):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Adagrad(OptimizerSpec):
-  """``acc <- acc + g^2; w <- w - lr * g / sqrt(acc)`` (section 2)."""
+  """``acc <- acc + g^2; w <- w - lr * g / sqrt(acc)`` (docs/semantics.md)."""
 
   initial_accumulator_value: float = 0.1
   """Initial value of the ``accumulators`` slot; must be > 0."""
@@ -212,7 +212,7 @@ class Adagrad(OptimizerSpec):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdagradMomentum(OptimizerSpec):
-  """Adagrad preconditioning with (Nesterov) momentum (section 3)."""
+  """Adagrad preconditioning with (Nesterov) momentum (docs/semantics.md)."""
 
   momentum: float = 0.0
   """Moving-average factor of the ``momenta`` slot."""
@@ -244,7 +244,7 @@ class AdagradMomentum(OptimizerSpec):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Adam(OptimizerSpec):
-  """Adam without bias correction, as the TPU runs it (section 4).
+  """Adam without bias correction, as the TPU runs it (docs/semantics.md).
 
   ``bias_correction=True`` is ours: the TPU applies none, so the learning rate
   becomes the dynamic rate ``lr(t) * sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1))``
@@ -281,7 +281,7 @@ class Adam(OptimizerSpec):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FTRL(OptimizerSpec):
-  """Follow-the-regularized-leader as the TPU runs it (section 5)."""
+  """Follow-the-regularized-leader as the TPU runs it (docs/semantics.md)."""
 
   learning_rate_power: float = -0.5
   """``-k``: the accumulator enters as ``acc^k``; must be <= 0."""

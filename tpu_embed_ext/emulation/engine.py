@@ -76,7 +76,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     engine: ``"v1"`` emulates ``TPUEmbedding`` (TPU v2-v4); ``"v2"`` emulates
       ``TPUEmbeddingV2`` (SparseCore), which ignores weight clipping,
       ``clipvalue``, ``use_gradient_accumulation`` and ``lazy_adam`` and
-      rejects weight decay (docs/semantics.md, "Engine B").
+      rejects weight decay (docs/semantics.md, engine v1 and v2).
     validate: check ids, shapes and gradients on every step (one reduction
       per feature; on by default).
 
@@ -95,7 +95,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   ``use_gradient_accumulation=False``: the TPU then applies the optimizer to
   gradient contributions as they arrive, so an id that occurs several times in
   a step is updated several times, in an order the TPU does not specify
-  (docs/semantics.md, section 7). The emulator makes that order
+  (docs/semantics.md, other options). The emulator makes that order
   deterministic: round ``k`` applies the ``k``-th contribution (in input
   order) of every id that has one. With accumulation (the default)
   contributions are summed and each id is updated once.

@@ -1,7 +1,7 @@
 """Lookups in occurrence form: every input kind reduced to one shape.
 
 Occurrence ``i`` of a feature sends ``gain_i * E[id_i]`` to output row
-``rows[i]`` (docs/semantics.md, section 0.1). Lookups gather and combine in
+``rows[i]`` (docs/semantics.md, the step). Lookups gather and combine in
 that form; training reads it backwards (the gradient of occurrence ``i`` is
 ``gain_i * dL/dact[rows[i]]``), so forward and backward can never disagree.
 
@@ -11,7 +11,7 @@ a ragged or sparse rank-2 input is combined per row (``sum``, ``mean`` =
 empty row); a sequence feature (``max_sequence_length > 0``) returns
 ``[batch, max_sequence_length, dim]`` with later positions truncated and
 missing ones zero. Simulated quantization is applied to the gathered rows
-before the combiner, forward only (section 7).
+before the combiner, forward only (docs/semantics.md, other options).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def _sparse(where, config, x, w, check) -> Occurrences:
 
 
 def _combined(config, ids, row, weight, num_rows, shape) -> Occurrences:
-  """Per-row combiner gains (section 0.1)."""
+  """Per-row combiner gains (docs/semantics.md, the step)."""
   combiner = config.table.combiner
   w = tf.ones_like(ids, tf.float32) if weight is None else weight
   if combiner == "sum":
@@ -208,7 +208,7 @@ def occurrence_gradients(occ: Occurrences, grad, dim: int):
   """``(ids, [n, dim] gradients)`` of every occurrence, from ``dL/dact``.
 
   ``grad`` None is a zero gradient for every occurrence (the TPU applies a
-  zero-gradient update then, docs/semantics.md section 7).
+  zero-gradient update then, docs/semantics.md, other options).
   """
   # Occurrences that do not count get id -1: no row is touched for them.
   ids = occ.ids if occ.kept is None else tf.where(
@@ -231,7 +231,7 @@ def _quantize(rows, config):
   quantum = (upper - lower) / (config.num_buckets - 1)
   x = tf.clip_by_value(rows, lower, upper)
   q = tf.floor((x - lower) / quantum + 0.5) * quantum + lower
-  # Straight-through: the backward pass sees the identity (section 7).
+  # Straight-through: the backward pass sees the identity (docs/semantics.md).
   return rows + tf.stop_gradient(q - rows)
 
 

@@ -3,7 +3,7 @@
 Per table, the gradients of every occurrence (all features on the table, all
 replicas) are summed per id (``tf.unique`` + ``unsorted_segment_sum``) and
 each touched id is updated once by ``update_rules.apply_update``
-(docs/semantics.md, section 0). Only touched rows of the table and its slots
+(docs/semantics.md, the step). Only touched rows of the table and its slots
 are gathered and scattered, so a step costs O(ids in the batch) whatever the
 vocabulary; non-lazy Adam is the exception, it updates every row by
 definition.
@@ -55,8 +55,9 @@ def prepare(spec, params, slot_vars, ids, grads, lr, *, engine: str,
 
   ``use_gradient_accumulation=False`` (engine v1): the TPU applies the
   optimizer to contributions as they arrive, in an order it does not specify
-  (section 7). The emulator makes the order deterministic: round ``k`` applies
-  the ``k``-th contribution (in input order) of every id that has one.
+  (docs/semantics.md, other options). The emulator makes the order
+  deterministic: round ``k`` applies the ``k``-th contribution (in input
+  order) of every id that has one.
   """
   args = (spec, params, tuple(slot_vars))
   xla = validation.in_xla_context()
