@@ -250,8 +250,11 @@ def _single_table(optimizer, engine="v1"):
   table = api.TableConfig(6, 2, combiner="sum", name="t",
                           initializer=tf.constant_initializer(
                               np.arange(12.).reshape(6, 2) / 10))
-  return tee.CPUEmbedding({"f": api.FeatureConfig(table, name="f")}, optimizer,
-                          engine=engine)
+  # TPUEmbeddingV2 needs every feature's output_shape (one id per step here).
+  output_shape = [1] if engine == "v2" else None
+  return tee.CPUEmbedding(
+      {"f": api.FeatureConfig(table, name="f", output_shape=output_shape)},
+      optimizer, engine=engine)
 
 
 def _step(emb, ids, grad_rows):
@@ -460,7 +463,7 @@ def test_create_embedding_dispatch_with_a_stand_in_tpu_strategy(monkeypatch):
   monkeypatch.setattr(api, "TPUEmbedding", Recorder("v1"))
   monkeypatch.setattr(tpu_embedding_v3, "TPUEmbeddingV2", Recorder("v2"))
   monkeypatch.setattr(dispatch, "_sparsecore", lambda s: s.sparsecore)
-  config = {"f": api.FeatureConfig(api.TableConfig(5, 2, name="t"))}
+  config = {"f": api.FeatureConfig(api.TableConfig(5, 2, name="t"), output_shape=[2])}
   dispatch.create_embedding(config, tee.SGD(learning_rate=0.2),
                               strategy=FakeStrategy(False))
   dispatch.create_embedding(config, api.SGD(0.1), strategy=FakeStrategy(True))

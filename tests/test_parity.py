@@ -297,11 +297,16 @@ def test_unknown_batch_dimension_is_rejected_by_enqueue_but_not_by_lookups():
   acts = lookup((tf.constant([1, 2]),) * 3)
   np.testing.assert_array_equal(acts[0], VIDEO[[1, 2]])
   assert emb._output_shapes == [tf.TensorShape(None)] * 3
-  # After a static batch fixed the shapes, a last smaller batch still looks up.
+  # After a static batch fixed the shapes, a last smaller batch still looks up
+  # (enqueue would refuse it, as TPUEmbedding does).
   _lookup(emb, (_ids(),) * 3)
   acts = lookup((tf.constant([5, 6, 7]),) * 3)
   assert acts[0].shape == (3, 4)
   np.testing.assert_array_equal(acts[2], USER[[5, 6, 7]])
+  acts = emb((tf.constant([[5], [6]]),) * 3)
+  np.testing.assert_array_equal(acts[1], VIDEO[[5, 6]])
+  with pytest.raises(ValueError, match="output shape is \\[4\\]"):
+    emb.enqueue((tf.constant([5, 6]),) * 3)
 
 
 REJECTED_BUILDS = {
@@ -619,3 +624,50 @@ def test_serving_export_keeps_training_shapes(tmp_path):
   out = tf.saved_model.load(str(tmp_path / "b")).signatures["serving_default"](f=ids)
   np.testing.assert_array_equal(out["outputs"], [[2, 3], [8, 9]])
   np.testing.assert_array_equal(want, [[2, 3], [8, 9]])
+
+
+# --- engine="v2": TPUEmbeddingV2's rules where they differ -------------------------
+
+def _v2(output_shape, combiner="sum", **kwargs):
+  table = api.TableConfig(8, 4, initializer=tf.constant_initializer(VIDEO),
+                          combiner=combiner, name="video")
+  return tee.CPUEmbedding(
+      {"f": api.FeatureConfig(table, name="f", output_shape=output_shape, **kwargs)},
+      api.SGD(0.1), engine="v2")
+
+
+def test_v2_needs_output_shape_at_construction():
+  """tpu_embedding_v3.py counts samples as prod(output_shape) when created."""
+  for shape in (None, [None, 2]):
+    with pytest.raises(ValueError) as info:
+      _v2(shape)
+    assert isinstance(info.value, tee.ConfigError)
+    assert str(info.value).startswith(
+        "feature 'f' (table 'video'): TPUEmbeddingV2 (SparseCore) needs a fully "
+        "defined FeatureConfig.output_shape")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_v2_shapes_come_from_output_shape(mode):
+  ids = np.array([[1, 2], [3, 4]])
+  emb = _v2([2, 2])  # Dense [B, k]: k samples per row, no trailing-1 rule.
+  acts = mode(lambda: _lookup(emb, {"f": tf.constant(ids)}))()
+  np.testing.assert_array_equal(acts["f"], VIDEO[ids])
+  # Weighted dense ids (v1 refuses them); a sequence length plays no part.
+  for combiner, gain in (("sum", [0.5, 2.0]), ("mean", [1.0, 1.0]),
+                         ("sqrtn", [1.0, 1.0])):
+    emb = _v2([2], combiner, max_sequence_length=3)
+    acts = mode(lambda: _lookup(emb, {"f": tf.constant([5, 6])},
+                                {"f": tf.constant([0.5, 2.0])}))()
+    np.testing.assert_allclose(acts["f"], VIDEO[[5, 6]] * np.array(gain)[:, None])
+    ragged = tf.ragged.constant([[1, 2], [3]], tf.int64)
+    acts = mode(lambda: _lookup(emb, {"f": ragged}))()
+    want = [VIDEO[[1, 2]].sum(0), VIDEO[3]]
+    if combiner != "sum":
+      want[0] = want[0] / (2 if combiner == "mean" else np.sqrt(2))
+    np.testing.assert_allclose(acts["f"], want, rtol=1e-6)
+  with pytest.raises(ValueError) as info:
+    mode(lambda: _lookup(_v2([4]), {"f": tf.ragged.constant([[1], [2]], tf.int64)}))()
+  assert str(info.value).startswith(
+      "feature 'f' (table 'video'): 2 rows of ragged ids cannot fill the activation "
+      "shape [4] (4 rows).")

@@ -127,6 +127,17 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       table = index[id(feature.table)]
       features.append(_Feature(path, feature, table,
                                f"feature '{path}' (table '{tables[table].name}')"))
+    if engine == "v2":
+      for feature in features:
+        if not tf.TensorShape(feature.config.output_shape).is_fully_defined():
+          # tpu_embedding_v3.py _stack_tables_with_same_table_dim_and_optimizer
+          # counts each feature's samples as prod(output_shape) at creation.
+          raise errors.ConfigError(
+              f"{feature.where}: TPUEmbeddingV2 (SparseCore) needs a fully "
+              "defined FeatureConfig.output_shape, got "
+              f"{validation.listed(tf.TensorShape(feature.config.output_shape))}. "
+              "Fix: set output_shape (e.g. [per_replica_batch]), or emulate "
+              'TPUEmbedding with engine="v1".')
     names = [t.name for t in tables]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -179,7 +190,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           per_replica_input_shapes if per_replica_input_shapes is not None
           else per_replica_batch_size)
     if incoming is not None:
-      self._record_output_shapes(self._checked_output_shapes(incoming, True))
+      self._record_output_shapes(self._checked_output_shapes(
+          incoming, self._output_shapes, strict=True))
     for feature, shape in zip(self._features, self._output_shapes):
       if shape:
         validation.check_fully_defined(feature.where, shape)
@@ -356,21 +368,20 @@ class CPUEmbedding(autotrackable.AutoTrackable):
             else tf.TensorShape([batch_size]) for f in self._features]
 
   def _checked_output_shapes(self, incoming: List[tf.TensorShape],
+                             stored: List[tf.TensorShape],
                              strict: bool) -> List[tf.TensorShape]:
-    """Every feature's activation shape, ``incoming`` checked against them.
+    """Every feature's activation shape, ``incoming`` checked against ``stored``.
 
     ``tpu_embedding_v2.py`` ``_check_output_shapes``, ``_update_output_shapes``
     and (``strict``) ``_check_output_shapes_fully_defined``: a shape already
     set (output_shape, build, or an earlier batch) wins, and must be fully
     defined.
     """
-    for feature, stored, new in zip(self._features, self._output_shapes,
-                                    incoming):
-      validation.check_output_shape(feature.where, stored, new)
+    for feature, old, new in zip(self._features, stored, incoming):
+      validation.check_output_shape(feature.where, old, new)
       if strict:
-        validation.check_fully_defined(feature.where, stored or new)
-    return [stored if stored else new
-            for stored, new in zip(self._output_shapes, incoming)]
+        validation.check_fully_defined(feature.where, old or new)
+    return [old if old else new for old, new in zip(stored, incoming)]
 
   def _record_output_shapes(self, shapes: List[tf.TensorShape]):
     """Keeps the fully defined shapes (recorded once a batch passed)."""
@@ -381,13 +392,15 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   def _prepare(self, features, weights, training, strict=True) -> _Pending:
     """Checks a batch as ``TPUEmbedding.enqueue`` does; its occurrences.
 
-    Structures first, then input shapes, which fix unset output shapes on
-    the first batch and are checked against them after. ``strict``
-    (``enqueue``): the shapes must be fully defined, as the TPU compiles
-    them. ``__call__`` is a lookup with no TPU counterpart (like
-    ``TPUEmbeddingForServing``'s): it also takes a batch dimension unknown
-    when a function is traced (Keras builds models on such inputs), reads
-    it from the batch, and records no partial shape.
+    Structures first, then input shapes. ``strict`` (``enqueue``, the TPU
+    protocol): the first batch (or ``build``) fixes unset output shapes,
+    later batches are checked against them, and shapes must be fully
+    defined, as the TPU compiles them. ``__call__`` is a lookup with no
+    ``TPUEmbedding`` counterpart (like ``TPUEmbeddingForServing``'s): the
+    input rules and ``FeatureConfig.output_shape`` bind, but every call has
+    its own batch (Keras builds models on an unknown batch dimension and
+    evaluates a last, smaller batch), read when the batch runs if unknown
+    when traced; nothing is recorded.
     """
     validation.check_structure(
         self._feature_config, "features", features,
@@ -402,18 +415,26 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           "give weights the structure of features (None entries allowed).")
       flat_weights = tf.nest.flatten(weights)
     flat = [lookups.as_ids(f.where, x) for f, x in zip(self._features, flat)]
-    incoming = [lookups.output_shape(f.where, f.config,
-                                     lookups.input_shape(f.where, f.config, x))
-                for f, x in zip(self._features, flat)]
-    shapes = self._checked_output_shapes(incoming, strict)
-    if not strict:  # Dimensions unknown when traced are read when it runs.
+    if self._engine == "v2":  # Shapes are output_shape (tpu_embedding_v3.py).
+      incoming = list(self._output_shapes)
+    else:
+      incoming = [lookups.output_shape(f.where, f.config,
+                                       lookups.input_shape(f.where, f.config, x))
+                  for f, x in zip(self._features, flat)]
+    if strict:
+      shapes = self._checked_output_shapes(incoming, self._output_shapes, True)
+    else:
+      configured = [tf.TensorShape(f.config.output_shape) for f in self._features]
       shapes = [new if new.rank == shape.rank and not new.is_fully_defined()
-                else shape for shape, new in zip(shapes, incoming)]
+                else shape for shape, new in zip(
+                    self._checked_output_shapes(incoming, configured, False),
+                    incoming)]
     occurrences = [
         lookups.feature_occurrences(f.where, f.config, x, w, self._validate,
-                                    shape)
+                                    shape, self._engine)
         for f, x, w, shape in zip(self._features, flat, flat_weights, shapes)]
-    self._record_output_shapes(shapes)
+    if strict:
+      self._record_output_shapes(shapes)
     verdict = None
     if self._validate:
       verdict = validation.check_ids(

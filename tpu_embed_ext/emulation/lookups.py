@@ -125,13 +125,18 @@ def output_shape(where: str, config, shape: tf.TensorShape) -> tf.TensorShape:
 
 
 def feature_occurrences(where: str, config, x, w, check: bool,
-                        shape) -> Occurrences:
+                        shape, engine: str = "v1") -> Occurrences:
   """The occurrence form of one feature's ids ``x`` and weights ``w``.
 
   ``where`` names the feature and table in errors; ``check`` enables the
   eager layout checks of weights against ids; ``shape`` is the feature's
   activation shape without ``dim`` (a ``TensorShape``, see ``output_shape``);
   its unknown dimensions are read from ``x`` when the batch runs.
+
+  ``engine="v2"`` (``TPUEmbeddingV2``, ``tpu_embedding_v3.py``
+  ``_convert_input_feature_to_list_of_coo_tensors``): every dense id, ragged
+  row or sparse row is one of the ``prod(output_shape)`` samples, dense ids
+  may be weighted, and ``max_sequence_length`` plays no part.
   """
   if not isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
     x = tf.convert_to_tensor(x)
@@ -140,23 +145,35 @@ def feature_occurrences(where: str, config, x, w, check: bool,
         f"{where}: ids must be integers, got dtype {x.dtype.name}. Fix: cast "
         "the ids with tf.cast(ids, tf.int64).")
   # tpu_embedding_v2.py _add_data_for_tensor / _sparse_tensor / _ragged_tensor.
-  if w is not None and isinstance(x, tf.Tensor):
+  v2 = engine == "v2"
+  if w is not None and isinstance(x, tf.Tensor) and not v2:
     raise errors.InputError(
         f"{where}: weights were given for a dense id tensor. Fix: pass the "
         "ids as a RaggedTensor or SparseTensor to weight them.")
-  if w is not None and config.max_sequence_length > 0:
+  if w is not None and config.max_sequence_length > 0 and not v2:
+    # TPUEmbedding passes them to the TPU, which does not document what a
+    # weight does to a sequence position; TPUEmbeddingForServing rejects them.
     raise errors.InputError(
         f"{where}: weights were given for a sequence feature "
-        f"(max_sequence_length={config.max_sequence_length}). Fix: drop them.")
+        f"(max_sequence_length={config.max_sequence_length}); what the TPU "
+        "does with them is not documented, so they are not emulated. Fix: "
+        "drop them.")
   if w is not None and type(w) is not type(x):
     raise errors.InputError(
         f"{where}: weights are a {type(w).__name__} but ids a "
         f"{type(x).__name__}. Fix: give weights the ids' type and layout.")
   shape = _runtime_dims(x, tf.TensorShape(shape))
+  if v2 and isinstance(x, tf.RaggedTensor) and x.shape[0] is not None:
+    _check_count(where, "rows of ragged ids", x.shape[0], shape)
   if isinstance(x, tf.Tensor):
     ids = tf.reshape(x, [-1])
     if x.shape.is_fully_defined() and _is_static(shape):
       _check_count(where, "ids", x.shape.num_elements(), shape)
+    if w is not None:  # v2: one weighted id per sample.
+      w = tf.cast(tf.reshape(w, [-1]), tf.float32)
+      return _combined(config, tf.cast(ids, tf.int64),
+                       tf.range(tf.size(ids, out_type=tf.int64)), w,
+                       tf.size(ids, out_type=tf.int64), shape)
     occ = Occurrences(ids, None, None, tf.size(ids), shape)
   elif isinstance(x, tf.RaggedTensor):
     occ = _ragged(where, config, x, w, check, shape)
