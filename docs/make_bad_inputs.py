@@ -71,6 +71,8 @@ rows += [
   ("a TableConfig of another engine to table_variables()", "InputTypeError (TypeError)", "TableConfig(...) is not a TableConfig of this engine's feature config.", "tests/test_parity.py::test_variables_of_an_unnamed_table_config"),
   ("clipvalue and clip_gradient_min/max together", "ConfigError", "clip_gradient_max: clipvalue=1.0 and clip_gradient_min=None / clip_gradient_max=2.0 both set gradient clipping.", "tests/test_parity.py::test_v1_gradient_clipping_fields"),
   ("clip_gradient_min that is not a number", "ConfigTypeError", "clip_gradient_min: clip_gradient_min must be a number or None, got str 'low'.", "tests/test_parity.py::test_v1_gradient_clipping_fields"),
+  ('engine="v2" without a fully defined FeatureConfig.output_shape', "ConfigError (ValueError)", "feature 'f' (table 'video'): TPUEmbeddingV2 (SparseCore) needs a fully defined FeatureConfig.output_shape", "tests/test_parity.py::test_v2_needs_output_shape_at_construction"),
+  ('engine="v2": ragged rows that cannot fill output_shape', "InputError (ValueError)", "feature 'f' (table 'video'): 2 rows of ragged ids cannot fill the activation shape [4] (4 rows).", "tests/test_parity.py::test_v2_shapes_come_from_output_shape"),
   ("serving signature whose lookups change the model's output shapes", "ConfigError", "serving output 'outputs' has shape [None, 1, 2], but the model computes [None, 2]", "tests/test_parity.py::test_serving_export_keeps_training_shapes"),
 ]
 esc = lambda t: str(t).replace("|", "\\|").replace("\n", " ")

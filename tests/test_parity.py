@@ -240,6 +240,13 @@ REJECTED_ENQUEUES = {
     "list_for_tuple": ({}, lambda: list(_ragged()), None, TypeError,
                        "features do not match the feature config's structure: the "
                        "feature config is a tuple, features a list."),
+    # TPUEmbedding passes them on, with an effect the TPU does not document.
+    "weight_for_sequence": ({"max_sequence_length": 2}, _ragged,
+                            lambda: (tf.ragged.constant([[1.0]] + [[1.0, 1.0]] * 2 + [[1.0]]),
+                                     None, None), ValueError,
+                            "feature '0' (table 'video'): weights were given for a sequence "
+                            "feature (max_sequence_length=2); what the TPU does with them is "
+                            "not documented, so they are not emulated. Fix: drop them."),
     "numpy_ids": ({}, lambda: (np.arange(4), _ids(), _ids()), None, ValueError,
                   "feature '0' (table 'video'): ids are of type ndarray; TPUEmbedding takes "
                   "only a tf.Tensor"),
