@@ -35,6 +35,11 @@ __all__ = ["CPUEmbedding"]
 _ENGINES = ("v1", "v2")
 
 
+# Autograph leaves library code alone, as it does TensorFlow's own: converting
+# it only slows tracing (no control flow here depends on tensors).
+_library_code = tf.autograph.experimental.do_not_convert
+
+
 class _Table(NamedTuple):
   config: Any        # the user's TableConfig (never modified)
   name: str
@@ -102,11 +107,11 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     del pipeline_execution_with_tensor_core
     if engine not in _ENGINES:
       raise ValueError(f'engine must be "v1" or "v2", got engine={engine!r}.')
-    replicas.check_strategy()
     # Internal state is set with _untracked: a tracked attribute would add
     # checkpoint keys that TPUEmbedding does not have.
-    _untracked(self, _engine=engine, _validate=validate)
-    with tf.init_scope(), replicas.single_copy_variables():
+    _untracked(self, _engine=engine, _validate=validate,
+               _replicas=replicas.Replicas())
+    with tf.init_scope(), self._replicas.single_copy_variables():
       _untracked(self, step=tf.Variable(0, dtype=tf.int64, trainable=False,
                                         name="step"),
                  _failure=tf.Variable([0, 0, 0], dtype=tf.int64,
@@ -195,7 +200,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     for feature, shape in zip(self._features, self._output_shapes):
       if shape:
         validation.check_fully_defined(feature.where, shape)
-    with tf.init_scope(), replicas.single_copy_variables():
+    with tf.init_scope(), self._replicas.single_copy_variables():
       _untracked(self, _variables={
           t.name: self._create_variables(t) for t in self._tables})
 
@@ -304,6 +309,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
 
   # --- lookups -------------------------------------------------------------
 
+  @_library_code
   def __call__(self, features, weights=None):
     """Looks up ``features`` without recording anything for training."""
     self.build()
@@ -311,6 +317,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     return self._activations(self._prepare(features, weights, False,
                                            strict=False))
 
+  @_library_code
   def enqueue(self, features, weights=None, training: bool = True,
               name: Optional[str] = None, device: Optional[str] = None):
     """Records a batch for ``dequeue`` (and, if training, ``apply_gradients``).
@@ -320,41 +327,41 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     each replica enqueues its own.
     """
     del name, device
-    replicas.check_strategy()
     self.build()
     self.raise_if_failed()
-    if not tf.distribute.in_cross_replica_context():
-      self._pending[replicas.local_replica()] = self._prepare(
-          features, weights, training)
+    reps = self._replicas
+    parts = reps.split(features)
+    if reps.in_replica_fn() or (len(parts) == 1 and reps.num_local == 1):
+      self._pending[reps.local_replica()] = self._prepare(
+          parts[0], weights, training)
       return
-    parts = replicas.local_values(features)
-    if len(parts) != replicas.num_local_replicas():
+    if len(parts) != reps.num_local:
       raise errors.InputError(
           f"enqueue() outside strategy.run got {len(parts)} batch(es) for "
-          f"{replicas.num_local_replicas()} replicas. Fix: pass distributed "
-          "values (strategy.experimental_distribute_dataset(...)), or call "
-          "enqueue inside strategy.run with each replica's batch.")
-    weight_parts = (replicas.local_values(weights) if weights is not None
+          f"{reps.num_local} replicas. Fix: pass distributed values "
+          "(strategy.experimental_distribute_dataset(...)), or call enqueue "
+          "inside strategy.run with each replica's batch.")
+    weight_parts = (reps.split(weights) if weights is not None
                     else [None] * len(parts))
     if len(weight_parts) == 1:
       weight_parts = weight_parts * len(parts)
     for replica, (part, weight) in enumerate(zip(parts, weight_parts)):
       self._pending[replica] = self._prepare(part, weight, training)
 
+  @_library_code
   def dequeue(self, name: Optional[str] = None):
     """This replica's activations of the last enqueued batch."""
     del name
     return self._activations(self._pending_batch("dequeue()"))
 
   def _pending_batch(self, what) -> _Pending:
-    if (tf.distribute.in_cross_replica_context() and
-        replicas.num_local_replicas() > 1):
+    reps = self._replicas
+    if not reps.in_replica_fn() and reps.num_local > 1:
       raise errors.InputError(
           f"{what} was called outside strategy.run under "
-          f"{type(tf.distribute.get_strategy()).__name__} with "
-          f"{replicas.num_local_replicas()} replicas. Fix: call it inside "
-          "strategy.run, as TPUEmbedding requires.")
-    pending = self._pending.get(replicas.local_replica())
+          f"{type(reps.strategy).__name__} with {reps.num_local} replicas. "
+          "Fix: call it inside strategy.run, as TPUEmbedding requires.")
+    pending = self._pending.get(reps.local_replica())
     if pending is None:
       raise errors.InputError(
           f"{what} called before enqueue(). Fix: call enqueue(features) "
@@ -458,6 +465,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
 
   # --- training ------------------------------------------------------------
 
+  @_library_code
   def apply_gradients(self, gradients, name: Optional[str] = None):
     """Applies ``dL/dactivations`` of the last enqueued batch to the tables.
 
@@ -471,7 +479,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       raise errors.InputError(
           "apply_gradients() needs a batch enqueued with training=True. Fix: "
           "call enqueue(features, training=True) and dequeue() first.")
-    del self._pending[replicas.local_replica()]
+    del self._pending[self._replicas.local_replica()]
     validation.check_structure(
         self._feature_config, "gradients", gradients,
         "pass one gradient per feature, shaped like its activation (None "
@@ -488,7 +496,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
         "status": _status(pending.verdict),
         "ids": [tf.concat([ids for ids, _ in parts], 0) for parts in per_table],
         "grads": [tf.concat([g for _, g in parts], 0) for parts in per_table]}
-    replicas.merge(self._apply_all_replicas, payload)
+    self._replicas.merge(self._apply_all_replicas, payload)
 
   def _apply_all_replicas(self, payloads):
     """The step, once, from the payloads of every replica."""

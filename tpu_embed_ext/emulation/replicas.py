@@ -29,9 +29,7 @@ from tensorflow.python.ops import resource_variable_ops
 
 from tpu_embed_ext import errors
 
-__all__ = ["check_strategy", "single_copy_variables", "local_replica",
-           "local_values", "num_local_replicas", "num_workers",
-           "is_distributed", "merge"]
+__all__ = ["Replicas", "check_strategy"]
 
 _SUPPORTED = ("the default strategy, OneDeviceStrategy, MirroredStrategy or "
               "MultiWorkerMirroredStrategy over CPU devices")
@@ -46,10 +44,9 @@ def _strategy_kinds():
           one_device_strategy.OneDeviceStrategy)
 
 
-def check_strategy():
-  """ConfigError unless the strategy in scope is one the emulator runs."""
-  strategy = tf.distribute.get_strategy()
-  if not tf.distribute.has_strategy() or isinstance(strategy, _strategy_kinds()):
+def check_strategy(strategy):
+  """ConfigError unless ``strategy`` is one the emulator runs under."""
+  if strategy is _default() or isinstance(strategy, _strategy_kinds()):
     return
   raise errors.ConfigError(
       f"CPUEmbedding cannot emulate the TPU engine under "
@@ -58,91 +55,83 @@ def check_strategy():
       "tpu_embed_ext.create_embedding, which picks TPUEmbedding.")
 
 
-@contextlib.contextmanager
-def single_copy_variables():
-  """Variables created inside are plain, one copy, whatever strategy is in scope."""
-  def creator(next_creator, **kwargs):
-    del next_creator  # The strategy's creator would mirror the variable.
-    for key in ("distribute_strategy", "experimental_batch_ndims"):
-      kwargs.pop(key, None)
-    return resource_variable_ops.ResourceVariable(**kwargs)
-
-  strategy = tf.distribute.get_strategy()
-  device = (strategy.extended.worker_devices[0] if tf.distribute.has_strategy()
-            else None)
-  with tf.variable_creator_scope(creator), tf.device(device):
-    yield
+def _default():
+  return distribute_lib._get_default_strategy()  # pylint: disable=protected-access
 
 
-def is_distributed() -> bool:
-  return tf.distribute.has_strategy()
+class Replicas:
+  """The replicas of the strategy an engine was created under."""
 
+  def __init__(self):
+    self.strategy = tf.distribute.get_strategy()
+    check_strategy(self.strategy)
+    self.distributed = self.strategy is not _default()
+    self.num_local = (len(self.strategy.extended.worker_devices)
+                      if self.distributed else 1)
+    self.num_workers = max(1, self.strategy.num_replicas_in_sync // self.num_local)
 
-def num_local_replicas() -> int:
-  strategy = tf.distribute.get_strategy()
-  return len(strategy.extended.worker_devices) if is_distributed() else 1
+  @contextlib.contextmanager
+  def single_copy_variables(self):
+    """Variables created inside are plain, one copy, on the host device."""
+    def creator(next_creator, **kwargs):
+      del next_creator  # The strategy's creator would mirror the variable.
+      kwargs.pop("distribute_strategy", None)
+      return resource_variable_ops.ResourceVariable(**kwargs)
 
+    device = self.strategy.extended.worker_devices[0] if self.distributed else None
+    with tf.variable_creator_scope(creator), tf.device(device):
+      yield
 
-def num_workers() -> int:
-  strategy = tf.distribute.get_strategy()
-  return max(1, strategy.num_replicas_in_sync // num_local_replicas())
+  def in_replica_fn(self) -> bool:
+    """Inside ``strategy.run`` of this engine's strategy."""
+    if not self.distributed:
+      return True
+    context = tf.distribute.get_replica_context()
+    return context is not None and context.strategy is self.strategy
 
+  def local_replica(self) -> int:
+    """This replica's index among the local replicas (0 outside a replica fn)."""
+    if not (self.distributed and self.in_replica_fn()):
+      return 0
+    return int(values_util.get_current_replica_id_as_int() or 0)
 
-def local_replica() -> int:
-  """This replica's index among the local replicas (0 in cross-replica context)."""
-  if tf.distribute.in_cross_replica_context():
-    return 0
-  replica = values_util.get_current_replica_id_as_int()
-  return 0 if replica is None else int(replica)
+  def split(self, value) -> List[Any]:
+    """The per-replica parts of a (nested) value: distributed values split.
 
+    A structure without distributed values is returned whole, once.
+    """
+    flat = tf.nest.flatten(value, expand_composites=False)
+    if not any(isinstance(v, tf.distribute.DistributedValues) for v in flat):
+      return [value]
+    parts = [self.strategy.experimental_local_results(v)
+             if isinstance(v, tf.distribute.DistributedValues) else None
+             for v in flat]
+    count = max(len(p) for p in parts if p is not None)
+    return [tf.nest.pack_sequence_as(
+        value, [v if p is None else p[i] for v, p in zip(flat, parts)],
+        expand_composites=False) for i in range(count)]
 
-def local_values(value) -> List[Any]:
-  """The per-replica parts of a (nested) value: distributed values split.
+  def merge(self, fn, payload):
+    """Runs ``fn(list of every replica's payload)`` once per step.
 
-  A structure without distributed values belongs to every replica alike
-  (returned once).
-  """
-  flat = tf.nest.flatten(value, expand_composites=False)
-  if not any(isinstance(v, distribute_lib.DistributedValues) for v in flat):
-    return [value]
-  strategy = tf.distribute.get_strategy()
-  parts = [strategy.experimental_local_results(v)
-           if isinstance(v, distribute_lib.DistributedValues) else None
-           for v in flat]
-  count = max(len(p) for p in parts if p is not None)
-  return [tf.nest.pack_sequence_as(
-      value, [v if p is None else p[i] for v, p in zip(flat, parts)],
-      expand_composites=False) for i in range(count)]
+    Inside a replica fn of a strategy this is a ``merge_call``: ``fn`` runs in
+    cross-replica context with the payload of every replica, workers included
+    (all-gathered in global replica order, so every worker applies the same
+    update to its own copy). Otherwise ``fn([payload])``.
+    """
+    if not (self.distributed and self.in_replica_fn()):
+      return fn([payload])
+    return tf.distribute.get_replica_context().merge_call(
+        self._merge_fn(fn), args=(payload,))
 
-
-def merge(fn, payload):
-  """Runs ``fn(list of every replica's payload)`` once per step.
-
-  In replica context under a strategy with several replicas this is a
-  ``merge_call``: ``fn`` runs in cross-replica context and receives the
-  payload of every replica, workers included (in global replica order, so
-  every worker applies the same update). Otherwise ``fn([payload])``.
-  """
-  if not is_distributed() or tf.distribute.in_cross_replica_context():
-    return fn([payload])
-  context = tf.distribute.get_replica_context()
-  return context.merge_call(_merged(fn), args=(payload,))
-
-
-def _merged(fn):
-  def merge_fn(strategy, per_replica):
-    flat = tf.nest.flatten(per_replica, expand_composites=False)
-    local = [strategy.experimental_local_results(v) for v in flat]
-    if num_workers() > 1:
-      # Every worker needs the payload of every replica, in the same order.
-      local = [[_all_gather(strategy, v)] for v in flat]
-    count = len(local[0])
-    return fn([tf.nest.pack_sequence_as(
-        per_replica, [parts[i] for parts in local], expand_composites=False)
-        for i in range(count)])
-  return merge_fn
-
-
-def _all_gather(strategy, value):
-  """Concatenation over all replicas of all workers (sizes may differ)."""
-  return strategy.gather(value, axis=0)
+  def _merge_fn(self, fn):
+    def merge_fn(strategy, per_replica):
+      flat = tf.nest.flatten(per_replica, expand_composites=False)
+      if self.num_workers > 1:
+        local = [[strategy.gather(v, axis=0)] for v in flat]
+      else:
+        local = [strategy.experimental_local_results(v) for v in flat]
+      return fn([tf.nest.pack_sequence_as(
+          per_replica, [parts[i] for parts in local], expand_composites=False)
+          for i in range(len(local[0]))])
+    return merge_fn
