@@ -117,9 +117,9 @@ def _state(engine):
 
 
 @pytest.mark.parametrize("ids,scale,message", [
-    ([[1, 9]], 1.0, "feature 'f' (table 't'): id 9 is out of range [0, 6)."),
-    ([[-1]], 1.0, "feature 'f' (table 't'): id -1 is out of range [0, 6)."),
-    ([[1, 2]], np.inf, "table 't': gradient has NaN or Inf values"),
+    ([[1, 9], [2]], 1.0, "feature 'f' (table 't'): id 9 is out of range [0, 6)."),
+    ([[-1], [2]], 1.0, "feature 'f' (table 't'): id -1 is out of range [0, 6)."),
+    ([[1, 2], [3]], np.inf, "table 't': gradient has NaN or Inf values"),
 ], ids=["too_large", "negative", "inf_gradient"])
 def test_xla_rejected_step_changes_nothing_and_raises_at_next_eager_call(
     ids, scale, message):
@@ -130,6 +130,8 @@ def test_xla_rejected_step_changes_nothing_and_raises_at_next_eager_call(
   acts = step(tf.ragged.constant(ids, tf.int64), tf.constant(scale, tf.float32))
   if scale == 1.0:  # bad ids: the feature's activations are NaN at once
     assert np.isnan(acts.numpy()).all()
+  else:
+    assert np.isfinite(acts.numpy()).all()
   after = {k: v.numpy() for k, v in engine._variables["t"].items()}
   for name in before:
     np.testing.assert_array_equal(after[name], before[name], err_msg=name)
