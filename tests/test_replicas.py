@@ -110,14 +110,7 @@ def train_replicated(engine, strategy, replicas, use_function):
   def step(features, weights, constant):
     engine.enqueue(features, weights, training=True)
 
-    def replica_step(constant):
-      with tf.GradientTape() as tape:
-        acts = engine.dequeue()
-        tape.watch(acts)
-        loss = tf.add_n([tf.reduce_sum(a * a) / 2 + tf.reduce_sum(constant[n] * a)
-                         for n, a in acts.items()])
-      engine.apply_gradients(tape.gradient(loss, acts))
-    strategy.run(replica_step, args=(constant,))
+    strategy.run(contract.train_dequeued, args=(engine, constant))
 
   if use_function:
     # reduce_retracing: few traces for the batches' varying ragged shapes.
@@ -155,16 +148,7 @@ def test_contract_at_two_replicas(optimizer_name, options_name, use_function):
   with strategy.scope():
     engine = contract.build_engine(row, options)
   train_replicated(engine, strategy, 2, use_function)
-  want_tables, want_slots = contract.reference_run(row, options)
-  assert int(engine.step.numpy()) == contract.STEPS
-  for table in contract.TABLES:
-    np.testing.assert_allclose(
-        engine.variables[table]["parameters"].numpy(), want_tables[table],
-        rtol=2e-5, atol=2e-6, err_msg=f"{table}/parameters")
-    for slot in row.slots:
-      np.testing.assert_allclose(
-          engine.variables[table][slot].numpy(), want_slots[table][slot],
-          rtol=2e-5, atol=2e-6, err_msg=f"{table}/{slot}")
+  contract.assert_matches_reference(engine, row, options)
 
 
 # --- ids seen by one replica, ids seen by several: a spec with overrides ------
@@ -231,14 +215,6 @@ def test_ids_in_one_or_several_replicas_are_updated_once_with_the_summed_gradien
     engine.variables[table]["parameters"].assign(E[table])
     S[table] = {s: np.full((12, 3), v) for s, v in slots.items()}
 
-  def replica_step(constant):
-    with tf.GradientTape() as tape:
-      acts = engine.dequeue()
-      tape.watch(acts)
-      loss = tf.add_n([tf.reduce_sum(a * a) / 2 + tf.reduce_sum(constant[n] * a)
-                       for n, a in acts.items()])
-    engine.apply_gradients(tape.gradient(loss, acts))
-
   for t in range(10):
     rng = np.random.RandomState(t)
     ids = {f"f_{table}": [_replica_ids(rng, r) for r in range(2)] for table in RULES}
@@ -246,7 +222,7 @@ def test_ids_in_one_or_several_replicas_are_updated_once_with_the_summed_gradien
     engine.enqueue(distribute(strategy, [
         {n: tf.ragged.constant(v[r], tf.int64) for n, v in ids.items()}
         for r in range(2)]), training=True)
-    strategy.run(replica_step, args=(distribute(strategy, [
+    strategy.run(contract.train_dequeued, args=(engine, distribute(strategy, [
         {n: tf.constant(c[r], tf.float32) for n, c in constant.items()}
         for r in range(2)]),))
     # numpy: per-id sums over both replicas, one update per touched id.

@@ -34,16 +34,7 @@ def test_xla_training_matches_reference(optimizer_name, options_name):
   row, options = contract.OPTIMIZERS[optimizer_name], contract.OPTIONS[options_name]
   engine = contract.build_engine(row, options)
   jit_train(engine)
-  want_tables, want_slots = contract.reference_run(row, options)
-  assert int(engine.step.numpy()) == contract.STEPS
-  for table in contract.TABLES:
-    np.testing.assert_allclose(
-        engine.variables[table]["parameters"].numpy(), want_tables[table],
-        rtol=2e-5, atol=2e-5, err_msg=f"{table}/parameters")
-    for slot in row.slots:
-      np.testing.assert_allclose(
-          engine.variables[table][slot].numpy(), want_slots[table][slot],
-          rtol=2e-5, atol=2e-5, err_msg=f"{table}/{slot}")
+  contract.assert_matches_reference(engine, row, options, atol=2e-5)
 
 
 LENGTHS = [3, 2, 4, 1]  # fixed, so XLA compiles the step once
