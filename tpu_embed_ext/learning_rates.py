@@ -30,7 +30,7 @@ from tpu_embed_ext import errors, optimizers
 
 __all__ = ["Schedule", "parse_schedules", "parse_learning_rate",
            "learning_rate_to_config", "RateBinder", "assign_tags",
-           "check_tag_rules", "describe", "SCHEDULE_CLASSES"]
+           "check_tag_rules", "describe", "value_at", "SCHEDULE_CLASSES"]
 
 _S = keras.optimizers.schedules
 SCHEDULE_CLASSES = {c.__name__: c for c in (
@@ -332,9 +332,22 @@ def describe(rate) -> str:
   if betas:
     text += f" x Adam bias correction (beta_1={betas[0]}, beta_2={betas[1]})"
     steps = sorted(set(steps) | {1, 10})
-  values = []
-  for t in steps:
-    base = schedule(t) if isinstance(schedule, Schedule) else schedule
-    value = float(base) * (float(bias_correction(t, *betas)) if betas else 1.0)
-    values.append(f"t={t}: {value:.4g}")
+  values = [f"t={t}: {value_at(rate, t):.4g}" for t in steps]
   return f"{text}; {', '.join(values)}"
+
+
+def value_at(rate, step: int) -> float:
+  """The learning rate a table applies at table step ``step`` (0 = first update).
+
+  ``rate`` is a number or a callable from ``RateBinder`` (a schedule, maybe
+  times Adam's bias correction); the step variable it reads is not touched.
+  A user's zero-arg callable cannot be asked about another step: its current
+  value is returned.
+  """
+  schedule = getattr(rate, "schedule", rate)
+  betas = getattr(rate, "bias_correction", None)
+  if isinstance(schedule, Schedule):
+    base = float(schedule(step))
+  else:
+    base = float(schedule()) if callable(schedule) else float(schedule)
+  return base * (float(bias_correction(step, *betas)) if betas else 1.0)
