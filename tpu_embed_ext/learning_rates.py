@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import numbers
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -119,6 +120,7 @@ class Schedule:
           f"{class_name} rejects its arguments {dict(args)}: {e}. Fix: correct "
           "the values (see keras.optimizers.schedules."
           f"{class_name}).") from e
+    _check_range(schedule, keras_schedule)
     return schedule
 
   @classmethod
@@ -147,6 +149,40 @@ class Schedule:
   def __repr__(self):
     args = ", ".join(f"{k}={_thaw(v)!r}" for k, v in self.config)
     return f"{self.class_name}({args})"
+
+
+def _check_range(schedule: "Schedule", keras_schedule) -> None:
+  """ConfigError unless the rate is finite and >= 0 at every step.
+
+  Evaluated at every milestone (warm-up end, decay ends and their multiples,
+  boundaries), one step either side of each, and 10^k up to 10^9: the six
+  Keras families are monotone or piecewise monotone between these points, so
+  their extremes lie there. PiecewiseConstantDecay's boundaries must increase
+  (Keras takes the first matching interval, so unsorted ones silently skip
+  values).
+  """
+  config = dict(schedule.config)
+  boundaries = list(config.get("boundaries", ()))
+  for i in range(1, len(boundaries)):
+    if not boundaries[i] > boundaries[i - 1]:
+      raise errors.ConfigError(
+          f"{schedule.class_name} boundaries must increase, got "
+          f"boundaries={boundaries} (boundaries[{i}]={boundaries[i]} is not after "
+          f"{boundaries[i - 1]}). Fix: sort them, and their values with them.",
+          path="boundaries")
+  steps = set(_milestones(schedule)) | {10 ** k for k in range(10)}
+  period = config.get("decay_steps") or config.get("first_decay_steps")
+  if period:
+    steps |= {int(period) * k for k in range(1, 6)}
+  steps = sorted({max(0, t + d) for t in steps for d in (-1, 0, 1)})
+  for t in steps:
+    value = float(keras_schedule(t))
+    if not math.isfinite(value) or value < 0:
+      raise errors.ConfigError(
+          f"{schedule.class_name} gives the learning rate {value:g} at step {t}; "
+          "a learning rate must be a finite number >= 0 at every step. Fix: "
+          "change the values that lead there (targets, values, end rate, "
+          "decay_rate, alpha, m_mul).")
 
 
 def parse_schedules(config: Optional[Mapping[str, Any]]) -> Dict[str, Schedule]:
