@@ -21,12 +21,14 @@ logs. The rules, each because a run once lost work without them:
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import json
 import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
+import keras
 import tensorflow as tf
 
 from tpu_embed_ext import errors
@@ -140,18 +142,43 @@ def resume_point(directory: str, log=print) -> Tuple[Optional[str], int]:
   return None, 0
 
 
-def _expected_variables(root) -> Dict[str, Tuple[str, List[int]]]:
-  """``{checkpoint key: (object path, shape)}`` of every variable under ``root``."""
+def _variable_paths(root) -> Dict[int, Tuple[Any, str]]:
+  """``{id(variable): (variable, shortest object path from root)}``."""
   from tensorflow.python.checkpoint import graph_view
   from tensorflow.python.trackable import trackable_utils
   _, paths = graph_view.ObjectGraphView(root).breadth_first_traversal()
-  out = {}
-  for obj, path in paths.items():
-    if isinstance(obj, tf.Variable):
-      key = trackable_utils.object_path_to_string(path)
-      out[f"{key}/.ATTRIBUTES/VARIABLE_VALUE"] = (
-          "/".join(ref.name for ref in path), obj.shape.as_list())
-  return out
+  return {id(obj): (obj, trackable_utils.object_path_to_string(path))
+          for obj, path in paths.items()
+          if isinstance(obj, (tf.Variable, keras.Variable))}
+
+
+def _expected_variables(root) -> Dict[str, Tuple[str, List[int]]]:
+  """``{checkpoint key: (variable name, shape)}`` of every variable under ``root``.
+
+  The key is TensorFlow's (the shortest path, which for a dense weight runs
+  through the optimizer); the name is its path through the layers
+  (``model/top/layers/0/kernel``): root's children in order, breadth first,
+  not descending into an optimizer below them.
+  """
+  from tensorflow.python.checkpoint import trackable_view
+  children = trackable_view.TrackableView.children
+  names: Dict[int, str] = {}
+  seen = set()
+  for top, obj in children(root).items():
+    queue = collections.deque([(obj, top)])
+    while queue:
+      obj, path = queue.popleft()
+      if id(obj) in seen:
+        continue
+      seen.add(id(obj))
+      if isinstance(obj, (tf.Variable, keras.Variable)):
+        names[id(obj)] = path
+        continue
+      for name, child in children(obj).items():
+        if not isinstance(child, keras.optimizers.Optimizer):
+          queue.append((child, f"{path}/{name}"))
+  return {f"{path}/.ATTRIBUTES/VARIABLE_VALUE": (names.get(key, path), list(var.shape))
+          for key, (var, path) in _variable_paths(root).items()}
 
 
 def check_checkpoint(root, path: str, *, what: str = "this model") -> None:
