@@ -302,9 +302,11 @@ def available_memory() -> int:
 def memory_shortfall(spec: EmbeddingSpec, available: Optional[int] = None
                      ) -> Optional[str]:
   """Why the tables do not fit into host memory for CPU emulation, or None."""
-  from tpu_embed_ext.plan import plan
+  # Through the package: importing the submodule `tpu_embed_ext.plan` first
+  # would shadow the package's `plan` function with the module.
+  import tpu_embed_ext
   available = available_memory() if available is None else available
-  tables = plan(spec).tables
+  tables = tpu_embed_ext.plan(spec).tables
   total = sum(t.total_bytes for t in tables)
   if total <= available:
     return None
@@ -512,16 +514,32 @@ def train(config_path: str, *, model_dir: str, steps: Optional[int] = None,
   silent, 1 a progress bar and a line per block, 2 a line per block (default:
   1 on a terminal, else 2). ``log`` prints those lines (default: print).
   """
-  spec = EmbeddingSpec.from_file(config_path)
-  cfg = TrainConfig.from_dict({**(spec.train or {}), **(overrides or {})})
   if verbose is None:
     verbose = 1 if sys.stdout.isatty() else 2
   if log is None:
     log = (lambda line: print(line, flush=True)) if verbose else (lambda line: None)
-  total = _check_steps(steps, cfg.steps)
-  model_dir_lib.check_writable(model_dir)
-  with model_dir_lib.lock(model_dir):
-    return _train(spec, cfg, model_dir, total, tpu, verbose, log)
+  with _in_file(config_path):
+    spec, cfg = _load(config_path, overrides)
+    total = _check_steps(steps, cfg.steps)
+    model_dir_lib.check_writable(model_dir)
+    with model_dir_lib.lock(model_dir):
+      return _train(spec, cfg, model_dir, total, tpu, verbose, log)
+
+
+def _load(config_path: str, overrides: Optional[Mapping[str, Any]]):
+  spec = EmbeddingSpec.from_file(config_path)
+  return spec, TrainConfig.from_dict({**(spec.train or {}), **(overrides or {})})
+
+
+@contextlib.contextmanager
+def _in_file(config_path: str):
+  """Locates config errors raised after loading (train: section) in the file."""
+  try:
+    yield
+  except errors.ConfigError as e:
+    if e.file or e.path.startswith("--"):
+      raise
+    raise e.at(file=config_path) from None
 
 
 def _train(spec, cfg, model_dir, total, tpu, verbose, log):
@@ -650,10 +668,10 @@ def export(config_path: str, *, model_dir: str, out: str,
   vocabulary fails the call with an error naming the feature.
   """
   from tpu_embed_ext import serving
-  spec = EmbeddingSpec.from_file(config_path)
-  cfg = TrainConfig.from_dict({**(spec.train or {}), **(overrides or {})})
-  model = build_model(spec, cfg)
-  _, eval_ds = input_datasets(spec, cfg)
+  with _in_file(config_path):
+    spec, cfg = _load(config_path, overrides)
+    model = build_model(spec, cfg)
+    _, eval_ds = input_datasets(spec, cfg)
   batch = next(iter(eval_ds))
   _build(model, batch)
   checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
