@@ -54,7 +54,8 @@ def check_ids(feature: str, ids, vocabulary_size: int, *, padded: bool = True):
     valid = tf.logical_or(valid, tf.equal(ids, PAD_ID))
   padding = f" or {PAD_ID} (padding)" if padded else ""
   check = tf.debugging.Assert(tf.reduce_all(valid), [
-      f"feature '{feature}': ids must be in [0, {vocabulary_size}){padding}; "
+      # No quotes: a SavedModel's error message shows them escaped (\').
+      f"feature {feature}: ids must be in [0, {vocabulary_size}){padding}; "
       "out-of-vocabulary ids are refused. Fix: map unknown ids to a row of the "
       "vocabulary before serving. First bad ids:",
       tf.boolean_mask(ids, tf.logical_not(valid))[:5]], summarize=5)

@@ -37,7 +37,7 @@ from tpu_embed_ext.spec import EmbeddingSpec
 
 __all__ = ["TrainConfig", "MemoryLimitError", "train", "export", "evaluate",
            "build_model", "input_datasets", "check_memory", "memory_shortfall",
-           "available_memory", "learning_rate_series"]
+           "available_memory", "learning_rate_series", "serving_inputs"]
 
 
 _MODEL_FIELDS = ("bottom", "top", "interaction")
@@ -702,3 +702,19 @@ def export(config_path: str, *, model_dir: str, out: str,
 
   serving.export_for_serving(model, out, signature, preprocess=preprocess)
   return out
+
+
+def serving_inputs(features) -> Dict[str, tf.Tensor]:
+  """A batch of the model's features in the exported signature's format.
+
+  ``dense`` as is; a single-hot feature as int64 [batch, 1]; a multi-hot
+  (ragged) one as int64 [batch, longest row] padded with ``serving.PAD_ID``.
+  """
+  from tpu_embed_ext import serving
+  inputs = {"dense": features["dense"]}
+  for name, ids in features["categorical"].items():
+    if isinstance(ids, tf.RaggedTensor):
+      inputs[name] = tf.cast(ids.to_tensor(default_value=serving.PAD_ID), tf.int64)
+    else:
+      inputs[name] = tf.cast(ids[:, None], tf.int64)
+  return inputs
