@@ -112,11 +112,14 @@ def _unreadable(prefix: str) -> Optional[str]:
   return None
 
 
-def resume_point(directory: str, log=print) -> Tuple[Optional[str], int]:
+def resume_point(directory: str, log=print, *, repair: bool = True
+                 ) -> Tuple[Optional[str], int]:
   """(prefix of the newest readable checkpoint or None, its step).
 
-  Raises CheckpointError if checkpoints exist and none reads back: starting
-  from step 0 would overwrite them.
+  ``repair``: rewrite the state file to list the readable checkpoints (a
+  run about to save; a reader such as ``export`` leaves it alone). Raises
+  CheckpointError if checkpoints exist and none reads back: starting from
+  step 0 would overwrite them.
   """
   steps = checkpoint_steps(directory)
   bad = []
@@ -127,6 +130,8 @@ def resume_point(directory: str, log=print) -> Tuple[Optional[str], int]:
       if bad:
         log(f"Falling back to {prefix} (step {step}): the newer checkpoint"
             f"{'s' if len(bad) > 1 else ''} {', '.join(bad)} could not be read.")
+      if not repair:
+        return prefix, step
       # The state file TensorFlow's CheckpointManager trusts: readable ones only.
       tf.compat.v1.train.update_checkpoint_state(
           directory, prefix, all_model_checkpoint_paths=[

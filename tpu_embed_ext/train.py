@@ -366,12 +366,14 @@ class _Blocks(keras.callbacks.Callback):
     if table_step != step:  # The invariant every name and count relies on.
       raise RuntimeError(f"the tables took {table_step} steps, the loop counted "
                          f"{step}: checkpoint names would lie.")
-    self.manager.save(checkpoint_number=step)
     held_out = self.held_out = self.evaluate_fn()
     row = {"step": step, "loss": float(logs["loss"]), "auc": float(logs["auc"]),
            "eval_loss": held_out["eval_loss"], "eval_auc": held_out["eval_auc"]}
+    # History first: every checkpoint then has its row (a run killed between
+    # the two redoes the block, and the resume drops the row after its step).
     _append_history(self.model_dir, row)
     self._summaries(row)
+    self.manager.save(checkpoint_number=step)
     self.log(f"step {step}/{self.total}: loss {row['loss']:.4f}, AUC "
              f"{row['auc']:.4f}; held-out loss {row['eval_loss']:.4f}, AUC "
              f"{row['eval_auc']:.4f}; "
@@ -449,14 +451,25 @@ def _read_history(model_dir: str):
 
 
 def _trim_history(model_dir: str, step: int) -> None:
-  """Drops rows after ``step``: a resumed run redoes them (no duplicates)."""
+  """Drops rows after ``step``: a resumed run redoes them (no duplicates).
+
+  A history of another format (an older version's) is kept as history.csv.old.
+  """
   path = os.path.join(model_dir, "history.csv")
   if not os.path.exists(path):
     return
+  with open(path, newline="") as f:
+    header = tuple(next(csv.reader(f), ()))
+  if header != _HISTORY:
+    os.replace(path, path + ".old")
+    return
   rows = [r for r in _read_history(model_dir) if r["step"] <= step]
-  os.remove(path)
-  for row in rows:
-    _append_history(model_dir, {**row, "step": int(row["step"])})
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w", newline="") as f:  # Whole or not at all.
+    writer = csv.DictWriter(f, fieldnames=_HISTORY)
+    writer.writeheader()
+    writer.writerows({**r, "step": int(r["step"])} for r in rows)
+  os.replace(tmp, path)
 
 
 def _check_steps(steps: Optional[int], default: int) -> int:
@@ -675,7 +688,8 @@ def export(config_path: str, *, model_dir: str, out: str,
   batch = next(iter(eval_ds))
   _build(model, batch)
   checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
-  path, _ = model_dir_lib.resume_point(os.path.join(model_dir, "checkpoints"))
+  path, _ = model_dir_lib.resume_point(os.path.join(model_dir, "checkpoints"),
+                                       repair=False)
   if path is None:
     raise model_dir_lib.CheckpointError(
         f"no checkpoint in {model_dir}/checkpoints. Fix: run `train` with "
