@@ -22,7 +22,13 @@ TINY = "configs/tiny.yaml"
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
+  """The tiny dataset, built here so that its progress bars stay out of stderr."""
+  import tensorflow_datasets as tfds
+  from tpu_embed_ext import data  # Registers synthetic_clicks.
+  del data
+  path = str(tmp_path_factory.mktemp("tfds"))
+  tfds.builder("synthetic_clicks/tiny", data_dir=path).download_and_prepare()
+  return path
 
 
 def _config(tmp_path, data_dir, edit=None, name="c.yaml"):
@@ -89,8 +95,10 @@ def _set(path, value):
      "train.features.c0.format: unknown format \"dense_ids\". Did you mean \"dense\"? "
      "Valid: \"dense\", "
      "\"ragged\", \"sparse\"."),
+    (("train", "eval_split"), "test[:0]",
+     "train.eval_split: the split 'test[:0]' of synthetic_clicks/tiny/"),
 ], ids=["seed", "eval_batches_0", "optimizer_class", "model_width", "dot_widths",
-        "interaction", "dataset", "feature_format"])
+        "interaction", "dataset", "feature_format", "empty_eval_split"])
 def test_train_section_errors_are_one_line(capsys, tmp_path, data_dir, path, value,
                                            message):
   config = _config(tmp_path, data_dir, _set(path, value))

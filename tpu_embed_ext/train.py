@@ -222,22 +222,29 @@ def input_datasets(spec: EmbeddingSpec, cfg: TrainConfig, *, skip_batches=0):
                 dense_column=cfg.dense_column, label_column=cfg.label,
                 preprocess=pipeline.preprocessor(cfg.dataset))
   train = pipeline.make_dataset(
-      **_split(builder, cfg.train_split), shuffle_seed=cfg.seed, repeat=True,
-      **common).skip(skip_batches)
+      **_split(builder, cfg.train_split, "train_split"), shuffle_seed=cfg.seed,
+      repeat=True, **common).skip(skip_batches)
   evaluation = pipeline.make_dataset(
-      **_split(builder, cfg.eval_split), num_batches=cfg.eval_batches,
+      **_split(builder, cfg.eval_split, "eval_split"), num_batches=cfg.eval_batches,
       drop_remainder=False, **common)
   return train, evaluation
 
 
-def _split(builder, split: str) -> Dict[str, Any]:
+def _split(builder, split: str, field: str) -> Dict[str, Any]:
   """``make_dataset``'s source: batch-parsed records where we can, else tfds's."""
-  if builder.name == "synthetic_clicks":
-    from tpu_embed_ext.data import synthetic_clicks
-    records = synthetic_clicks.serialized_split(builder, split)
-    if records is not None:
-      return {"ds": records, "parse_batch": builder.info.features.decode_batch}
-  return {"ds": builder.as_dataset(split=split, shuffle_files=False)}
+  try:
+    if builder.name == "synthetic_clicks":
+      from tpu_embed_ext.data import synthetic_clicks
+      records = synthetic_clicks.serialized_split(builder, split)
+      if records is not None:
+        return {"ds": records, "parse_batch": builder.info.features.decode_batch}
+    return {"ds": builder.as_dataset(split=split, shuffle_files=False)}
+  except (ValueError, KeyError, AssertionError) as e:
+    raise errors.ConfigError(
+        f"the split {split!r} of {builder.info.full_name} cannot be read: "
+        f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}. "
+        f"Fix: name a non-empty split of {sorted(builder.info.splits)}, e.g. "
+        "test or train[90%:].", path=f"train.{field}") from None
 
 
 def build_model(spec: EmbeddingSpec, cfg: TrainConfig, *, engine=None):
@@ -263,6 +270,17 @@ def _build(model, batch):
   features, _ = batch
   model(features, training=False)
   model.optimizer.build(model.trainable_variables)
+
+
+def _first_batch(eval_ds, cfg: TrainConfig):
+  """The first held-out batch (it builds the model); an empty split is an error."""
+  batch = next(iter(eval_ds), None)
+  if batch is None:
+    raise errors.ConfigError(
+        f"the held-out split {cfg.eval_split!r} of {cfg.dataset} has no examples. "
+        "Fix: name a non-empty split, e.g. test or train[90%:].",
+        path="train.eval_split")
+  return batch
 
 
 def _restore(model, checkpoint, path: str) -> None:
@@ -568,7 +586,7 @@ def _train(spec, cfg, model_dir, total, tpu, verbose, log):
     model = build_model(spec, cfg)
     checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     _, eval_ds = input_datasets(spec, cfg)
-    _build(model, next(iter(eval_ds)))
+    _build(model, _first_batch(eval_ds, cfg))
     done = 0
     if resume:
       _restore(model, checkpoint, resume)
@@ -685,7 +703,7 @@ def export(config_path: str, *, model_dir: str, out: str,
     spec, cfg = _load(config_path, overrides)
     model = build_model(spec, cfg)
     _, eval_ds = input_datasets(spec, cfg)
-  batch = next(iter(eval_ds))
+    batch = _first_batch(eval_ds, cfg)
   _build(model, batch)
   checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
   path, _ = model_dir_lib.resume_point(os.path.join(model_dir, "checkpoints"),
