@@ -5,6 +5,7 @@ Run from the repository root: .venv/bin/python docs/make_bad_inputs.py
 import sys
 sys.path.insert(0, ".")
 import tests.test_spec as ts, tests.test_optimizers as to, tests.test_keras_optimizers as tk
+import tests.test_cli as tc, tests.test_learning_rates as tl, tests.test_resume as tr
 rows = []
 for name, path, value, err, msg in ts.BAD:
   where = ".".join(str(p) for p in path)
@@ -19,7 +20,41 @@ for p in tk.test_rejected_options_are_pinned.pytestmark:
     for i, (opt, msg) in zip(ids, p.args[1]):
       rows.append((f"Keras optimizer: {i.replace('_', ' ')}", "ConfigError", msg,
                    f"tests/test_keras_optimizers.py::test_rejected_options_are_pinned[{i}]"))
+for p in tc.test_train_section_errors_are_one_line.pytestmark:
+  if p.name == "parametrize":
+    for i, (path, value, msg) in zip(p.kwargs["ids"], p.args[1]):
+      rows.append((f"train section: `{'.'.join(path)}` = `{value!r}`", "ConfigError (CLI: one line, exit 2)",
+                   msg, f"tests/test_cli.py::test_train_section_errors_are_one_line[{i}]"))
+for p in tl.test_python_schedules_are_checked_over_their_whole_range.pytestmark:
+  if p.name == "parametrize":
+    for i, (schedule, msg) in zip(p.kwargs["ids"], p.args[1]):
+      rows.append((f"Keras schedule object: {i.replace('_', ' ')}", "ConfigError", msg,
+                   f"tests/test_learning_rates.py::test_python_schedules_are_checked_over_their_whole_range[{i}]"))
+for p in tr.test_restore_checks_the_checkpoint_first_and_changes_nothing.pytestmark:
+  if p.name == "parametrize":
+    for i, (_, msg) in zip(p.kwargs["ids"], p.args[1]):
+      rows.append((f"resume/export from a checkpoint of another config: {i.replace('_', ' ')}",
+                   "CheckpointError (nothing restored or written)", msg.replace("{ckpt}", "<model_dir>/checkpoints/ckpt-10"),
+                   f"tests/test_resume.py::test_restore_checks_the_checkpoint_first_and_changes_nothing[{i}]"))
 extra = [
+  ("dense optimizer class typo", "ConfigError", 'train.dense_optimizer: Keras cannot build the dense optimizer ...: Could not interpret optimizer identifier: ... Did you mean "Adam"? Fix: write e.g. {class: Adam, learning_rate: 0.001}', "tests/test_cli.py::test_dense_optimizer_typo_suggests_the_class"),
+  ("`--steps 0` / `--steps -20`", "ConfigError (CLI: one line, exit 2)", "--steps: --steps must be a positive integer (the table step to train to), got 0. Fix: pass e.g. --steps 60, or leave it out for the config's train.steps.", "tests/test_cli.py::test_steps_must_be_positive"),
+  ("a directory as `--config` (plan, train, export)", "ConfigError (CLI: one line, exit 2)", "<dir>: is a directory, not a config file. Fix: name a .yaml or .json file, e.g. configs/ranking.yaml.", "tests/test_cli.py::test_directory_as_config"),
+  ("read-only `--model_dir` (checked before anything is trained)", "ModelDirError (CLI: one line, exit 2)", "cannot write to model_dir <dir>: Operation not permitted. Fix: pass a writable --model_dir.", "tests/test_cli.py::test_read_only_model_dir_is_found_before_training"),
+  ("`--tpu NAME` that does not resolve", "ConfigError (CLI: one line, exit 2)", "--tpu: TPU 'no-such-tpu-name' cannot be reached: URLError: ... Fix: check the name (gcloud compute tpus list), use --tpu auto on a TPU VM, or --tpu none for CPU emulation.", "tests/test_cli.py::test_tpu_name_that_does_not_resolve"),
+  ("a second run on a model_dir in use", "ModelDirError (CLI: one line, exit 2)", "model_dir <dir> is in use by another run (pid N). Fix: wait for it to finish, or pass another --model_dir.", "tests/test_resume.py::test_one_run_per_model_dir_and_a_stale_lock_does_not_block"),
+  ("a stale lock file from a killed run", "(valid)", "the lock is an fcntl lock, dropped by the kernel when the process dies; the next run proceeds", "tests/test_train.py::test_sigkill_mid_run_then_restart_equals_an_uninterrupted_run"),
+  ("tables and slots larger than the machine's memory (train; plan notes it)", "MemoryLimitError (CLI: one line, exit 2)", "the tables and optimizer slots need 11,920.9 GiB (float32) but this machine has ... available; the largest is table 't_c7' (100,000,000,000 x 16, 1 slot(s): 11,920.9 GiB). Fix: lower its vocabulary_size for CPU emulation, or train on a TPU (--tpu).", "tests/test_cli.py::test_tables_larger_than_memory_are_named_before_allocating"),
+  ("damaged `checkpoints/checkpoint` state file", "(valid)", "resumes from the newest checkpoint that reads back whole (found from the ckpt-*.index files); the state file is rewritten", "tests/test_resume.py::test_damaged_state_file_resumes_from_the_newest_whole_checkpoint"),
+  ("truncated index / corrupted data of the newest checkpoints", "(falls back, saying so)", "Checkpoint <dir>/ckpt-30.index is damaged and cannot be restored: ... Falling back to <dir>/ckpt-10 (step 10): the newer checkpoints ... could not be read.", "tests/test_resume.py::test_truncated_and_corrupted_checkpoints_fall_back_to_the_previous_good_one"),
+  ("no checkpoint reads back", "CheckpointError (CLI: one line, exit 2)", "no checkpoint in <dir>/checkpoints can be read (<dir>/checkpoints/ckpt-10.index). Fix: move them away to train from step 0, or restore a copy; nothing was overwritten.", "tests/test_resume.py::test_no_readable_checkpoint_is_an_error_that_overwrites_nothing, tests/test_cli.py::test_damaged_checkpoints_are_one_line"),
+  ("a resumed run with another batch_size or steps_per_checkpoint", "(valid, reported)", "This run changed batch_size 128 -> 64, steps_per_checkpoint 10 -> 2 since the checkpoint. From here the input order differs from an uninterrupted run ...", "tests/test_resume.py::test_resume_with_other_settings_says_what_changed"),
+  ("re-running a finished job", "(valid, no-op)", "Already trained to step 30 (asked for 30): nothing to do; metrics.json left as it was.", "tests/test_resume.py::test_rerunning_a_finished_job_keeps_its_metrics"),
+  ("checkpoint of another Keras model (the call for EmbeddingLayer users: `tpu_embed_ext.model_dir.check_checkpoint`)", "CheckpointError", "variable model/...kernel: checkpoint <path> holds shape [2, 3], this model has [2, 4].", "tests/test_resume.py::test_check_checkpoint_is_a_call_for_any_keras_model"),
+  ("out-of-vocabulary id sent to the exported model (single-hot, multi-hot, -1 in a single-hot input)", "InvalidArgumentError (at serving)", "feature c5: ids must be in [0, 24); out-of-vocabulary ids are refused. Fix: map unknown ids to a row of the vocabulary before serving. First bad ids: [24]", "tests/test_train.py::test_export_serves_the_trained_model"),
+  ("YAML `learning_rate: 1e-3`, merge keys `<<: *base`", "(valid)", "read as YAML 1.2 numbers; merged keys may be overridden; duplicates still refused", "tests/test_spec.py::test_yaml_reads_1_2_numbers_and_merge_keys"),
+  ("a directory given to EmbeddingSpec.from_file", "ConfigError", "<dir>: is a directory, not a config file.", "tests/test_spec.py::test_directory_as_config_is_a_config_error"),
+
   ("YAML duplicate key / syntax error / bad value in a file / missing file", "ConfigError",
    'bad.yaml: a: duplicate key "a" at line 3. ...', "tests/test_spec.py::test_file_errors_name_the_file_and_line"),
   ("schedule without a step variable", "ConfigError", "... needs a step variable. Fix: pass step=", "tests/test_spec.py::test_schedules_need_a_step"),

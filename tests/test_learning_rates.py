@@ -2,6 +2,7 @@
 
 import math
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -189,3 +190,27 @@ def test_schedules_can_read_a_keras_optimizers_iterations():
     seen.append(float(rate()))
     keras_opt.iterations.assign_add(1)
   np.testing.assert_allclose(seen, [piecewise(t) for t in range(10)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule,message", [
+    (keras.optimizers.schedules.PiecewiseConstantDecay([10, 5], [0.1, 0.2, 0.3]),
+     "PiecewiseConstantDecay boundaries must increase, got boundaries=[10, 5]"),
+    (keras.optimizers.schedules.CosineDecayRestarts(0.1, 20, m_mul=-1.0),
+     "CosineDecayRestarts gives the learning rate -0.1 at step 20;"),
+    (keras.optimizers.schedules.InverseTimeDecay(0.1, 10, decay_rate=-0.5),
+     "InverseTimeDecay gives the learning rate inf at step 20;"),
+], ids=["unsorted_boundaries", "restarts_negative_m_mul", "inverse_time_pole"])
+def test_python_schedules_are_checked_over_their_whole_range(schedule, message):
+  # The same check as for a config file, for a Keras object given in Python.
+  with pytest.raises(tee.ConfigError) as info:
+    tee.EmbeddingSpec.from_dict({
+        "optimizer": {"type": "sgd", "learning_rate": schedule},
+        "tables": {"t": {"vocabulary_size": 4, "dim": 2}},
+        "features": {"f": {"table": "t"}}})
+  assert message in str(info.value), str(info.value)
+  # A schedule that stays >= 0 (it reaches exactly 0) is accepted.
+  tee.EmbeddingSpec.from_dict({
+      "optimizer": {"type": "sgd", "learning_rate":
+                    keras.optimizers.schedules.PolynomialDecay(0.1, 10, 0.0)},
+      "tables": {"t": {"vocabulary_size": 4, "dim": 2}},
+      "features": {"f": {"table": "t"}}})

@@ -189,6 +189,26 @@ BAD = [
     ("bad_initializer", ("tables", "user_id", "initializer"), {"type": "gaussian"},
      tee.ConfigError,
      'tables.user_id.initializer.type: unknown initializer type "gaussian".'),
+    ("cosine_warmup_target_negative", ("schedules", "warm"),
+     {"class": "CosineDecay", "initial_learning_rate": 0.0, "warmup_target": -0.1,
+      "warmup_steps": 10, "decay_steps": 50}, tee.ConfigError,
+     "schedules.warm: CosineDecay gives the learning rate -0.01 at step 1; a learning rate must be a finite number >= 0 at every step."),
+    ("piecewise_value_negative", ("schedules", "warm"),
+     {"class": "PiecewiseConstantDecay", "boundaries": [50, 100],
+      "values": [0.1, -0.05, 0.01]}, tee.ConfigError,
+     "schedules.warm: PiecewiseConstantDecay gives the learning rate -0.05 at step 51;"),
+    ("piecewise_boundaries_unsorted", ("schedules", "warm"),
+     {"class": "PiecewiseConstantDecay", "boundaries": [100, 50],
+      "values": [0.1, 0.05, 0.01]}, tee.ConfigError,
+     "schedules.warm.boundaries: PiecewiseConstantDecay boundaries must increase, got boundaries=[100, 50] (boundaries[1]=50 is not after 100). Fix: sort them, and their values with them."),
+    ("polynomial_end_negative", ("schedules", "warm"),
+     {"class": "PolynomialDecay", "initial_learning_rate": 0.1, "decay_steps": 100,
+      "end_learning_rate": -0.01}, tee.ConfigError,
+     "schedules.warm: PolynomialDecay gives the learning rate -0.0089 at step 99;"),
+    ("exponential_decay_rate_negative", ("schedules", "warm"),
+     {"class": "ExponentialDecay", "initial_learning_rate": 0.1, "decay_steps": 10,
+      "decay_rate": -0.5, "staircase": True}, tee.ConfigError,
+     "schedules.warm: ExponentialDecay gives the learning rate -0.05 at step 10;"),
 ]
 
 
@@ -216,6 +236,42 @@ def test_file_errors_name_the_file_and_line(tmp_path):
   assert str(info.value).startswith(f"{bad}: tables.user_id.dim: dim must be")
   with pytest.raises(tee.ConfigError, match="config file not found"):
     tee.EmbeddingSpec.from_file(tmp_path / "missing.yaml")
+
+
+def test_yaml_reads_1_2_numbers_and_merge_keys(tmp_path):
+  # PyYAML alone reads `1e-3` as a string and rejects `<<: *base`.
+  config = tmp_path / "c.yaml"
+  config.write_text(
+      "optimizer: {type: adagrad, learning_rate: 1e-3, initial_accumulator_value: 1E-1}\n"
+      "tables:\n"
+      "  a: &wide {vocabulary_size: 100, dim: 8, combiner: sum}\n"
+      "  b: {<<: *wide, vocabulary_size: 50}\n"
+      "  c:\n"
+      "    <<: *wide\n"
+      "    optimizer: {type: sgd, learning_rate: 2.5e+2}\n"
+      "features: {fa: {table: a}, fb: {table: b}, fc: {table: c}}\n")
+  spec = tee.EmbeddingSpec.from_file(config)
+  assert spec.optimizer_for("a") == optimizers.Adagrad(
+      learning_rate=0.001, initial_accumulator_value=0.1)
+  assert spec.optimizer_for("c") == optimizers.SGD(learning_rate=250.0)
+  assert [(t.name, t.vocabulary_size, t.dim, t.combiner) for t in spec.tables] == [
+      ("a", 100, 8, "sum"), ("b", 50, 8, "sum"), ("c", 100, 8, "sum")]
+  # Still YAML 1.2 strings and ints where YAML says so; duplicates still refused.
+  config.write_text("tables: {a: {vocabulary_size: 1e3, dim: 8}}\n"
+                    "features: {f: {table: a}}\noptimizer: {type: sgd}\n")
+  with pytest.raises(tee.ConfigTypeError, match="got float 1000.0"):
+    tee.EmbeddingSpec.from_file(config)
+  config.write_text("base: &b {dim: 2}\ntables:\n  a: {<<: *b, dim: 3, dim: 4}\n")
+  with pytest.raises(tee.ConfigError, match='duplicate key "dim" at line 3'):
+    tee.EmbeddingSpec.from_file(config)
+
+
+def test_directory_as_config_is_a_config_error(tmp_path):
+  with pytest.raises(tee.ConfigError) as info:
+    tee.EmbeddingSpec.from_file(tmp_path)
+  assert str(info.value) == (
+      f"{tmp_path}: is a directory, not a config file. Fix: name a .yaml or .json "
+      "file, e.g. configs/ranking.yaml.")
 
 
 @pytest.mark.parametrize("path", ["configs/ranking.yaml", "configs/criteo.yaml"])

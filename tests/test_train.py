@@ -1,6 +1,9 @@
 """The main job on the tiny dataset: train, resume, evaluate, export."""
 
+import csv
+import glob
 import json
+import math
 import os
 
 import numpy as np
@@ -30,7 +33,25 @@ def _tables(model_dir, data_dir):
           if "/embedding/embedding/" in k}
 
 
-def test_train_writes_metrics_curve_and_checkpoints(tmp_path, data_dir):
+def _cosine_with_warmup(t, init=0.0, target=0.05, warmup=10, decay=50, alpha=0.1):
+  """Keras CosineDecay with warm-up (configs/tiny.yaml's warm_cosine)."""
+  if t < warmup:
+    return init + (target - init) * t / warmup
+  fraction = min(t - warmup, decay) / decay
+  return target * ((1 - alpha) * 0.5 * (1 + math.cos(math.pi * fraction)) + alpha)
+
+
+def _scalars(log_dir):
+  """``{tag: {step: value}}`` from the TensorBoard event files."""
+  out = {}
+  for path in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        out.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
+  return out
+
+
+def test_train_writes_metrics_curve_history_and_tensorboard(tmp_path, data_dir):
   metrics = _run(tmp_path, data_dir, 60)
   saved = json.loads((tmp_path / "metrics.json").read_text())
   assert saved == pytest.approx(metrics)
@@ -39,24 +60,42 @@ def test_train_writes_metrics_curve_and_checkpoints(tmp_path, data_dir):
   assert metrics["eval_examples"] == 1000
   assert 0.5 < metrics["planted_auc"] <= 1.0
   assert 0.0 < metrics["eval_auc"] <= 1.0 and metrics["eval_loss"] > 0
-  assert (tmp_path / "learning_curve.png").stat().st_size > 1000
-  rows = (tmp_path / "history.csv").read_text().strip().splitlines()
-  assert len(rows) == 1 + 3  # Header + one row per 20-step block.
   assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("-60")
 
+  # history.csv: one row per 20-step block, every column filled.
+  with open(tmp_path / "history.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert list(rows[0]) == ["step", "loss", "auc", "eval_loss", "eval_auc"]
+  assert [int(r["step"]) for r in rows] == [20, 40, 60]
+  assert all(v not in ("", "nan", None) and math.isfinite(float(v))
+             for r in rows for v in r.values())
+  # The held-out columns are the job's own evaluation (the last one is metrics.json's).
+  assert float(rows[-1]["eval_auc"]) == metrics["eval_auc"]
+  assert float(rows[-1]["eval_loss"]) == metrics["eval_loss"]
 
-def test_resumed_run_equals_uninterrupted_run(tmp_path, data_dir):
-  _run(tmp_path / "straight", data_dir, 60)
-  _run(tmp_path / "resumed", data_dir, 20)      # "Crashes" after 20 steps...
-  metrics = _run(tmp_path / "resumed", data_dir, 60)  # ...and is started again.
-  assert metrics["resumed_from_step"] == 20
-  straight = _tables(str(tmp_path / "straight"), data_dir)
-  resumed = _tables(str(tmp_path / "resumed"), data_dir)
-  # 26 tables; slots: 12 Adagrad x 1, Adam x 2, 7 SGD x 0, 6 FTRL x 2.
-  assert len(straight) == 26 + 12 + 2 + 12
-  assert straight.keys() == resumed.keys()
-  for key in straight:
-    np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)
+  # learning_curve.png: two panels (loss, AUC), training and held-out in each.
+  import matplotlib.image
+  image = matplotlib.image.imread(tmp_path / "learning_curve.png")
+  assert image.shape[:2] == (350, 1000)
+
+  # TensorBoard: every dynamic learning-rate tag per step, beside the dense rate.
+  # Update t applies the rate at table step t - 1.
+  scalars = _scalars(str(tmp_path / "logs"))
+  steps = list(range(1, 61))
+  assert sorted(scalars["learning_rate/tag_0"]) == steps
+  np.testing.assert_allclose(
+      [scalars["learning_rate/tag_0"][t] for t in steps],
+      [_cosine_with_warmup(t - 1) for t in steps], rtol=1e-6, atol=1e-9)
+  b1, b2 = 0.9, 0.999  # t_c9: Adam(0.002, bias_correction=True), tag 1.
+  np.testing.assert_allclose(
+      [scalars["learning_rate/tag_1"][t] for t in steps],
+      [0.002 * math.sqrt(1 - b2 ** t) / (1 - b1 ** t) for t in steps], rtol=1e-6)
+  assert [scalars["learning_rate/dense"][t] for t in steps] == pytest.approx([0.002] * 60)
+  assert sorted(k for k in scalars if k.startswith("learning_rate/")) == [
+      "learning_rate/dense", "learning_rate/tag_0", "learning_rate/tag_1"]
+  for key in ("train/loss", "train/auc", "held_out/loss", "held_out/auc"):
+    assert sorted(scalars[key]) == [20, 40, 60], key
+  assert scalars["held_out/auc"][60] == pytest.approx(metrics["eval_auc"])
 
 
 def test_export_serves_the_trained_model(tmp_path, data_dir):
@@ -83,6 +122,21 @@ def test_export_serves_the_trained_model(tmp_path, data_dir):
                     else ids.to_tensor(default_value=-1))
   got = serve(**inputs)["outputs"].numpy()
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+  # Out-of-vocabulary ids are refused, naming the feature (single- and multi-hot).
+  for name, vocabulary, padding in (("c5", 24, ""), ("c21", 18, " or -1 (padding)")):
+    bad = dict(inputs)
+    ids = inputs[name].numpy().copy()
+    ids[3, 0] = vocabulary
+    bad[name] = tf.constant(ids)
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+      serve(**bad)
+    assert (f"feature {name}: ids must be in [0, {vocabulary}){padding}; "
+            "out-of-vocabulary ids are refused. Fix: map unknown ids to a row of the "
+            "vocabulary before serving. First bad ids:") in info.value.message, info.value.message
+  single = dict(inputs, c5=tf.fill(tf.shape(inputs["c5"]), tf.constant(-1, tf.int64)))
+  with pytest.raises(tf.errors.InvalidArgumentError, match=r"feature c5: "):
+    serve(**single)  # -1 pads multi-hot rows only.
 
 
 def test_auc_is_exact_against_pairwise_counting():
@@ -134,7 +188,7 @@ def test_sigkill_mid_run_then_restart_equals_an_uninterrupted_run(tmp_path):
             "--steps", "120", "--model_dir", str(model_dir), "--tpu", "none"]
 
   subprocess.run(command(tmp_path / "straight"), env=env, check=True,
-                 capture_output=True)
+                 capture_output=True, timeout=600)
   killed = tmp_path / "killed"
   proc = subprocess.Popen(command(killed), env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
@@ -146,9 +200,14 @@ def test_sigkill_mid_run_then_restart_equals_an_uninterrupted_run(tmp_path):
   proc.wait()
   interrupted_at = int(tf.train.latest_checkpoint(str(killed / "checkpoints")).rsplit("-", 1)[1])
   assert interrupted_at < 120, "the run finished before it could be killed"
+  # The killed run's lock file is still there, naming a dead process: no obstacle.
+  assert (killed / ".lock").read_text() == str(proc.pid)
   out = subprocess.run(command(killed), env=env, check=True, capture_output=True,
-                       text=True)
+                       text=True, timeout=600)
   assert f"(step {interrupted_at})" in out.stdout + out.stderr
+  assert json.loads((killed / "metrics.json").read_text())["steps"] == 120
+  history = (killed / "history.csv").read_text().splitlines()[1:]
+  assert [int(r.split(",")[0]) for r in history] == [20, 40, 60, 80, 100, 120]
   straight, resumed = _tables(str(tmp_path / "straight"), None), _tables(str(killed), None)
   assert straight.keys() == resumed.keys() and straight
   for key in straight:

@@ -3,6 +3,11 @@
   plan    --config FILE [--proto]        print the TPU plan of a config
   train   --config FILE [--steps N] [--model_dir DIR] [--tpu auto|none|NAME]
   export  --config FILE --model_dir DIR --out DIR
+
+A user error (a bad config or flag, a model_dir in use or not writable, a
+damaged checkpoint, tables larger than memory) prints one line, ``error:``
+with what is wrong, where and the fix, and exits with status 2;
+``--verbose`` shows the traceback instead.
 """
 
 import os
@@ -13,12 +18,16 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "configs/ranking.yaml", "Config file (YAML or JSON).")
 flags.DEFINE_bool("proto", False, "plan: also print the TPUEmbeddingConfiguration.")
-flags.DEFINE_integer("steps", None, "train: steps to train (default: the config's).")
+flags.DEFINE_integer("steps", None, "train: the table step to train to (default: "
+                     "the config's train.steps; a resumed run counts the steps "
+                     "before it).")
 flags.DEFINE_string("model_dir", None, "train/export: checkpoints, logs, metrics "
                     "(default: runs/<config name>).")
 flags.DEFINE_string("tpu", "auto", "train: 'auto' (use a TPU if one is attached), "
                     "'none' (CPU emulation), or a TPU name/address.")
-flags.DEFINE_string("out", None, "export: where to write the SavedModel.")
+flags.DEFINE_string("out", None, "export: where to write the SavedModel "
+                    "(default: <model_dir>/serving).")
+flags.DEFINE_bool("verbose", False, "On an error, show the traceback.")
 
 
 def _model_dir():
@@ -29,8 +38,13 @@ def _model_dir():
 
 def _plan():
   import tpu_embed_ext as tee
-  plan = tee.plan(tee.EmbeddingSpec.from_file(FLAGS.config))
+  from tpu_embed_ext import train
+  spec = tee.EmbeddingSpec.from_file(FLAGS.config)
+  plan = tee.plan(spec)
   print(plan)
+  shortfall = train.memory_shortfall(spec)
+  if shortfall:
+    print(f"\nCPU emulation (train --tpu none) would not fit: {shortfall}")
   if FLAGS.proto:
     print()
     print(plan.config_proto())
@@ -38,35 +52,71 @@ def _plan():
 
 def _train():
   from tpu_embed_ext import train
-  metrics = train.train(FLAGS.config, model_dir=_model_dir(), steps=FLAGS.steps,
+  model_dir = _model_dir()
+  metrics = train.train(FLAGS.config, model_dir=model_dir, steps=FLAGS.steps,
                         tpu=FLAGS.tpu)
+  speed = metrics.get("examples_per_second")
   print(f"\nheld-out AUC {metrics['eval_auc']:.4f}"
         + (f" (planted model: {metrics['planted_auc']:.4f})"
            if "planted_auc" in metrics else "")
-        + f", {metrics['examples_per_second'] or 0:,.0f} examples/s on "
-        f"{metrics['where']}.\nmetrics: {os.path.join(_model_dir(), 'metrics.json')}")
+        + f" at step {metrics['steps']}, on {metrics['where']}"
+        + (f", {speed:,.0f} examples/s." if speed else
+           " (already trained: nothing to do)."))
+  print(where_everything_went(FLAGS.config, model_dir))
+
+
+def where_everything_went(config: str, model_dir: str) -> str:
+  """The closing summary of ``train``: every output and the next command."""
+  from tpu_embed_ext import model_dir as model_dir_lib
+  checkpoints = os.path.join(model_dir, "checkpoints")
+  steps = model_dir_lib.checkpoint_steps(checkpoints)
+  newest = f" (newest: ckpt-{steps[0]})" if steps else ""
+  rows = [("checkpoints", checkpoints + newest),
+          ("metrics", os.path.join(model_dir, "metrics.json")),
+          ("learning curve", os.path.join(model_dir, "learning_curve.png")),
+          ("history", os.path.join(model_dir, "history.csv")),
+          ("TensorBoard logs", os.path.join(model_dir, "logs") +
+           f"   (tensorboard --logdir {os.path.join(model_dir, 'logs')})")]
+  lines = [f"Results in {model_dir}:"]
+  lines += [f"  {name:<17} {path}" for name, path in rows]
+  lines += ["Next, export for serving:",
+            f"  python -m tpu_embed_ext export --config {config} --model_dir "
+            f"{model_dir} --out {os.path.join(model_dir, 'serving')}"]
+  return "\n".join(lines)
 
 
 def _export():
   from tpu_embed_ext import train
-  if not FLAGS.out:
-    raise app.UsageError("export needs --out DIR.")
+  out = FLAGS.out or os.path.join(_model_dir(), "serving")
   print("SavedModel written to", train.export(FLAGS.config, model_dir=_model_dir(),
-                                              out=FLAGS.out))
+                                              out=out))
 
 
 COMMANDS = {"plan": _plan, "train": _train, "export": _export}
+
+
+def _one_line(e: BaseException):
+  """The line a user sees for an error they can fix, or None for a bug."""
+  from tpu_embed_ext import errors
+  if isinstance(e, errors.Error):
+    return " ".join(str(e).split())
+  if isinstance(e, KeyboardInterrupt):
+    return ("interrupted. Run the same command again to resume from the newest "
+            "checkpoint.")
+  return None
 
 
 def main(argv):
   if len(argv) != 2 or argv[1] not in COMMANDS:
     raise app.UsageError(f"usage: python -m tpu_embed_ext {{{'|'.join(COMMANDS)}}} "
                          "--config FILE [flags]")
-  from tpu_embed_ext import errors
   try:
     COMMANDS[argv[1]]()
-  except errors.ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
+  except (Exception, KeyboardInterrupt) as e:  # pylint: disable=broad-except
+    line = None if FLAGS.verbose else _one_line(e)
+    if line is None:
+      raise
+    print(f"error: {line} (--verbose shows the traceback)", file=sys.stderr)
     return 2
   return 0
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import numbers
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -30,7 +31,7 @@ from tpu_embed_ext import errors, optimizers
 
 __all__ = ["Schedule", "parse_schedules", "parse_learning_rate",
            "learning_rate_to_config", "RateBinder", "assign_tags",
-           "check_tag_rules", "describe", "SCHEDULE_CLASSES"]
+           "check_tag_rules", "describe", "value_at", "SCHEDULE_CLASSES"]
 
 _S = keras.optimizers.schedules
 SCHEDULE_CLASSES = {c.__name__: c for c in (
@@ -119,6 +120,7 @@ class Schedule:
           f"{class_name} rejects its arguments {dict(args)}: {e}. Fix: correct "
           "the values (see keras.optimizers.schedules."
           f"{class_name}).") from e
+    _check_range(schedule, keras_schedule)
     return schedule
 
   @classmethod
@@ -147,6 +149,40 @@ class Schedule:
   def __repr__(self):
     args = ", ".join(f"{k}={_thaw(v)!r}" for k, v in self.config)
     return f"{self.class_name}({args})"
+
+
+def _check_range(schedule: "Schedule", keras_schedule) -> None:
+  """ConfigError unless the rate is finite and >= 0 at every step.
+
+  Evaluated at every milestone (warm-up end, decay ends and their multiples,
+  boundaries), one step either side of each, and 10^k up to 10^9: the six
+  Keras families are monotone or piecewise monotone between these points, so
+  their extremes lie there. PiecewiseConstantDecay's boundaries must increase
+  (Keras takes the first matching interval, so unsorted ones silently skip
+  values).
+  """
+  config = dict(schedule.config)
+  boundaries = list(config.get("boundaries", ()))
+  for i in range(1, len(boundaries)):
+    if not boundaries[i] > boundaries[i - 1]:
+      raise errors.ConfigError(
+          f"{schedule.class_name} boundaries must increase, got "
+          f"boundaries={boundaries} (boundaries[{i}]={boundaries[i]} is not after "
+          f"{boundaries[i - 1]}). Fix: sort them, and their values with them.",
+          path="boundaries")
+  steps = set(_milestones(schedule)) | {10 ** k for k in range(10)}
+  period = config.get("decay_steps") or config.get("first_decay_steps")
+  if period:
+    steps |= {int(period) * k for k in range(1, 6)}
+  steps = sorted({max(0, t + d) for t in steps for d in (-1, 0, 1)})
+  for t in steps:
+    value = float(keras_schedule(t))
+    if not math.isfinite(value) or value < 0:
+      raise errors.ConfigError(
+          f"{schedule.class_name} gives the learning rate {value:g} at step {t}; "
+          "a learning rate must be a finite number >= 0 at every step. Fix: "
+          "change the values that lead there (targets, values, end rate, "
+          "decay_rate, alpha, m_mul).")
 
 
 def parse_schedules(config: Optional[Mapping[str, Any]]) -> Dict[str, Schedule]:
@@ -332,9 +368,22 @@ def describe(rate) -> str:
   if betas:
     text += f" x Adam bias correction (beta_1={betas[0]}, beta_2={betas[1]})"
     steps = sorted(set(steps) | {1, 10})
-  values = []
-  for t in steps:
-    base = schedule(t) if isinstance(schedule, Schedule) else schedule
-    value = float(base) * (float(bias_correction(t, *betas)) if betas else 1.0)
-    values.append(f"t={t}: {value:.4g}")
+  values = [f"t={t}: {value_at(rate, t):.4g}" for t in steps]
   return f"{text}; {', '.join(values)}"
+
+
+def value_at(rate, step: int) -> float:
+  """The learning rate a table applies at table step ``step`` (0 = first update).
+
+  ``rate`` is a number or a callable from ``RateBinder`` (a schedule, maybe
+  times Adam's bias correction); the step variable it reads is not touched.
+  A user's zero-arg callable cannot be asked about another step: its current
+  value is returned.
+  """
+  schedule = getattr(rate, "schedule", rate)
+  betas = getattr(rate, "bias_correction", None)
+  if isinstance(schedule, Schedule):
+    base = float(schedule(step))
+  else:
+    base = float(schedule()) if callable(schedule) else float(schedule)
+  return base * (float(bias_correction(step, *betas)) if betas else 1.0)

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import keras
 import tensorflow as tf
 
+from tpu_embed_ext import errors
 from tpu_embed_ext.layer import EmbeddingLayer
 
 __all__ = ["RankingModel"]
@@ -32,14 +33,16 @@ class RankingModel(keras.Model):
                engine: Optional[str] = None, validate: bool = True, **kwargs):
     super().__init__(**kwargs)
     if interaction not in ("dot", "concat"):
-      raise ValueError(
-          f'interaction must be "dot" or "concat", got {interaction!r}.')
+      raise errors.ConfigError(
+          f'interaction must be "dot" or "concat", got {interaction!r}.',
+          path="train.model.interaction")
     dims = {t.dim for t in spec.tables}
     if interaction == "dot" and (len(dims) != 1 or bottom[-1] not in dims):
-      raise ValueError(
+      raise errors.ConfigError(
           f"interaction='dot' needs every table and the bottom MLP's last "
           f"layer to have one width, got table dims {sorted(dims)} and bottom "
-          f"{list(bottom)}. Fix: make them equal or use interaction='concat'.")
+          f"{list(bottom)}. Fix: make them equal or use interaction='concat'.",
+          path="train.model.bottom")
     self.interaction = interaction
     self.feature_names = [f.name for f in spec.features]
     self.embedding = EmbeddingLayer(spec, engine=engine, validate=validate,

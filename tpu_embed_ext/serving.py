@@ -7,6 +7,12 @@ matrix whose padding is ``PAD_ID`` (-1). The embedding lookups inside are
 ``tf.tpu.experimental.embedding.serving_embedding_lookup`` over the trained
 tables: plain gathers and segment reductions, no TPU ops, so the SavedModel
 serves on any CPU.
+
+Out-of-vocabulary ids: the policy is to refuse them. ``check_ids`` makes the
+call fail with an ``InvalidArgumentError`` naming the feature, the vocabulary
+and the offending ids (a gather would fail at an anonymous node, or on some
+devices return zeros silently). Map unknown ids into the vocabulary (a
+reserved row) before calling.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from tpu_embed_ext import errors
 from tpu_embed_ext.emulation.engine import CPUEmbedding
 from tpu_embed_ext.layer import EmbeddingLayer
 
-__all__ = ["PAD_ID", "export_for_serving", "ragged_from_padded"]
+__all__ = ["PAD_ID", "export_for_serving", "ragged_from_padded", "check_ids"]
 
 PAD_ID = -1
 
@@ -36,6 +42,27 @@ def ragged_from_padded(structure):
       return tf.ragged.boolean_mask(x, tf.not_equal(x, PAD_ID))
     return x
   return tf.nest.map_structure(convert, structure)
+
+
+def check_ids(feature: str, ids, vocabulary_size: int, *, padded: bool = True):
+  """``ids`` once every entry is in ``[0, vocabulary_size)`` (or ``PAD_ID``).
+
+  ``padded=False`` (a single-hot [batch, 1] input) refuses ``PAD_ID`` too.
+  Fails inside the serving call, naming the feature and up to 5 bad ids.
+  """
+  ids = tf.convert_to_tensor(ids)
+  valid = tf.logical_and(ids >= 0, ids < vocabulary_size)
+  if padded:
+    valid = tf.logical_or(valid, tf.equal(ids, PAD_ID))
+  padding = f" or {PAD_ID} (padding)" if padded else ""
+  check = tf.debugging.Assert(tf.reduce_all(valid), [
+      # No quotes: a SavedModel's error message shows them escaped (\').
+      f"feature {feature}: ids must be in [0, {vocabulary_size}){padding}; "
+      "out-of-vocabulary ids are refused. Fix: map unknown ids to a row of the "
+      "vocabulary before serving. First bad ids:",
+      tf.boolean_mask(ids, tf.logical_not(valid))[:5]], summarize=5)
+  with tf.control_dependencies([check]):
+    return tf.identity(ids)
 
 
 def _embedding_layers(model: keras.Model):

@@ -24,6 +24,7 @@ import json
 import math
 import numbers
 import os
+import re
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from tpu_embed_ext import errors, optimizers
@@ -107,8 +108,17 @@ class EmbeddingSpec:
       raise errors.ConfigError(
           "config file not found. Fix: check the path (configs/ holds the "
           "examples).", file=path)
-    with open(path) as f:
-      text = f.read()
+    if os.path.isdir(path):
+      raise errors.ConfigError(
+          "is a directory, not a config file. Fix: name a .yaml or .json file, "
+          "e.g. configs/ranking.yaml.", file=path)
+    try:
+      with open(path, encoding="utf-8") as f:
+        text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+      raise errors.ConfigError(
+          f"cannot read the config: {getattr(e, 'strerror', None) or e}. Fix: "
+          "name a readable UTF-8 .yaml or .json file.", file=path) from None
     try:
       if path.endswith(".json"):
         data = json.loads(text, object_pairs_hook=_unique_json_keys)
@@ -459,9 +469,18 @@ def _load_yaml(text: str):
   class UniqueKeyLoader(yaml.SafeLoader):
     pass
 
+  # YAML 1.2 (core schema) numbers: PyYAML resolves YAML 1.1, where a float
+  # needs a dot, so `learning_rate: 1e-3` would be the string "1e-3".
+  UniqueKeyLoader.add_implicit_resolver(
+      "tag:yaml.org,2002:float",
+      re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)$"),
+      list("-+.0123456789"))
+
   def construct_mapping(loader, node, deep=False):
     seen = set()
     for key_node, _ in node.value:
+      if key_node.tag == "tag:yaml.org,2002:merge":
+        continue  # `<<: *base`: merged keys may be overridden, not duplicates.
       key = loader.construct_object(key_node, deep=deep)
       if key in seen:
         raise errors.ConfigError(
