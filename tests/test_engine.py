@@ -521,3 +521,44 @@ def test_dense_ids_for_a_sequence_feature_and_gradient_structure():
   after = _snapshot(emb)
   for key in before:
     np.testing.assert_array_equal(after[key], before[key])
+
+
+# --- an update that would overflow is rejected like a non-finite gradient -----
+
+OVERFLOWS = {
+    # SGD: finite lr x finite gradient beyond float32.
+    "sgd_parameters": (lambda: api.SGD(3e38), 10.0, "parameters"),
+    # Adagrad: g^2 overflows the accumulator.
+    "adagrad_accumulators": (lambda: api.Adagrad(0.1), 1e20, "accumulators"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OVERFLOWS))
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+def test_update_that_would_write_inf_changes_nothing(name, mode):
+  optimizer, grad, variable = OVERFLOWS[name]
+  table = api.TableConfig(6, 2, initializer=tf.ones_initializer(), name="t")
+  emb = tee.CPUEmbedding({"f": api.FeatureConfig(table, name="f")}, optimizer())
+  before = _snapshot(emb)
+
+  def step(g):
+    emb.enqueue({"f": tf.constant([1, 2])}, training=True)
+    emb.dequeue()
+    emb.apply_gradients({"f": tf.fill([2, 2], g)})
+
+  message = (rf"table \\?'t\\?': the update would write NaN or Inf into its "
+             rf"{variable}; no table, slot or step was changed\. Fix: lower the "
+             r"learning rate, or clip gradients \(clipvalue\) or weights")
+  if mode == "eager":
+    with pytest.raises(tee.InputError, match=message):
+      step(grad)
+  else:
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"the update would write NaN or Inf; no table, slot or "
+                             r"step was changed\. .*"
+                             rf"Where:\] \[table \\?'t\\?' {variable}\]"):
+      tf.function(step)(tf.constant(grad))
+  after = _snapshot(emb)
+  for key in before:
+    np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+  assert int(emb.step.numpy()) == 0

@@ -111,7 +111,9 @@ def _state(engine):
     ([[1, 9], [2]], 1.0, "feature 'f' (table 't'): id 9 is out of range [0, 6)."),
     ([[-1], [2]], 1.0, "feature 'f' (table 't'): id -1 is out of range [0, 6)."),
     ([[1, 2], [3]], np.inf, "table 't': gradient has NaN or Inf values"),
-], ids=["too_large", "negative", "inf_gradient"])
+    ([[1, 2], [3]], 3e38, "table 't': the update would write NaN or Inf into "
+     "its velocities"),
+], ids=["too_large", "negative", "inf_gradient", "overflowing_update"])
 def test_xla_rejected_step_changes_nothing_and_raises_at_next_eager_call(
     ids, scale, message):
   engine = _one_table_engine()

@@ -303,7 +303,9 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       message = validation.ids_message(
           feature.where, self._tables[feature.table].config.vocabulary_size, value)
     else:
-      message = validation.not_finite_message(self._tables[index].name)
+      table = self._tables[index]
+      variable = ("parameters", *table.optimizer.slot_names)[value]
+      message = validation.finite_message(kind, table.name, variable)
     raise errors.InputError(
         f"a step compiled with XLA was rejected and changed nothing: {message}")
 
@@ -503,19 +505,25 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     status = tf.concat([p["status"] for p in payloads], 0)
     rates = {}
     planned = []
-    for i, table in enumerate(self._tables):
-      ids = tf.concat([p["ids"][i] for p in payloads], 0)
-      grads = tf.concat([p["grads"][i] for p in payloads], 0)
-      variables = self._variables[table.name]
-      planned.append(updates.prepare(
-          table.optimizer, variables["parameters"],
-          [variables[s] for s in table.optimizer.slot_names], ids, grads,
-          updates.learning_rate(table.optimizer, rates), engine=self._engine,
-          where=f"table '{table.name}'"))
-    finite = None
+    # Rows are read after the id check: a bad id fails with its message.
+    with tf.control_dependencies([] if tf.executing_eagerly() else [status]):
+      for i, table in enumerate(self._tables):
+        ids = tf.concat([p["ids"][i] for p in payloads], 0)
+        grads = tf.concat([p["grads"][i] for p in payloads], 0)
+        variables = self._variables[table.name]
+        planned.append(updates.prepare(
+            table.optimizer, variables["parameters"],
+            [variables[s] for s in table.optimizer.slot_names], ids, grads,
+            updates.learning_rate(table.optimizer, rates), engine=self._engine,
+            where=f"table '{table.name}'"))
+    verdicts = []
     if self._validate:
-      finite = validation.check_finite([t.name for t in self._tables],
-                                       [u.grads for u in planned])
+      names = [t.name for t in self._tables]
+      verdicts.append(validation.check_finite(names, [[u.grads] for u in planned]))
+      verdicts.append(validation.check_finite(
+          names, [list(u.values) for u in planned], validation.NOT_FINITE_UPDATE,
+          [["parameters", *t.optimizer.slot_names] for t in self._tables],
+          after=verdicts[0].assertion if verdicts[0] is not None else None))
 
     def write(accept=None):
       with tf.control_dependencies([w for w in (u.write(accept) for u in planned)
@@ -527,18 +535,19 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     if tf.executing_eagerly():
       write()
       return
-    if finite is not None and finite.assertion is None:
+    if verdicts and verdicts[0].assertion is None:
       # XLA: no assertion can stop the step, so it is gated instead, and the
-      # failure recorded for raise_if_failed.
-      ids_ok = tf.reduce_all(status[:, 0] > 0)
-      accept = tf.logical_and(ids_ok, finite.ok)
-      failure = tf.where(ids_ok, finite.failure,
-                         tf.gather(status, tf.argmin(status[:, 0]))[1:])
+      # first failure (ids, gradients, new values) recorded for
+      # raise_if_failed.
+      accept = tf.reduce_all(status[:, 0] > 0)
+      failure = tf.gather(status, tf.argmin(status[:, 0]))[1:]
+      for verdict in verdicts:
+        failure = tf.where(accept, verdict.failure, failure)
+        accept = tf.logical_and(accept, verdict.ok)
       with tf.control_dependencies([write(accept)]):
         self._failure.assign(tf.where(accept, self._failure, failure))
       return
-    checks = [status] + ([finite.assertion] if finite is not None else [])
-    with tf.control_dependencies(checks):
+    with tf.control_dependencies([status] + [v.assertion for v in verdicts]):
       write()
 
   def _create_variables(self, table: _Table) -> Dict[str, tf.Variable]:

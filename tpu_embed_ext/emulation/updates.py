@@ -17,7 +17,7 @@ TensorFlow otherwise runs in parallel.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
@@ -28,14 +28,17 @@ __all__ = ["Update", "prepare", "learning_rate"]
 
 
 class Update(NamedTuple):
-  """One table's step, prepared: ``grads`` is checked, then ``write`` runs.
+  """One table's step, computed but not written.
 
-  ``write(accept)`` returns the op (None when eager). ``accept``, a scalar
-  bool tensor or None, gates the step without control flow (XLA cannot
-  branch around the dynamic shapes of a step): where it is false every
-  written row keeps its value.
+  ``grads`` (what the rule is applied to) and ``values`` (the new rows of the
+  parameters, then of each slot) are checked before anything is written;
+  ``write(accept)`` then scatters ``values`` into the variables and returns
+  the op (None when eager). ``accept``, a scalar bool tensor or None, gates
+  the step without control flow (XLA cannot branch around the dynamic shapes
+  of a step): where it is false every row keeps its value.
   """
   grads: tf.Tensor
+  values: Tuple[tf.Tensor, ...]
   write: Callable[..., Optional[Any]]
 
 
@@ -59,39 +62,63 @@ def prepare(spec, params, slot_vars, ids, grads, lr, *, engine: str,
   deterministic: round ``k`` applies the ``k``-th contribution (in input
   order) of every id that has one.
   """
-  args = (spec, params, tuple(slot_vars))
-  xla = validation.in_xla_context()
+  variables = (params,) + tuple(slot_vars)
+  rule = functools.partial(update_rules.apply_update, spec, lr=lr, engine=engine)
   if engine == "v1" and isinstance(spec, optimizers.Adam) and not spec.lazy_adam:
-    # Negative ids (occurrences that do not count) touch nothing.
+    # Every row steps, untouched ones with g = 0; negative ids (occurrences
+    # that do not count) touch nothing.
     g = tf.math.unsorted_segment_sum(grads, ids, tf.shape(params)[0])
-    return Update(g, functools.partial(_update_all_rows, *args, g, lr, engine))
+    old = tuple(v.read_value() for v in variables)
+    values = _apply(rule, old, g)
+    return Update(g, values, functools.partial(_assign_all, variables, values, old))
   if engine == "v1" and not spec.use_gradient_accumulation:
-    if xla:
+    if validation.in_xla_context():
       raise errors.ConfigError(
           f"{where}: use_gradient_accumulation=False cannot be compiled with "
           "XLA by the emulator (its rounds of updates have data-dependent "
           "sizes). Fix: use jit_compile=False, or enable gradient "
           "accumulation (the default).")
-    return Update(grads, functools.partial(_update_in_rounds, *args, ids, grads,
-                                           lr, engine))
-  if xla:
-    return _prepare_static(args, ids, grads, lr, engine)
+    return _in_rounds(rule, variables, ids, grads)
+  if validation.in_xla_context():
+    return _static(rule, variables, ids, grads)
   unique, index = tf.unique(ids)
   g = tf.math.unsorted_segment_sum(grads, index, tf.size(unique))
-  return Update(g, functools.partial(_write_rows, *args, unique, g, lr, engine))
+  old = tuple(tf.gather(v, unique) for v in variables)
+  values = _apply(rule, old, g)
+  return Update(g, values, functools.partial(_scatter, variables, unique, values, old))
 
 
-def _prepare_static(args, ids, grads, lr, engine) -> Update:
+def _apply(rule, old, g):
+  w, slots = rule(old[0], old[1:], g)
+  return (w,) + tuple(slots)
+
+
+def _gated(accept, new, old):
+  return new if accept is None else tf.where(accept, new, old)
+
+
+def _scatter(variables, rows, values, old, accept=None):
+  return tf.group([v.scatter_update(tf.IndexedSlices(_gated(accept, new, o), rows))
+                   for v, new, o in zip(variables, values, old)])
+
+
+def _assign_all(variables, values, old, accept=None):
+  return tf.group([v.assign(_gated(accept, new, o))
+                   for v, new, o in zip(variables, values, old)])
+
+
+def _static(rule, variables, ids, grads) -> Update:
   """Per-id sums with static shapes, for XLA.
 
   XLA's ``Unique`` is not reliable on data-dependent sizes, so ids are sorted
   instead (negative ids, which do not count, last): segment ``k`` holds the
   ``k``-th distinct id, and the ``n - count`` trailing segments are padding.
-  Padding writes repeat segment 0's write (same row, same value), so a
-  scatter of all ``n`` entries changes exactly the touched rows.
+  Padding entries repeat entry 0's row and value (or, with no real entry,
+  row 0's old value), so a scatter of all ``n`` entries changes exactly the
+  touched rows.
   """
   if ids.shape[0] == 0:  # Static under XLA: no occurrence, nothing to write.
-    return Update(grads, lambda accept=None: tf.no_op())
+    return Update(grads, (), lambda accept=None: tf.no_op())
   n = tf.size(ids)
   key = tf.where(ids < 0, tf.int64.max, ids)
   order = tf.argsort(key, stable=True)
@@ -104,51 +131,20 @@ def _prepare_static(args, ids, grads, lr, engine) -> Update:
   rows = tf.math.unsorted_segment_max(ordered, segment, n)
   valid = tf.range(n) < tf.reduce_sum(tf.cast(new, tf.int32))
   rows = tf.where(valid, rows, tf.where(valid[0], rows[0], 0))
-  return Update(tf.where(valid[:, None], g, 0.0), functools.partial(
-      _write_rows, *args, rows, g, lr, engine, padding=valid))
+  old = tuple(tf.gather(v, rows) for v in variables)
+  values = tuple(
+      tf.where(valid[:, None], x, tf.where(valid[0], x[0], o[0]))
+      for x, o in zip(_apply(rule, old, g), old))
+  return Update(tf.where(valid[:, None], g, 0.0), values,
+                functools.partial(_scatter, variables, rows, values, old))
 
 
-def _gated(accept, new, old):
-  return new if accept is None else tf.where(accept, new, old)
+def _in_rounds(rule, variables, ids, grads) -> Update:
+  """No accumulation: round k applies each id's k-th contribution.
 
-
-def _write_rows(spec, params, slot_vars, rows, g, lr, engine, accept=None,
-                padding=None):
-  """Updates ``rows`` (unique ids) of one table with their gradients ``g``.
-
-  ``padding`` (XLA): a bool [n] mask of real entries; the others repeat
-  entry 0's row and value (or, with no real entry, row 0's old value).
+  The rounds run on the gathered rows of the touched ids; the result is
+  written once, like any other step.
   """
-  w_old = tf.gather(params, rows)
-  slots_old = tuple(tf.gather(s, rows) for s in slot_vars)
-  w, slots = update_rules.apply_update(spec, w_old, slots_old, g, lr,
-                                       engine=engine)
-  w, slots = _gated(accept, w, w_old), tuple(
-      _gated(accept, s, s_old) for s, s_old in zip(slots, slots_old))
-  if padding is not None:
-    repeat = lambda new, old: tf.where(
-        padding[:, None], new, tf.where(padding[0], new[0], old[0]))
-    w, slots = repeat(w, w_old), tuple(
-        repeat(s, s_old) for s, s_old in zip(slots, slots_old))
-  ops = [params.scatter_update(tf.IndexedSlices(w, rows))]
-  ops += [v.scatter_update(tf.IndexedSlices(s, rows)) for v, s in zip(slot_vars, slots)]
-  return tf.group(ops)
-
-
-def _update_all_rows(spec, params, slot_vars, g, lr, engine, accept=None):
-  """Non-lazy Adam: every row steps, untouched ones with g = 0."""
-  w_old = params.read_value()
-  slots_old = tuple(s.read_value() for s in slot_vars)
-  w, slots = update_rules.apply_update(spec, w_old, slots_old, g, lr,
-                                       engine=engine)
-  return tf.group([params.assign(_gated(accept, w, w_old))] +
-                  [v.assign(_gated(accept, s, s_old))
-                   for v, s, s_old in zip(slot_vars, slots, slots_old)])
-
-
-def _update_in_rounds(spec, params, slot_vars, ids, grads, lr, engine,
-                      accept=None):
-  """No accumulation: round k applies each id's k-th contribution."""
   n = tf.size(ids)
   unique, index = tf.unique(ids)
   order = tf.argsort(index, stable=True)
@@ -158,18 +154,22 @@ def _update_in_rounds(spec, params, slot_vars, ids, grads, lr, engine,
   rank_sorted = tf.range(n) - tf.gather(starts, sorted_index)
   rank = tf.scatter_nd(order[:, None], rank_sorted, [n])
   rounds = tf.reduce_max(tf.concat([rank + 1, [0]], 0))
+  old = tuple(tf.gather(v, unique) for v in variables)
 
-  def apply_round(k):
+  def apply_round(k, rows):
     mask = tf.equal(rank, k)
-    return _write_rows(spec, params, slot_vars, tf.boolean_mask(ids, mask),
-                       tf.boolean_mask(grads, mask), lr, engine, accept)
+    at = tf.boolean_mask(index, mask)[:, None]
+    new = _apply(rule, tuple(tf.gather_nd(r, at) for r in rows),
+                 tf.boolean_mask(grads, mask))
+    return tuple(tf.tensor_scatter_nd_update(r, at, x) for r, x in zip(rows, new))
 
   if tf.executing_eagerly():
+    values = old
     for k in range(int(rounds)):
-      apply_round(k)
-    return None
-
-  def body(k):
-    with tf.control_dependencies([apply_round(k)]):
-      return k + 1
-  return tf.while_loop(lambda k: k < rounds, body, [tf.constant(0)]).op
+      values = apply_round(k, values)
+  else:
+    values = tf.while_loop(lambda k, *_: k < rounds,
+                           lambda k, *rows: (k + 1,) + apply_round(k, rows),
+                           (tf.constant(0),) + old)[1:]
+  return Update(grads, tuple(values),
+                functools.partial(_scatter, variables, unique, tuple(values), old))

@@ -31,11 +31,13 @@ from tpu_embed_ext import errors
 __all__ = ["Verdict", "in_xla_context", "check_structure", "check_ids",
            "check_finite", "check_gradient", "check_output_shape",
            "check_fully_defined", "listed", "check_same_layout",
-           "check_same_indices", "IDS_OUT_OF_RANGE", "NOT_FINITE"]
+           "check_same_indices", "IDS_OUT_OF_RANGE", "NOT_FINITE",
+           "NOT_FINITE_UPDATE", "finite_message"]
 
 # Failure kinds recorded under XLA: (kind, index, value).
 IDS_OUT_OF_RANGE = 1   # index: feature, value: the offending id
 NOT_FINITE = 2         # index: table
+NOT_FINITE_UPDATE = 3  # index: table, value: variable (0: parameters, k: slot k)
 
 
 class Verdict(NamedTuple):
@@ -176,30 +178,65 @@ def check_ids(wheres: List[str], ids: List[tf.Tensor],
   return Verdict(ok, assertion, failure, tf.logical_not(bad))
 
 
-def check_finite(tables: List[str], grads: List[tf.Tensor]) -> Optional[Verdict]:
-  """Every gradient a table will apply is finite (per-id sums: an overflowing
-  sum is caught too)."""
-  finite = [tf.reduce_all(tf.math.is_finite(g)) for g in grads]
+def check_finite(tables: List[str], tensors: List[List[tf.Tensor]],
+                 kind: int = NOT_FINITE,
+                 variables: Optional[List[List[str]]] = None,
+                 after=None) -> Optional[Verdict]:
+  """Every tensor of every table is finite.
+
+  ``kind`` NOT_FINITE: ``tensors[i]`` is what table ``i`` applies (per-id
+  sums, so an overflowing sum is caught too); NOT_FINITE_UPDATE: the rows
+  it would write, named by ``variables[i]`` (parameters, then slots). Eagerly
+  raises; in a graph returns a Verdict whose failure is ``(kind, table,
+  variable)``; its assertion runs ``after`` the given op, so the gradient
+  check reports before the check of what the gradients produce.
+  """
+  variables = variables or [["gradient"] * len(ts) for ts in tensors]
+  finite = [[tf.reduce_all(tf.math.is_finite(x)) for x in ts] for ts in tensors]
   if tf.executing_eagerly():
-    for table, ok in zip(tables, finite):
-      if not bool(ok):
-        raise errors.InputError(not_finite_message(table))
+    for table, names, oks in zip(tables, variables, finite):
+      for name, ok in zip(names, oks):
+        if not bool(ok):
+          raise errors.InputError(finite_message(kind, table, name))
     return None
-  finite = tf.stack(finite)
-  ok = tf.reduce_all(finite)
-  first = tf.argmax(tf.cast(tf.logical_not(finite), tf.int32),
-                    output_type=tf.int64)
-  failure = tf.stack([tf.constant(NOT_FINITE, tf.int64), first,
-                      tf.constant(0, tf.int64)])
+  flat = [ok for oks in finite for ok in oks] or [tf.constant(True)]
+  table_of = [i for i, oks in enumerate(finite) for _ in oks] or [0]
+  variable_of = [j for oks in finite for j in range(len(oks))] or [0]
+  flat = tf.stack(flat)
+  ok = tf.reduce_all(flat)
+  first = tf.argmax(tf.cast(tf.logical_not(flat), tf.int32))
+  failure = tf.stack([tf.constant(kind, tf.int64),
+                      tf.gather(tf.constant(table_of, tf.int64), first),
+                      tf.gather(tf.constant(variable_of, tf.int64), first)])
+  per_table = tf.stack([tf.reduce_all(tf.stack(oks)) if oks else tf.constant(True)
+                        for oks in finite]) if finite else tf.ones([0], tf.bool)
   assertion = None
   if not in_xla_context():
-    names = tf.constant([f"table '{t}'" for t in tables])
-    assertion = tf.debugging.Assert(
-        ok, ["gradient has NaN or Inf values; no table, slot or step was "
-             "changed. Fix: check the loss for overflow, or clip the "
-             "activations' gradients. Tables:",
-             tf.boolean_mask(names, tf.logical_not(finite))])
-  return Verdict(ok, assertion, failure, finite)
+    if kind == NOT_FINITE:
+      head = ("gradient has NaN or Inf values; no table, slot or step was "
+              "changed. Fix: check the loss for overflow, or clip the "
+              "activations' gradients. Tables:")
+      labels = [f"table '{t}'" for t, ns in zip(tables, variables) for _ in ns]
+    else:
+      head = ("the update would write NaN or Inf; no table, slot or step was "
+              "changed. Fix: lower the learning rate, or clip gradients "
+              "(clipvalue) or weights (clip_weight_min / clip_weight_max). "
+              "Where:")
+      labels = [f"table '{t}' {n}" for t, ns in zip(tables, variables) for n in ns]
+    names = tf.constant(labels or [""])
+    with tf.control_dependencies([after] if after is not None else []):
+      assertion = tf.debugging.Assert(
+          ok, [head, tf.boolean_mask(names, tf.logical_not(flat))])
+  return Verdict(ok, assertion, failure, per_table)
+
+
+def finite_message(kind: int, table: str, variable: str) -> str:
+  if kind == NOT_FINITE:
+    return not_finite_message(table)
+  return (f"table '{table}': the update would write NaN or Inf into its "
+          f"{variable}; no table, slot or step was changed. Fix: lower the "
+          "learning rate, or clip gradients (clipvalue) or weights "
+          "(clip_weight_min / clip_weight_max).")
 
 
 def check_gradient(where: str, grad, expected: List[int]):
