@@ -19,6 +19,13 @@ flags.DEFINE_string("model_dir", None, "train/export: checkpoints, logs, metrics
 flags.DEFINE_string("tpu", "auto", "train: 'auto' (use a TPU if one is attached), "
                     "'none' (CPU emulation), or a TPU name/address.")
 flags.DEFINE_string("out", None, "export: where to write the SavedModel.")
+# SparseCore (TPUEmbeddingV2): tpu_embed_ext/sparsecore/, docs/sparsecore.md.
+flags.DEFINE_enum("engine", "v1", ["v1", "v2"], "plan: v2 adds TPUEmbeddingV2's "
+                  "(SparseCore) stacked layout on --topology.")
+flags.DEFINE_string("topology", "v5p:4", "plan --engine v2 / convert-checkpoint: "
+                    "GENERATION:CHIPS (v5p:4, v6e:8, tpu7x:4) or CHIPSxSPARSECORES.")
+flags.DEFINE_integer("batch_size", 0, "plan --engine v2: per-chip batch of features "
+                     "without output_shape (the stacker's output samples).")
 
 
 def _model_dir():
@@ -34,6 +41,9 @@ def _plan():
   if FLAGS.proto:
     print()
     print(plan.config_proto())
+  if FLAGS.engine == "v2":
+    print()
+    print(plan.sparsecore(FLAGS.topology, batch_size=FLAGS.batch_size))
 
 
 def _train():

@@ -1,0 +1,52 @@
+"""`plan --engine v2`: stacks, padding and memory per chip."""
+
+import subprocess
+import sys
+
+import yaml
+
+import tpu_embed_ext as tee
+
+CONFIG = {
+    "optimizer": {"type": "adagrad", "learning_rate": 0.1},
+    "tables": {
+        "a": {"vocabulary_size": 100, "dim": 8},
+        "b": {"vocabulary_size": 1000, "dim": 5},
+        "c": {"vocabulary_size": 10, "dim": 8, "optimizer": {"type": "adam",
+                                                            "learning_rate": 0.01}},
+        "d": {"vocabulary_size": 7, "dim": 8, "optimizer": {"type": "sgd",
+                                                           "learning_rate": 0.1}},
+    },
+    "features": {"fa": {"table": "a"}, "fb": {"table": "b"}, "fc": {"table": "c"},
+                 "fd": {"table": "d"}},
+}
+
+
+def test_stacks_and_memory_per_chip_by_hand():
+  plan = tee.plan(tee.EmbeddingSpec.from_dict(CONFIG)).sparsecore("v6e:4")
+  # 4 chips x 2 SparseCores = 8 shards: rows pad to a multiple of 64, columns to 8.
+  stacks = {s: [l.table for l in ls] for s, ls in plan.stacks.items()}
+  assert stacks == {"a_b": ["a", "b"], "c": ["c"], "d": ["d"]}
+  a, b = plan.stacks["a_b"]
+  assert (a.padded_rows, b.padded_rows, b.padded_dim) == (128, 1024, 8)
+  assert (b.row_offset, b.rotation, a.rows_per_shard) == (16, 2, 144)
+  # Per chip: 144 rows x 2 SparseCores x 8 columns x 4 bytes, once per slot.
+  assert plan.stack_bytes_per_chip("a_b") == {"parameters": 9216, "slots": 9216}
+  # c and d: 64 padded rows / 4 chips = 16 rows x 8 columns x 4 bytes.
+  assert plan.stack_bytes_per_chip("c") == {"parameters": 512, "slots": 1024}
+  assert plan.stack_bytes_per_chip("d") == {"parameters": 512, "slots": 0}
+  assert plan.bytes_per_chip == 9216 * 2 + 512 * 3 + 512 == 20480
+
+
+def test_plan_command_prints_stacks(tmp_path):
+  config = tmp_path / "c.yaml"
+  config.write_text(yaml.safe_dump(CONFIG))
+  out = subprocess.run(
+      [sys.executable, "-m", "tpu_embed_ext", "plan", "--config", str(config),
+       "--engine", "v2", "--topology", "v6e:4"], capture_output=True, text=True,
+      timeout=120, check=True).stdout
+  assert "SparseCore (TPUEmbeddingV2) layout on v6e:4 (4 chips x 2 SparseCores)" in out
+  line = next(l for l in out.splitlines() if l.startswith("a_b "))
+  assert line.split() == ["a_b", "a", "100", "x", "8", "128", "x", "8", "0", "0",
+                          "9.0", "KiB", "9.0", "KiB"]
+  assert "3 stacks" in out and "20.0 KiB per chip" in out
