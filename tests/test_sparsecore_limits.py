@@ -120,3 +120,36 @@ def test_input_errors():
       "feature 0 (table 'a') has 6 samples, not a multiple of 2 chips x 2 SparseCores"
       " per chip: the TPU splits each chip's batch evenly over its SparseCores. Fix: "
       "use a batch size divisible by 4.")
+
+
+def test_count_slots_without_limits():
+  (counts,) = count_ids([FA, FB], LAYOUTS, TOPOLOGY)
+  # chip 0: segments 2, 1, 2 | 1, 1 -> 5 segments of 8; chip 1: 1, 2 | 1, 1 -> 4.
+  assert list(counts.chip_slots) == [40, 32]
+
+
+def test_measure_reports_maxima_and_suggests_limits():
+  from tpu_embed_ext.sparsecore import report
+  api = tf.tpu.experimental.embedding
+  tables = {n: api.TableConfig(vocabulary_size=r, dim=8, name=n, optimizer=api.SGD(0.1))
+            for n, r in (("a", 64), ("b", 32))}
+  sgd = api.SGD(0.1)
+  for t in tables.values():
+    t.optimizer = sgd  # one optimizer object: one stack, as in LAYOUTS
+  config = {"fa": api.FeatureConfig(table=tables["a"]),
+            "fb": api.FeatureConfig(table=tables["b"])}
+  ragged = lambda f: tf.RaggedTensor.from_value_rowids(f.ids, f.samples, f.sample_count)
+  step = {"fa": ragged(FA), "fb": ragged(FB)}
+  doubled = {"fa": ragged(FA._replace(ids=FA.ids * 0)), "fb": ragged(FB)}
+  out = report.measure(config, [step, doubled], TOPOLOGY,
+                       Limits(max_ids_per_table={"a_b": 2}))
+  assert out.steps == 2
+  # Step 2 sends all of a's ids to id 0 (SparseCore 0): chip 1 source 0 gets
+  # (4,0) (5,0) from a and (4,2) from b there: 3 ids, 2 unique (step 1: 2, 2).
+  assert out.max_ids == {"a_b": 3} and out.max_unique_ids == {"a_b": 2}
+  assert out.max_chip_slots == {"a_b": 40}
+  # 40 slots / 8 samples -> 5 ids per sample; 5 x 8 = 40 is a multiple of 8.
+  assert out.suggested_ids_per_chip_per_sample() == 5
+  text = str(out)
+  assert "max_ids_per_table={'a_b': 8}" in text and "2 steps" in text
+  assert text.splitlines()[3].split()[:3] == ["a_b", "3", "OVER"]

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import yaml
 
 import tpu_embed_ext as tee
@@ -50,3 +51,28 @@ def test_plan_command_prints_stacks(tmp_path):
   assert line.split() == ["a_b", "a", "100", "x", "8", "128", "x", "8", "0", "0",
                           "9.0", "KiB", "9.0", "KiB"]
   assert "3 stacks" in out and "20.0 KiB per chip" in out
+
+
+def test_plan_data_counts_a_single_hot_table_like_numpy():
+  from tpu_embed_ext import train
+  from tpu_embed_ext.sparsecore import report
+  from tpu_embed_ext.sparsecore.topology import Topology
+  spec = tee.EmbeddingSpec.from_file("configs/tiny.yaml")
+  topology = Topology(2, 4)
+  out = report.measure_training_data(spec, topology, 2)
+  cfg = train.TrainConfig.from_dict(spec.train)
+  dataset, _ = train.input_datasets(spec, cfg)
+  # t_c9 stacks alone (its own Adam optimizer), rotation 0, one id per sample:
+  # each (source SparseCore, destination) gets the samples whose id % 8 is the
+  # destination, each once; unique ids are the distinct ids among them.
+  most, most_unique = 0, 0
+  for inputs, _ in dataset.take(2):
+    ids = np.asarray(inputs["categorical"]["c9"]).reshape(2, 4, -1)  # chip, source
+    for chip in range(2):
+      for source in range(4):
+        for dst in range(8):
+          mine = ids[chip, source][ids[chip, source] % 8 == dst]
+          most, most_unique = max(most, len(mine)), max(most_unique, len(set(mine)))
+  assert out.steps == 2
+  assert (out.max_ids["t_c9"], out.max_unique_ids["t_c9"]) == (most, most_unique)
+  assert most > 0

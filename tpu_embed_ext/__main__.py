@@ -25,6 +25,8 @@ flags.DEFINE_enum("engine", "v1", ["v1", "v2"], "plan: v2 adds TPUEmbeddingV2's 
                   "(SparseCore) stacked layout on --topology.")
 flags.DEFINE_string("topology", "v5p:4", "plan --engine v2 / convert-checkpoint: "
                     "GENERATION:CHIPS (v5p:4, v6e:8, tpu7x:4) or CHIPSxSPARSECORES.")
+flags.DEFINE_integer("data", 0, "plan --engine v2: measure the ids each stack sends "
+                     "to each SparseCore over this many training batches.")
 flags.DEFINE_string("checkpoint", None, "convert-checkpoint: the checkpoint prefix to "
                     "convert (per-table or SparseCore-stacked).")
 flags.DEFINE_string("prefix", "embedding", "convert-checkpoint: the embedding's path "
@@ -49,6 +51,11 @@ def _plan():
   if FLAGS.engine == "v2":
     print()
     print(plan.sparsecore(FLAGS.topology, batch_size=FLAGS.batch_size))
+    if FLAGS.data:
+      from tpu_embed_ext.sparsecore import report, topology
+      print()
+      print(report.measure_training_data(
+          plan.spec, topology.parse_topology(FLAGS.topology), FLAGS.data))
 
 
 def _train():

@@ -88,7 +88,8 @@ class StackCounts:
   unique_ids: np.ndarray
   """Same shape: distinct rows."""
   chip_slots: np.ndarray
-  """[chips]: slots the packed ids take on each chip (segments padded to 8)."""
+  """[chips]: slots the packed ids take on each chip (segments padded to 8;
+  after dropping, at most ``chip_capacity``)."""
   chip_capacity: int
   """``max_ids_per_chip_per_sample`` x the chip's samples of this stack."""
   samples_per_chip: int
@@ -197,6 +198,8 @@ def _count(features, layouts, topology, limits):
       np.add.at(counts.ids[chip], (pairs.source, pairs.destination), 1)
       distinct = np.unique(np.stack([pairs.source, pairs.column]), axis=1)
       np.add.at(counts.unique_ids[chip], (distinct[0], distinct[1] % s), 1)
+      segments = counts.ids[chip].ravel()
+      counts.chip_slots[chip] = int((segments + -segments % _XLA_PAD).sum())
       chips.append(pairs)
     out.append((counts, chips))
   return out
