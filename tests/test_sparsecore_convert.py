@@ -242,3 +242,66 @@ def test_convert_checkpoint_command(tmp_path):
   original, returned = _values(path), _values(back)
   assert original.keys() == returned.keys()
   assert all(original[k].tobytes() == returned[k].tobytes() for k in original)
+
+
+def _rewrite(src, dst, changes):
+  """A copy of checkpoint ``src`` with the tensors in ``changes`` replaced."""
+  reader = tf.train.load_checkpoint(src)
+  keys = sorted(reader.get_variable_to_shape_map())
+  tf.raw_ops.SaveV2(prefix=dst, tensor_names=keys, shape_and_slices=[""] * len(keys),
+                    tensors=[changes.get(k, reader.get_tensor(k)) for k in keys])
+  return dst
+
+
+def test_damaged_checkpoints_are_named(tmp_path):
+  _, path = _trained_checkpoint(tmp_path, "adagrad", steps=1)
+  config, opt = _config("adagrad"), OPTIMIZERS["adagrad"]()
+  key = "embedding/b.Saccumulators/.ATTRIBUTES/VARIABLE_VALUE"
+  bad = _rewrite(path, str(tmp_path / "bad_slot"), {key: np.zeros([13, 4], np.float32)})
+  with pytest.raises(errors.ConfigError) as e:
+    convert_checkpoint(bad, str(tmp_path / "o1"), config, "v5p:1", optimizer=opt)
+  assert str(e.value) == (
+      f"table 'b' slot 'accumulators': checkpoint {bad} holds shape [13, 4], the "
+      "config has [13, 5]. Fix: convert with the config the checkpoint was trained with.")
+  # A layouts key from another topology over stacked tensors of this one: a
+  # (100 -> 128) + b (13 -> 32) + c (70 -> 96) rows on 4 SparseCores, 128 + 64 +
+  # 128 on 8.
+  stacked, other = str(tmp_path / "stacked"), str(tmp_path / "other")
+  convert_checkpoint(path, stacked, config, Topology(1, 4), optimizer=opt)
+  convert_checkpoint(path, other, config, Topology(2, 4), optimizer=opt)
+  layouts_key = "embedding/_sparse_core_table_layouts/.ATTRIBUTES/VARIABLE_VALUE"
+  mixed = _rewrite(stacked, str(tmp_path / "mixed"), {
+      layouts_key: tf.train.load_checkpoint(other).get_tensor(layouts_key)})
+  with pytest.raises(errors.ConfigError) as e:
+    convert_checkpoint(mixed, str(tmp_path / "o2"), config, optimizer=opt)
+  assert str(e.value) == (
+      f"stack 'a_b_c' (parameters): checkpoint {mixed} holds shape [256, 8], its layout "
+      "needs [320, 8]. Fix: the checkpoint is damaged or its layouts key belongs to "
+      "another checkpoint.")
+  # A stacked checkpoint with a table the config lacks.
+  fewer = {k: v for k, v in config.items() if k != "d"}
+  with pytest.raises(errors.ConfigError) as e:
+    convert_checkpoint(stacked, str(tmp_path / "o3"), fewer, optimizer=opt)
+  assert str(e.value) == (
+      f"checkpoint {stacked} holds SparseCore tables ['d'] that the config does not "
+      "have; converting would drop them. Fix: convert with the config the checkpoint "
+      "was trained with.")
+  # A per-table checkpoint without a table of the config.
+  more = dict(config, e=api.FeatureConfig(table=api.TableConfig(
+      vocabulary_size=3, dim=8, name="e"), name="e"))
+  with pytest.raises(errors.ConfigError) as e:
+    convert_checkpoint(path, str(tmp_path / "o4"), more, "v5p:1", optimizer=opt)
+  assert str(e.value) == (
+      f"table 'e' is not in checkpoint {path} (no key embedding/e/.ATTRIBUTES/"
+      "VARIABLE_VALUE). Fix: convert with the config the checkpoint was trained with, "
+      "or pass its --prefix.")
+  # Not an object-based checkpoint.
+  raw = str(tmp_path / "raw")
+  tf.raw_ops.SaveV2(prefix=raw, tensor_names=["x"], shape_and_slices=[""],
+                    tensors=[tf.zeros([2])])
+  with pytest.raises(errors.ConfigError) as e:
+    convert_checkpoint(raw, str(tmp_path / "o5"), config, optimizer=opt)
+  assert str(e.value) == (
+      f"{raw} is not an object-based (TF2) checkpoint: it has no "
+      "_CHECKPOINTABLE_OBJECT_GRAPH. Fix: convert a checkpoint written by "
+      "tf.train.Checkpoint.")
