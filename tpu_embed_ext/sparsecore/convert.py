@@ -143,15 +143,16 @@ class _StackedSource:
                              for s in [_PARAMETERS] + _slots_under(self._children, stack)]
 
   def read(self, table: _Table, slot: str) -> np.ndarray:
+    # One shard at a time: the table plus one shard's block in memory.
     l = self.layouts[table.name]
     key = variable_key(self.prefix, _local(l.stack, slot))
-    blocks = read_rows(self.path, key, [l.stacked_rows, l.padded_dim], [
-        (k * l.rows_per_shard + l.row_offset, l.rows_in_shard)
-        for k in range(l.num_sparse_cores)])
-    padded = np.empty((l.padded_rows, l.padded_dim), np.float32)
-    for k, block in enumerate(blocks):
-      padded[l.shard_block(k)] = block
-    return padded[:l.rows, :l.dim]
+    out = np.empty((l.rows, l.dim), np.float32)
+    for k in range(l.num_sparse_cores):
+      rows = out[l.shard_block(k)]
+      (block,) = read_rows(self.path, key, [l.stacked_rows, l.padded_dim],
+                           [(k * l.rows_per_shard + l.row_offset, l.rows_in_shard)])
+      out[l.shard_block(k)] = block[:len(rows), :l.dim]
+    return out
 
 
 def _check_slots(t: _Table, have, path):
@@ -170,25 +171,24 @@ def _check_shape(t: _Table, slot, stored, path):
         f"has {t.shape}. Fix: convert with the config the checkpoint was trained with.")
 
 
-def _write_per_table(writer: BundleWriter, prefix, table: _Table, values):
-  writer.write([variable_key(prefix, _local(table.name, s)) for s in values],
-               [""] * len(values), list(values.values()))
+def _write_per_table(writer: BundleWriter, prefix, table: _Table, slot, value):
+  writer.write([variable_key(prefix, _local(table.name, slot))], [""], [value])
 
 
-def _write_stacked(writer: BundleWriter, prefix, table: _Table, layout, values):
-  names, specs, tensors = [], [], []
-  for slot, value in values.items():
-    padded = np.full((layout.padded_rows, layout.padded_dim), table.fill(slot),
-                     np.float32)
-    padded[:table.rows, :table.dim] = value
-    key = variable_key(prefix, _local(layout.stack, slot))
-    for k in range(layout.num_sparse_cores):
-      names.append(key)
-      specs.append(slice_spec([layout.stacked_rows, layout.padded_dim],
-                              k * layout.rows_per_shard + layout.row_offset,
-                              layout.rows_in_shard))
-      tensors.append(padded[layout.shard_block(k)])
-  writer.write(names, specs, tensors)
+def _write_stacked(writer: BundleWriter, prefix, table: _Table, layout, slot, value):
+  """One slice per shard: the table's rows of that shard, padded."""
+  key = variable_key(prefix, _local(layout.stack, slot))
+  blocks, specs = [], []
+  for k in range(layout.num_sparse_cores):
+    rows = value[layout.shard_block(k)]
+    block = np.full((layout.rows_in_shard, layout.padded_dim), table.fill(slot),
+                    np.float32)
+    block[:len(rows), :table.dim] = rows
+    blocks.append(block)
+    specs.append(slice_spec([layout.stacked_rows, layout.padded_dim],
+                            k * layout.rows_per_shard + layout.row_offset,
+                            layout.rows_in_shard))
+  writer.write([key] * len(blocks), specs, blocks)
 
 
 def _copy_others(writer: BundleWriter, path: str, skip) -> None:
@@ -249,12 +249,14 @@ def convert_checkpoint(src: str, dst: str, config, topology=None, *,
   dropped = graph.replace(source.names(tables), added)
   writer = BundleWriter(dst)
   _copy_others(writer, src, set(dropped))
-  for t in tables:
-    values = {s: source.read(t, s) for s in (_PARAMETERS,) + t.slots}
-    if layouts is None:
-      _write_per_table(writer, prefix, t, values)
-    else:
-      _write_stacked(writer, prefix, t, layouts[t.name], values)
+  for t in tables:  # one table and slot in memory at a time
+    for slot in (_PARAMETERS,) + t.slots:
+      value = source.read(t, slot)
+      if layouts is None:
+        _write_per_table(writer, prefix, t, slot, value)
+      else:
+        _write_stacked(writer, prefix, t, layouts[t.name], slot, value)
+      del value
   extra_names = [constants.OBJECT_GRAPH_PROTO_KEY]
   extra = [tf.constant(graph.proto.SerializeToString())]
   if layouts is not None:
