@@ -8,7 +8,7 @@ engine's variables, lookups and updates stay per table.
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Sequence
 
 import numpy as np
 
@@ -67,5 +67,21 @@ class SparseCoreState:
     _, keep = sc_limits.check_limits(features, self.layouts, self.topology, self.limits)
     return keep
 
-  def stack_of(self, table: str) -> Optional[str]:
-    return next((l.stack for l in self.layouts if l.table == table), None)
+  def keep_masks(self, samples, ids, sample_counts):
+    """``keep`` on tensors, eagerly or inside ``tf.function`` (``tf.numpy_function``).
+
+    In a graph, a limit error surfaces as the ``InvalidArgumentError`` of
+    ``tf.numpy_function`` carrying the same message.
+    """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    n = len(ids)
+    if tf.executing_eagerly():
+      return [tf.constant(k) for k in self.keep(
+          [np.asarray(s) for s in samples], [np.asarray(i) for i in ids],
+          [int(c) for c in sample_counts])]
+    masks = tf.numpy_function(
+        lambda *a: self.keep(a[:n], a[n:2 * n], [int(c) for c in a[2 * n:]]),
+        [tf.cast(s, tf.int64) for s in samples] + [tf.cast(i, tf.int64) for i in ids]
+        + [tf.cast(c, tf.int64) for c in sample_counts], [tf.bool] * n,
+        stateful=False)
+    return [tf.ensure_shape(m, i.shape) for m, i in zip(masks, ids)]
