@@ -12,7 +12,7 @@ computed, so a round trip is bit-identical.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -23,11 +23,12 @@ from tpu_embed_ext import errors, optimizers
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.checkpoint import (LAYOUTS_NAME, BundleWriter, ObjectGraph,
                                                  read_rows, slice_spec, variable_key)
-from tpu_embed_ext.sparsecore.topology import Topology, parse_topology
+from tpu_embed_ext.sparsecore.topology import parse_topology
 
 __all__ = ["convert_checkpoint", "checkpoint_layouts"]
 
 _PARAMETERS = "parameters"
+_FIX = "Fix: convert with the config the checkpoint was trained with"
 _COPY_CHUNK_BYTES = 64 << 20
 
 
@@ -90,8 +91,7 @@ class _PerTableSource:
       if variable_key(prefix, t.name) not in shapes:
         raise errors.ConfigError(
             f"table '{t.name}' is not in checkpoint {path} (no key "
-            f"{variable_key(prefix, t.name)}). Fix: convert with the config the "
-            "checkpoint was trained with, or pass its --prefix.")
+            f"{variable_key(prefix, t.name)}). {_FIX}, or pass its --prefix.")
       _check_slots(t, _slots_under(children, t.name), path)
       for slot in (_PARAMETERS,) + t.slots:
         _check_shape(t, slot, list(shapes[variable_key(prefix, _local(t.name, slot))]),
@@ -113,20 +113,18 @@ class _StackedSource:
     if extra:
       raise errors.ConfigError(
           f"checkpoint {path} holds SparseCore tables {extra} that the config does "
-          "not have; converting would drop them. Fix: convert with the config the "
-          "checkpoint was trained with.")
+          f"not have; converting would drop them. {_FIX}.")
     self._stacks = sc_layout.layouts_by_stack(self.layouts.values())
     for t in tables:
       if t.name not in self.layouts:
         raise errors.ConfigError(
             f"table '{t.name}' is not in the SparseCore layouts of checkpoint {path}."
-            " Fix: convert with the config the checkpoint was trained with.")
+            f" {_FIX}.")
       l = self.layouts[t.name]
       if [l.rows, l.dim] != t.shape:
         raise errors.ConfigError(
             f"table '{t.name}': checkpoint {path} holds shape {[l.rows, l.dim]} (in "
-            f"stack '{l.stack}'), the config has {t.shape}. Fix: convert with the "
-            "config the checkpoint was trained with.")
+            f"stack '{l.stack}'), the config has {t.shape}. {_FIX}.")
       _check_slots(t, _slots_under(children, l.stack), path)
       for slot in (_PARAMETERS,) + t.slots:
         stored = list(shapes[variable_key(prefix, _local(l.stack, slot))])
@@ -168,7 +166,7 @@ def _check_shape(t: _Table, slot, stored, path):
     what = "" if slot == _PARAMETERS else f" slot '{slot}'"
     raise errors.ConfigError(
         f"table '{t.name}'{what}: checkpoint {path} holds shape {stored}, the config "
-        f"has {t.shape}. Fix: convert with the config the checkpoint was trained with.")
+        f"has {t.shape}. {_FIX}.")
 
 
 def _write_per_table(writer: BundleWriter, prefix, table: _Table, slot, value):
