@@ -305,3 +305,54 @@ def test_damaged_checkpoints_are_named(tmp_path):
       f"{raw} is not an object-based (TF2) checkpoint: it has no "
       "_CHECKPOINTABLE_OBJECT_GRAPH. Fix: convert a checkpoint written by "
       "tf.train.Checkpoint.")
+
+
+def _tf_layouts(layouts, stack):
+  """TensorFlow's layout protos of ``stack``, in row-offset order (as its adapter sorts)."""
+  from tpu_embed_ext.sparsecore import layout as sc_layout
+  protos = {p.table_name: p for p in sc_layout.layouts_to_proto(layouts).tables}
+  return [protos[l.table] for l in sorted(layouts, key=lambda l: l.row_offset)
+          if l.stack == stack]
+
+
+def _padding_mask(layouts, stack):
+  """True where the stacked variable holds padding."""
+  first = next(l for l in layouts if l.stack == stack)
+  mask = np.ones((first.stacked_rows, first.padded_dim), bool)
+  for l in layouts:
+    if l.stack == stack:
+      rows = l.stacked_index(np.arange(l.rows))
+      mask[rows[:, None], np.arange(l.dim)[None, :]] = False
+  return mask
+
+
+def test_tensorflow_checkpoint_adapter_shards_and_reshards_like_us(tmp_path):
+  # TensorFlow's own TPUEmbeddingV2 checkpoint adapter (per-table -> stacked,
+  # and stacked -> another topology) as the oracle. It pads slots with 0
+  # where we write the slot's initial value; everything else is equal.
+  from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter as adapter
+  emb, path = _trained_checkpoint(tmp_path, "ftrl")
+  config, opt = _config("ftrl"), OPTIMIZERS["ftrl"]()
+  fill = {"parameters": 0.0, "accumulators": 0.2, "linears": 0.0}
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  layouts_a = convert_checkpoint(path, a, config, Topology(2, 4), optimizer=opt)
+  layouts_b = convert_checkpoint(a, b, config, "v6e:8", optimizer=opt)
+  stored_a, stored_b = _values(a), _values(b)
+  for stack in {l.stack for l in layouts_b}:
+    for slot, value in fill.items():
+      suffix = "" if slot == "parameters" else f".S{slot}"
+      key = f"embedding/{stack}{suffix}/.ATTRIBUTES/VARIABLE_VALUE"
+      ours = stored_b[key]
+      mask = _padding_mask(layouts_b, stack)
+      assert (ours[mask] == value).all()
+      spec = f"{ours.shape[0]} {ours.shape[1]} 0,{ours.shape[0]}:0,{ours.shape[1]}"
+      to = _tf_layouts(layouts_b, stack)
+      sharded = adapter._shard_from_cpu_to_sc(  # pylint: disable=protected-access
+          [emb.variables[l.table_name][slot] for l in to], spec, to).numpy()
+      assert sharded[~mask].tobytes() == ours[~mask].tobytes()
+      assert (sharded[mask] == 0).all()
+      sources = {s: _tf_layouts(layouts_a, s) for s in {l.stack for l in layouts_a}}
+      resharded = adapter.EmbeddingReshardCallback(stack, sources, to).reshard(
+          [tf.constant(stored_a[f"embedding/{s}{suffix}/.ATTRIBUTES/VARIABLE_VALUE"])
+           for s in sources], spec).numpy()
+      assert resharded[~mask].tobytes() == ours[~mask].tobytes()
