@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tpu_embed_ext.emulation import engine as engine_lib
+from tpu_embed_ext.emulation import dispatch
 
 api = tf.tpu.experimental.embedding
 
@@ -457,16 +457,16 @@ def test_create_embedding_dispatch_with_a_stand_in_tpu_strategy(monkeypatch):
 
   monkeypatch.setattr(api, "TPUEmbedding", Recorder("v1"))
   monkeypatch.setattr(tpu_embedding_v3, "TPUEmbeddingV2", Recorder("v2"))
-  monkeypatch.setattr(engine_lib, "_sparsecore", lambda s: s.sparsecore)
+  monkeypatch.setattr(dispatch, "_sparsecore", lambda s: s.sparsecore)
   config = {"f": api.FeatureConfig(api.TableConfig(5, 2, name="t"))}
-  engine_lib.create_embedding(config, tee.SGD(learning_rate=0.2),
+  dispatch.create_embedding(config, tee.SGD(learning_rate=0.2),
                               strategy=FakeStrategy(False))
-  engine_lib.create_embedding(config, api.SGD(0.1), strategy=FakeStrategy(True))
-  engine_lib.create_embedding(config, api.SGD(0.1), engine="v2",
+  dispatch.create_embedding(config, api.SGD(0.1), strategy=FakeStrategy(True))
+  dispatch.create_embedding(config, api.SGD(0.1), engine="v2",
                               strategy=FakeStrategy(False))
   assert [k for k, _ in made] == ["v1", "v2", "v2"]
   assert isinstance(made[0][1], api.SGD) and made[0][1].learning_rate == 0.2
-  cpu = engine_lib.create_embedding(config, api.SGD(0.1), engine="v2")
+  cpu = dispatch.create_embedding(config, api.SGD(0.1), engine="v2")
   assert isinstance(cpu, tee.CPUEmbedding) and cpu.engine == "v2"
 
 

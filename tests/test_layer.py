@@ -220,7 +220,7 @@ class _RecordingV2:
 
 def test_sparsecore_protocol_passes_preserved_outputs(monkeypatch):
   fake = _RecordingV2()
-  monkeypatch.setattr(layer_lib.engine_lib, "create_embedding",
+  monkeypatch.setattr(layer_lib.dispatch, "create_embedding",
                       lambda *a, **k: fake)
   monkeypatch.setattr(layer_lib, "_engine_kind", lambda e: "tpu_v2")
   layer = tee.EmbeddingLayer(_feature_config())

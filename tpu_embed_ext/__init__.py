@@ -21,7 +21,7 @@ _EXPORTS = {
     "plan": "plan", "Plan": "plan",
     "Schedule": "learning_rates",
     "from_keras_optimizer": "keras_optimizers",
-    "CPUEmbedding": "emulation.engine", "create_embedding": "emulation.engine",
+    "CPUEmbedding": "emulation.engine", "create_embedding": "emulation.dispatch",
     "EmbeddingLayer": "layer",
 }
 

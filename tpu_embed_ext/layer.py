@@ -33,7 +33,7 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
-from tpu_embed_ext.emulation import engine as engine_lib
+from tpu_embed_ext.emulation import dispatch
 
 __all__ = ["EmbeddingLayer"]
 
@@ -66,7 +66,7 @@ class EmbeddingLayer(keras.layers.Layer):
     self._serving = False
     # Created eagerly, outside any tf.function, so the tables and slots exist
     # (and can be restored) before the first call.
-    self.embedding = engine_lib.create_embedding(
+    self.embedding = dispatch.create_embedding(
         spec_or_feature_config, optimizer, engine=engine, validate=validate)
     self._kind = _engine_kind(self.embedding)
     if self._kind == "cpu":

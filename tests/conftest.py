@@ -1,0 +1,22 @@
+"""Test-session set-up: logical CPU devices for the replica tests.
+
+TensorFlow fixes its devices when it first initialises, so the split of the
+one physical CPU into logical devices happens here, before any test runs.
+Tests that need no replicas keep using the first device.
+"""
+
+import tensorflow as tf
+
+LOGICAL_CPUS = 8
+
+
+def _split_cpu():
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  try:
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * LOGICAL_CPUS)
+  except RuntimeError:  # Already initialised (e.g. imported by a plugin).
+    pass
+
+
+_split_cpu()

@@ -1,0 +1,137 @@
+"""Replica handling: a TPU step over R replicas, on CPU under tf.distribute.
+
+A TPU program runs R replicas; each enqueues and dequeues its own batch, and
+the TPU sums the per-id gradients of all replicas and updates every touched
+id once, on one copy of each table (docs/semantics.md, section 0). The
+emulator does the same under the strategies that run on CPU:
+
+* the default strategy and ``OneDeviceStrategy``: one replica;
+* ``MirroredStrategy`` over N (logical) CPU devices: N replicas in one
+  process;
+* ``MultiWorkerMirroredStrategy``: replicas in several processes.
+
+Tables and slots are plain variables created outside the strategy's variable
+creator (never mirrored copies that could drift apart). ``apply_gradients``
+called by every replica hands its per-id gradients to a ``merge_call``: in
+cross-replica context the gradients of all local replicas are concatenated
+(across workers, all-gathered, so every worker applies the same update to its
+own copy) and the update runs once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, List
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib, values_util
+from tensorflow.python.ops import resource_variable_ops
+
+from tpu_embed_ext import errors
+
+__all__ = ["Replicas", "check_strategy"]
+
+_SUPPORTED = ("the default strategy, OneDeviceStrategy, MirroredStrategy or "
+              "MultiWorkerMirroredStrategy over CPU devices")
+
+
+def _strategy_kinds():
+  from tensorflow.python.distribute import (collective_all_reduce_strategy,
+                                            mirrored_strategy,
+                                            one_device_strategy)
+  return (mirrored_strategy.MirroredStrategy,
+          collective_all_reduce_strategy.CollectiveAllReduceStrategy,
+          one_device_strategy.OneDeviceStrategy)
+
+
+def check_strategy(strategy):
+  """ConfigError unless ``strategy`` is one the emulator runs under."""
+  if strategy is _default() or isinstance(strategy, _strategy_kinds()):
+    return
+  raise errors.ConfigError(
+      f"CPUEmbedding cannot emulate the TPU engine under "
+      f"{type(strategy).__name__}: its variables are not kept on the replicas "
+      f"that look them up. Supported: {_SUPPORTED}. Under a TPUStrategy use "
+      "tpu_embed_ext.create_embedding, which picks TPUEmbedding.")
+
+
+def _default():
+  return distribute_lib._get_default_strategy()  # pylint: disable=protected-access
+
+
+class Replicas:
+  """The replicas of the strategy an engine was created under."""
+
+  def __init__(self):
+    self.strategy = tf.distribute.get_strategy()
+    check_strategy(self.strategy)
+    self.distributed = self.strategy is not _default()
+    self.num_local = (len(self.strategy.extended.worker_devices)
+                      if self.distributed else 1)
+    self.num_workers = max(1, self.strategy.num_replicas_in_sync // self.num_local)
+
+  @contextlib.contextmanager
+  def single_copy_variables(self):
+    """Variables created inside are plain, one copy, on the host device."""
+    def creator(next_creator, **kwargs):
+      del next_creator  # The strategy's creator would mirror the variable.
+      kwargs.pop("distribute_strategy", None)
+      return resource_variable_ops.ResourceVariable(**kwargs)
+
+    device = self.strategy.extended.worker_devices[0] if self.distributed else None
+    with tf.variable_creator_scope(creator), tf.device(device):
+      yield
+
+  def in_replica_fn(self) -> bool:
+    """Inside ``strategy.run`` of this engine's strategy."""
+    if not self.distributed:
+      return True
+    context = tf.distribute.get_replica_context()
+    return context is not None and context.strategy is self.strategy
+
+  def local_replica(self) -> int:
+    """This replica's index among the local replicas (0 outside a replica fn)."""
+    if not (self.distributed and self.in_replica_fn()):
+      return 0
+    return int(values_util.get_current_replica_id_as_int() or 0)
+
+  def split(self, value) -> List[Any]:
+    """The per-replica parts of a (nested) value: distributed values split.
+
+    A structure without distributed values is returned whole, once.
+    """
+    flat = tf.nest.flatten(value, expand_composites=False)
+    if not any(isinstance(v, tf.distribute.DistributedValues) for v in flat):
+      return [value]
+    parts = [self.strategy.experimental_local_results(v)
+             if isinstance(v, tf.distribute.DistributedValues) else None
+             for v in flat]
+    count = max(len(p) for p in parts if p is not None)
+    return [tf.nest.pack_sequence_as(
+        value, [v if p is None else p[i] for v, p in zip(flat, parts)],
+        expand_composites=False) for i in range(count)]
+
+  def merge(self, fn, payload):
+    """Runs ``fn(list of every replica's payload)`` once per step.
+
+    Inside a replica fn of a strategy this is a ``merge_call``: ``fn`` runs in
+    cross-replica context with the payload of every replica, workers included
+    (all-gathered in global replica order, so every worker applies the same
+    update to its own copy). Otherwise ``fn([payload])``.
+    """
+    if not (self.distributed and self.in_replica_fn()):
+      return fn([payload])
+    return tf.distribute.get_replica_context().merge_call(
+        self._merge_fn(fn), args=(payload,))
+
+  def _merge_fn(self, fn):
+    def merge_fn(strategy, per_replica):
+      flat = tf.nest.flatten(per_replica, expand_composites=False)
+      if self.num_workers > 1:
+        local = [[strategy.gather(v, axis=0)] for v in flat]
+      else:
+        local = [strategy.experimental_local_results(v) for v in flat]
+      return fn([tf.nest.pack_sequence_as(
+          per_replica, [parts[i] for parts in local], expand_composites=False)
+          for i in range(len(local[0]))])
+    return merge_fn
