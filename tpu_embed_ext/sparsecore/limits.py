@@ -53,6 +53,12 @@ class FeatureIds(NamedTuple):
   ids: np.ndarray
   sample_count: int
   """Samples of the feature (``prod(output_shape)``: batch, x length for sequences)."""
+  name: str = ""
+  """The feature's path, for errors."""
+
+  def where(self, i: int) -> str:
+    return f"feature '{self.name}' (table '{self.table}')" if self.name else (
+        f"feature {i} (table '{self.table}')")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +117,7 @@ def _stack_members(features, layouts):
   for i, f in enumerate(features):
     if f.table not in by_table:
       raise errors.InputError(
-          f"feature {i} looks up table '{f.table}', which has no SparseCore layout. "
+          f"{f.where(i)}: the table has no SparseCore layout. "
           f"Fix: compute the layouts for every table ({sorted(by_table)}).")
     members.setdefault(by_table[f.table].stack, []).append(i)
   return by_table, members
@@ -163,12 +169,12 @@ def _validate(features, topology):
   for i, f in enumerate(features):
     if len(f.samples) and np.any(np.diff(f.samples) < 0):
       raise errors.InputError(
-          f"feature {i} (table '{f.table}'): samples must be non-decreasing, as "
+          f"{f.where(i)}: samples must be non-decreasing, as "
           "SparseCore's preprocessing requires (sorted SparseTensor indices). Fix: "
           "reorder the SparseTensor (tf.sparse.reorder).")
     if f.sample_count % step:
       raise errors.InputError(
-          f"feature {i} (table '{f.table}') has {f.sample_count} samples, not a "
+          f"{f.where(i)} has {f.sample_count} samples, not a "
           f"multiple of {topology.chips} chips x {topology.sparsecores_per_chip} "
           "SparseCores per chip: the TPU splits each chip's batch evenly over its "
           "SparseCores. Fix: use a batch size divisible by "

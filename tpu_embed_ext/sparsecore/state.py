@@ -41,7 +41,9 @@ class SparseCoreState:
         sc_layout.stacking_inputs(feature_config, optimizer), self.topology,
         stacking=stacking)
     from tensorflow.python.util import nest  # pylint: disable=g-import-not-at-top
-    self._features = nest.flatten(feature_config)
+    paths = nest.flatten_with_joined_string_paths(feature_config)
+    self._paths = [p for p, _ in paths]
+    self._features = [f for _, f in paths]
     self.padding: Dict[str, Dict[str, float]] = {}
     for f in self._features:
       spec = optimizers.as_spec(f.table.optimizer or optimizer)
@@ -62,8 +64,9 @@ class SparseCoreState:
       raise errors.InputError(
           f"expected ids for {len(self._features)} features, got {len(ids)}.")
     features = [sc_limits.FeatureIds(f.table.name, np.asarray(s, np.int64),
-                                     np.asarray(i, np.int64), int(n))
-                for f, s, i, n in zip(self._features, samples, ids, sample_counts)]
+                                     np.asarray(i, np.int64), int(n), path)
+                for f, path, s, i, n in zip(self._features, self._paths, samples, ids,
+                                            sample_counts)]
     _, keep = sc_limits.check_limits(features, self.layouts, self.topology, self.limits)
     return keep
 
