@@ -8,6 +8,8 @@ from typing import Dict, List, Optional
 import tensorflow as tf
 
 from tpu_embed_ext import learning_rates, optimizers, tf_config
+from tpu_embed_ext.text_table import human_bytes as _human
+from tpu_embed_ext.text_table import lines as _table_lines
 
 __all__ = ["Plan", "plan"]
 
@@ -149,21 +151,6 @@ class Plan:
     if self.warnings:
       out += ["", "SparseCore (TPUEmbeddingV2) notes:"] + [f"  {w}" for w in self.warnings]
     return "\n".join(out)
-
-
-def _table_lines(header, rows) -> List[str]:
-  """Aligned columns; the last row is a total under a rule."""
-  widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-  line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-  rule = line(tuple("-" * w for w in widths))
-  return [line(header), rule] + [line(r) for r in rows[:-1]] + [rule, line(rows[-1])]
-
-
-def _human(n: int) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if n < 1024 or unit == "GiB":
-      return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-    n /= 1024
 
 
 def plan(spec) -> Plan:

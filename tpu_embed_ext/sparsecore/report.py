@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from tpu_embed_ext import text_table
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore import limits
 from tpu_embed_ext.sparsecore.topology import Topology
@@ -47,7 +48,6 @@ class StackingPlan:
     return sum(sum(self.stack_bytes_per_chip(s).values()) for s in self.stacks)
 
   def __str__(self) -> str:
-    from tpu_embed_ext.plan import _human, _table_lines  # pylint: disable=g-import-not-at-top
     header = ("stack", "table", "rows x dim", "padded", "offset", "rotation",
               "table/chip", "slots/chip")
     rows = []
@@ -56,13 +56,13 @@ class StackingPlan:
       for i, l in enumerate(tables):
         rows.append((stack if i == 0 else "", l.table, f"{l.rows:,} x {l.dim}",
                      f"{l.padded_rows:,} x {l.padded_dim}", l.row_offset, l.rotation,
-                     _human(memory["parameters"]) if i == 0 else "",
-                     _human(memory["slots"]) if i == 0 else ""))
+                     text_table.human_bytes(memory["parameters"]) if i == 0 else "",
+                     text_table.human_bytes(memory["slots"]) if i == 0 else ""))
     rows.append((f"{len(self.stacks)} stacks", f"{len(self.layouts)} tables", "", "",
-                 "", "", "", _human(self.bytes_per_chip) + " per chip"))
+                 "", "", "", text_table.human_bytes(self.bytes_per_chip) + " per chip"))
     return "\n".join([f"SparseCore (TPUEmbeddingV2) layout on {self.topology}, "
                       f"{self.topology.num_sparse_cores} SparseCores:"]
-                     + _table_lines(header, rows))
+                     + text_table.lines(header, rows))
 
 
 def stacking_plan(feature_config, topology: Topology, slots: Dict[str, Sequence[str]],
@@ -134,7 +134,6 @@ class DataReport:
     return need
 
   def __str__(self) -> str:
-    from tpu_embed_ext.plan import _table_lines  # pylint: disable=g-import-not-at-top
     header = ("stack", "max ids/SparseCore", "limit", "max unique", "limit",
               "max slots/chip", "capacity")
     rows = []
@@ -151,7 +150,7 @@ class DataReport:
     uniques = {s: _round8(v) for s, v in self.max_unique_ids.items()}
     return "\n".join(
         [f"SparseCore input per step on {self.topology} (source -> destination "
-         "SparseCore, after deduplication):"] + _table_lines(header, rows) +
+         "SparseCore, after deduplication):"] + text_table.lines(header, rows) +
         ["", "suggested SparseCoreEmbeddingConfig (measured maxima, rounded up to 8; "
          "add headroom for batches not sampled):",
          f"  max_ids_per_chip_per_sample={self.suggested_ids_per_chip_per_sample()},",
