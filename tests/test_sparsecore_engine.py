@@ -141,3 +141,25 @@ def test_dropping_inside_tf_function_equals_eager():
   for table in ("a", "b"):
     assert (eager.variables[table]["parameters"].numpy().tobytes()
             == graph.variables[table]["parameters"].numpy().tobytes())
+
+
+def test_what_is_not_emulated_says_so():
+  table = api.TableConfig(vocabulary_size=8, dim=2, name="t", optimizer=api.SGD(0.1))
+  with pytest.raises(errors.ConfigError) as e:
+    tee.CPUEmbedding({"s": api.FeatureConfig(table=table, max_sequence_length=3)},
+                     engine="v2", topology="2x2")
+  assert str(e.value) == (
+      "SparseCore input limits are not emulated for sequence features (s). Fix: drop "
+      "topology= and convert checkpoints with python -m tpu_embed_ext "
+      "convert-checkpoint.")
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with strategy.scope():
+    emb = tee.CPUEmbedding({"f": api.FeatureConfig(table=table)}, engine="v2",
+                           topology="2x2")
+  ids = strategy.experimental_distribute_values_from_function(
+      lambda ctx: {"f": tf.constant([1, 2, 3, 4], tf.int64)})
+  with pytest.raises(errors.ConfigError) as e:
+    emb.enqueue(ids, training=True)
+  assert str(e.value) == (
+      "SparseCore input limits are emulated on one CPU replica holding the global "
+      "batch, not on 2. Fix: drop topology= under a multi-replica strategy.")
