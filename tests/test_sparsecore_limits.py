@@ -153,3 +153,18 @@ def test_measure_reports_maxima_and_suggests_limits():
   text = str(out)
   assert "max_ids_per_table={'a_b': 8}" in text and "2 steps" in text
   assert text.splitlines()[3].split()[:3] == ["a_b", "3", "OVER"]
+
+
+def test_more_input_errors():
+  unsorted = FeatureIds("a", np.array([1, 0]), np.array([3, 4]), 8, "fa")
+  with pytest.raises(errors.InputError) as e:
+    count_ids([unsorted], LAYOUTS, TOPOLOGY)
+  assert str(e.value) == (
+      "feature 'fa' (table 'a'): samples must be non-decreasing, as SparseCore's "
+      "preprocessing requires (sorted SparseTensor indices). Fix: reorder the "
+      "SparseTensor (tf.sparse.reorder).")
+  with pytest.raises(errors.InputError) as e:
+    count_ids([FA._replace(table="z")], LAYOUTS, TOPOLOGY)
+  assert str(e.value) == (
+      "feature 0 (table 'z'): the table has no SparseCore layout. Fix: compute the "
+      "layouts for every table (['a', 'b']).")

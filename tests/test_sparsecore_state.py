@@ -42,3 +42,10 @@ def test_limit_error_eagerly_and_in_a_graph():
                      match=r"max_ids_per_table\['a_b'\]=1"):
     tf.function(lambda s, i, c: state.keep_masks(s, i, c))(
         *[[tf.constant(x) for x in a] for a in args])
+
+
+def test_wrong_number_of_features():
+  with pytest.raises(errors.InputError) as e:
+    _state().keep([FA.samples], [FA.ids], [8])
+  assert str(e.value) == ("expected ids for 2 features (fa, fb), got 1. Fix: pass one "
+                          "entry per feature, in flat order.")

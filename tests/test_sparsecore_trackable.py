@@ -99,3 +99,15 @@ def test_stacked_shape_mismatch_is_named():
       "stacked table 'd': the checkpoint holds shape [32, 16], this engine's SparseCore"
       " layout needs [64, 16]. Fix: convert the checkpoint to this topology (python -m "
       "tpu_embed_ext convert-checkpoint --topology ...).")
+
+
+def test_missing_table_in_layouts_is_named():
+  from tpu_embed_ext.sparsecore.trackable import check_layouts
+  layouts = sc_layout.compute_layouts(
+      [sc_layout.StackingInput("a", 8, 8, "g"), sc_layout.StackingInput("b", 8, 8, "g")],
+      Topology(1, 4))
+  with pytest.raises(errors.ConfigError) as e:
+    check_layouts(layouts[:1], layouts)
+  assert str(e.value) == (
+      "table 'b' is not in the checkpoint's SparseCore layouts. Fix: restore a "
+      "checkpoint of the same tables.")

@@ -62,7 +62,9 @@ class SparseCoreState:
     """Per flat feature, which ids SparseCore keeps this step (or InputError)."""
     if len(ids) != len(self._features):
       raise errors.InputError(
-          f"expected ids for {len(self._features)} features, got {len(ids)}.")
+          f"expected ids for {len(self._features)} features "
+          f"({', '.join(self._paths)}), got {len(ids)}. Fix: pass one entry per "
+          "feature, in flat order.")
     features = [sc_limits.FeatureIds(f.table.name, np.asarray(s, np.int64),
                                      np.asarray(i, np.int64), int(n), path)
                 for f, path, s, i, n in zip(self._features, self._paths, samples, ids,
