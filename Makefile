@@ -11,7 +11,7 @@ TF_FLAVOUR ?= cpu
 # TF_CPP_MIN_LOG_LEVEL hides TensorFlow's C++ start-up chatter; errors still show.
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: run test bench install clean
+.PHONY: run test bench docs install clean
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,5 +34,10 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 bench: $(VENV)/.bench-installed
 	$(PY) -m benchmarks.run_all
 
+# The documentation site, built offline into site/ (fails on a broken link or
+# a missing API symbol; tests/test_docs.py runs the same build in `make test`).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache site

@@ -13,6 +13,10 @@ any TensorFlow raises an error that says which extra to use.
 import setuptools
 
 _TF = ">=2.16,<3"  # 2.16 is the first release whose tf.keras is Keras 3.
+# mkdocs 1.6 added the `validation` settings that make --strict fail on a
+# broken anchor (mkdocs.yml).
+_DOCS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26",
+         "pymdown-extensions>=10"]
 
 setuptools.setup(
     name="tpu_embed_ext",
@@ -40,6 +44,8 @@ setuptools.setup(
         # `make bench`: keras-rs is one of the contenders (skipped where it
         # does not install: it needs Python >= 3.11).
         "bench": ["keras-rs>=0.2; python_version >= '3.11'", "matplotlib>=3.5"],
+        # `make docs`: the MkDocs site with its API reference.
+        "docs": _DOCS,
         "test": [
             "pytest>=7",
             "hypothesis>=6",
@@ -52,6 +58,8 @@ setuptools.setup(
             "tensorboard",
             # The benchmark contenders' equivalence test covers keras-rs too.
             "keras-rs>=0.2; python_version >= '3.11'",
+            # tests/test_docs.py builds the site with --strict.
+            *_DOCS,
         ],
     },
     entry_points={"console_scripts": ["tpu-embed=tpu_embed_ext.__main__:run"]},

@@ -10,7 +10,7 @@ from tpu_embed_ext.emulation import dispatch
 api = tf.tpu.experimental.embedding
 
 
-# --- SEMANTICS.md section 9a: TensorFlow's one-step TPU test scenario --------
+# --- TensorFlow's one-step TPU test scenario (docs/semantics.md) ----------
 
 def _scenario_config(optimizer):
   video = api.TableConfig(8, 4, initializer=tf.constant_initializer(
@@ -130,7 +130,9 @@ def _lookup_config(quantize=False):
 def _lookup_inputs():
   ragged = tf.ragged.constant([[1, 2, 2], [], [5], [7, 8, 9, 10]], tf.int64)
   weights = tf.ragged.constant([[0.5, 1.0, 2.0], [], [3.0], [1.0, 1.0, 0.5, 0.25]])
-  features = {"dense": tf.constant([[1, 2], [3, 4], [0, 0], [19, 5]], tf.int64),
+  # Dense ids of rank 1: the one dense shape on which TPUEmbedding and
+  # TPUEmbeddingForServing agree (tests/test_parity.py covers the others).
+  features = {"dense": tf.constant([1, 3, 0, 19], tf.int64),
               "ragged_sum": ragged, "ragged_mean": ragged,
               "sparse_sqrtn": ragged.to_sparse(), "sequence": ragged,
               "sparse_sequence": ragged.to_sparse(), "reshaped": ragged}
@@ -173,7 +175,7 @@ def test_simulated_quantization_forward_and_straight_through_backward():
   quantum = 1.0 / 4
   rows = np.clip(before[[3, 4, 3, 4]], -0.5, 0.5)
   expected = np.floor((rows + 0.5) / quantum + 0.5) * quantum - 0.5
-  np.testing.assert_allclose(acts["dense"][:, 0], expected, atol=1e-6)
+  np.testing.assert_allclose(acts["dense"], expected, atol=1e-6)  # [B, 1] -> [B, dim]
   grads = tf.nest.map_structure(tf.zeros_like, acts)
   grads["dense"] = tf.ones_like(acts["dense"])
   emb.apply_gradients(grads)
@@ -248,8 +250,11 @@ def _single_table(optimizer, engine="v1"):
   table = api.TableConfig(6, 2, combiner="sum", name="t",
                           initializer=tf.constant_initializer(
                               np.arange(12.).reshape(6, 2) / 10))
-  return tee.CPUEmbedding({"f": api.FeatureConfig(table, name="f")}, optimizer,
-                          engine=engine)
+  # TPUEmbeddingV2 needs every feature's output_shape (one id per step here).
+  output_shape = [1] if engine == "v2" else None
+  return tee.CPUEmbedding(
+      {"f": api.FeatureConfig(table, name="f", output_shape=output_shape)},
+      optimizer, engine=engine)
 
 
 def _step(emb, ids, grad_rows):
@@ -331,7 +336,7 @@ def _snapshot(emb):
 
 
 @pytest.mark.parametrize("ids,grad,message", [
-    ([[0], [9]], [[1.0, 1.0], [1.0, 1.0]],
+    ([[9]], [[1.0, 1.0]],
      "feature 'f' (table 't'): id 9 is out of range [0, 6). Fix: map ids into the "
      "vocabulary (e.g. hash them modulo 6) or enlarge vocabulary_size."),
     ([[-1]], [[1.0, 1.0]], "feature 'f' (table 't'): id -1 is out of range [0, 6)."),
@@ -458,7 +463,7 @@ def test_create_embedding_dispatch_with_a_stand_in_tpu_strategy(monkeypatch):
   monkeypatch.setattr(api, "TPUEmbedding", Recorder("v1"))
   monkeypatch.setattr(tpu_embedding_v3, "TPUEmbeddingV2", Recorder("v2"))
   monkeypatch.setattr(dispatch, "_sparsecore", lambda s: s.sparsecore)
-  config = {"f": api.FeatureConfig(api.TableConfig(5, 2, name="t"))}
+  config = {"f": api.FeatureConfig(api.TableConfig(5, 2, name="t"), output_shape=[2])}
   dispatch.create_embedding(config, tee.SGD(learning_rate=0.2),
                               strategy=FakeStrategy(False))
   dispatch.create_embedding(config, api.SGD(0.1), strategy=FakeStrategy(True))
@@ -501,9 +506,9 @@ def test_dense_ids_for_a_sequence_feature_and_gradient_structure():
                          api.SGD(0.1))
   with pytest.raises(tee.InputError) as info:
     emb({"s": tf.constant([[1, 2, 3]])})
-  assert str(info.value) == (
-      "feature 's' (table 't') is a sequence feature (max_sequence_length=3) but got a "
-      "dense tensor. Fix: pass a RaggedTensor or SparseTensor.")
+  assert str(info.value).startswith(
+      "feature 's' (table 't'): dense ids of shape [1, 3] have a last dimension of 3, "
+      "but TPUEmbedding needs dense ids of rank >= 2 to end in a dimension of 1")
   emb.enqueue({"s": tf.ragged.constant([[1, 2, 3, 4]], tf.int64)}, training=True)
   acts = emb.dequeue()
   assert acts["s"].shape == (1, 3, 2)  # Truncated to max_sequence_length.

@@ -1,7 +1,7 @@
 """Several replicas: MirroredStrategy over logical CPU devices.
 
 The TPU sums the per-id gradients of all replicas and updates every touched id
-once per step, on one copy of each table (docs/semantics.md, section 0).
+once per step, on one copy of each table (docs/semantics.md, replicas).
 Here that is checked against TensorFlow's TPU goldens at R = 2 and R = 8,
 against the numpy contract reference over 10 steps at R = 2, and with ids
 that only one replica sees.
@@ -110,14 +110,7 @@ def train_replicated(engine, strategy, replicas, use_function):
   def step(features, weights, constant):
     engine.enqueue(features, weights, training=True)
 
-    def replica_step(constant):
-      with tf.GradientTape() as tape:
-        acts = engine.dequeue()
-        tape.watch(acts)
-        loss = tf.add_n([tf.reduce_sum(a * a) / 2 + tf.reduce_sum(constant[n] * a)
-                         for n, a in acts.items()])
-      engine.apply_gradients(tape.gradient(loss, acts))
-    strategy.run(replica_step, args=(constant,))
+    strategy.run(contract.train_dequeued, args=(engine, constant))
 
   if use_function:
     # reduce_retracing: few traces for the batches' varying ragged shapes.
@@ -155,13 +148,186 @@ def test_contract_at_two_replicas(optimizer_name, options_name, use_function):
   with strategy.scope():
     engine = contract.build_engine(row, options)
   train_replicated(engine, strategy, 2, use_function)
-  want_tables, want_slots = contract.reference_run(row, options)
-  assert int(engine.step.numpy()) == contract.STEPS
-  for table in contract.TABLES:
-    np.testing.assert_allclose(
-        engine.variables[table]["parameters"].numpy(), want_tables[table],
-        rtol=2e-5, atol=2e-6, err_msg=f"{table}/parameters")
-    for slot in row.slots:
-      np.testing.assert_allclose(
-          engine.variables[table][slot].numpy(), want_slots[table][slot],
-          rtol=2e-5, atol=2e-6, err_msg=f"{table}/{slot}")
+  contract.assert_matches_reference(engine, row, options)
+
+
+# --- ids seen by one replica, ids seen by several: a spec with overrides ------
+
+SPEC = {
+    "optimizer": {"type": "adagrad", "learning_rate": "decay",
+                  "initial_accumulator_value": 0.2},
+    "schedules": {"decay": {"class": "ExponentialDecay", "initial_learning_rate": 0.2,
+                            "decay_steps": 3, "decay_rate": 0.7}},
+    "tables": {
+        "ada": {"vocabulary_size": 12, "dim": 3, "combiner": "sum"},
+        "sgd_t": {"vocabulary_size": 12, "dim": 3, "combiner": "sum"},
+        "mom": {"vocabulary_size": 12, "dim": 3, "combiner": "sum", "optimizer": {
+            "type": "adagrad_momentum", "learning_rate": 0.1, "momentum": 0.9,
+            "use_nesterov": True, "exponent": 3.0, "beta2": 0.9, "epsilon": 0.1}},
+        "adam_t": {"vocabulary_size": 12, "dim": 3, "combiner": "sum", "optimizer": {
+            "type": "adam", "learning_rate": "decay", "beta_1": 0.8, "beta_2": 0.95,
+            "epsilon": 1e-3}},
+        "ftrl_t": {"vocabulary_size": 12, "dim": 3, "combiner": "sum", "optimizer": {
+            "type": "ftrl", "learning_rate": 0.1, "l1_regularization_strength": 0.01,
+            "l2_regularization_strength": 0.02, "beta": 0.1,
+            "initial_accumulator_value": 0.1}},
+    },
+    "overrides": [{"match": "sgd_*", "optimizer": {
+        "type": "sgd", "learning_rate": "decay", "clip_weight_min": -0.6,
+        "clip_weight_max": 0.6}}],
+    "features": {f"f_{t}": {"table": t} for t in
+                 ("ada", "sgd_t", "mom", "adam_t", "ftrl_t")},
+}
+# table: (numpy rule, hyperparameters, slots and their initial values)
+RULES = {
+    "ada": (contract.ref_adagrad, {}, {"accumulators": 0.2}),
+    "sgd_t": (contract.ref_sgd, {}, {}),
+    "mom": (contract.ref_adagrad_momentum,
+            {"momentum": 0.9, "use_nesterov": True, "exponent": 3.0, "beta2": 0.9,
+             "epsilon": 0.1}, {"accumulators": 0.0, "momenta": 0.0}),
+    "adam_t": (contract.ref_adam, {"beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-3,
+                                   "sum_inside_sqrt": True},
+               {"momenta": 0.0, "velocities": 0.0}),
+    "ftrl_t": (contract.ref_ftrl, {"learning_rate_power": -0.5,
+                                   "l1_regularization_strength": 0.01,
+                                   "l2_regularization_strength": 0.02, "beta": 0.1,
+                                   "multiply_linear_by_learning_rate": False},
+               {"accumulators": 0.1, "linears": 0.0}),
+}
+SCHEDULED = {"ada", "sgd_t", "adam_t"}
+PER_REPLICA = 3
+
+
+def _replica_ids(rng, replica):
+  """Ids 0-3 go to both replicas; 4-7 only to replica 0; 8-11 only to 1."""
+  own = list(range(4, 8)) if replica == 0 else list(range(8, 12))
+  pool = list(range(4)) + own
+  return [list(rng.choice(pool, rng.randint(1, 4))) for _ in range(PER_REPLICA)]
+
+
+def test_ids_in_one_or_several_replicas_are_updated_once_with_the_summed_gradient():
+  strategy = mirrored(2)
+  with strategy.scope():
+    engine = tee.CPUEmbedding(tee.EmbeddingSpec.from_dict(SPEC))
+  E, S = {}, {}
+  for i, (table, (_, _, slots)) in enumerate(sorted(RULES.items())):
+    E[table] = np.random.RandomState(i).uniform(-0.5, 0.5, (12, 3))
+    engine.variables[table]["parameters"].assign(E[table])
+    S[table] = {s: np.full((12, 3), v) for s, v in slots.items()}
+
+  for t in range(10):
+    rng = np.random.RandomState(t)
+    ids = {f"f_{table}": [_replica_ids(rng, r) for r in range(2)] for table in RULES}
+    constant = {n: rng.uniform(-1, 1, (2, PER_REPLICA, 3)) for n in ids}
+    engine.enqueue(distribute(strategy, [
+        {n: tf.ragged.constant(v[r], tf.int64) for n, v in ids.items()}
+        for r in range(2)]), training=True)
+    strategy.run(contract.train_dequeued, args=(engine, distribute(strategy, [
+        {n: tf.constant(c[r], tf.float32) for n, c in constant.items()}
+        for r in range(2)]),))
+    # numpy: per-id sums over both replicas, one update per touched id.
+    lr_decay = 0.2 * 0.7 ** (t / 3)
+    for table, (rule, hparams, _) in RULES.items():
+      name = f"f_{table}"
+      grads = {}
+      for r in range(2):
+        for b, sample in enumerate(ids[name][r]):
+          act = E[table][sample].sum(0)
+          for i in sample:
+            grads[i] = grads.get(i, 0) + act + constant[name][r, b]
+      lr = lr_decay if table in SCHEDULED else 0.1
+      for i, g in grads.items():
+        w, slots = rule(E[table][i], {s: S[table][s][i] for s in S[table]}, g, lr,
+                        hparams)
+        E[table][i] = np.clip(w, -0.6, 0.6) if table == "sgd_t" else w
+        for s, v in slots.items():
+          S[table][s][i] = v
+  assert int(engine.step.numpy()) == 10
+  for table in RULES:
+    np.testing.assert_allclose(engine.variables[table]["parameters"].numpy(),
+                               E[table], rtol=2e-5, atol=2e-6, err_msg=table)
+    for s in S[table]:
+      np.testing.assert_allclose(engine.variables[table][s].numpy(), S[table][s],
+                                 rtol=2e-5, atol=2e-6, err_msg=f"{table}/{s}")
+
+
+# --- checkpoints cross between strategies ------------------------------------
+
+def _step_on(engine, strategy, replicas, batch):
+  """One SGD-loss step of the global ``batch`` split over ``replicas``."""
+  per = len(batch) // replicas
+  parts = [{"watched": tf.ragged.constant(batch[r * per:(r + 1) * per], tf.int64)}
+           for r in range(replicas)]
+
+  def replica_step():
+    with tf.GradientTape() as tape:
+      acts = engine.dequeue()
+      tape.watch(acts)
+      loss = tf.reduce_sum(acts["watched"] ** 2)
+    engine.apply_gradients(tape.gradient(loss, acts))
+
+  if strategy is None:
+    engine.enqueue(parts[0], training=True)
+    replica_step()
+  else:
+    engine.enqueue(distribute(strategy, parts), training=True)
+    strategy.run(replica_step)
+
+
+def _video_engine(strategy=None):
+  table = api.TableConfig(8, 4, name="video", combiner="mean",
+                          initializer=tf.constant_initializer(
+                              np.arange(32.).reshape(8, 4) / 10))
+  config = {"watched": api.FeatureConfig(table, name="watched")}
+  if strategy is None:
+    return tee.CPUEmbedding(config, api.Adam(0.1))
+  with strategy.scope():
+    return tee.CPUEmbedding(config, api.Adam(0.1))
+
+
+BATCH_A = [[0, 1], [1], [2, 3, 3], [5]]
+BATCH_B = [[4], [0, 4], [7], [1, 2]]
+
+
+@pytest.mark.parametrize("save_replicas,restore_replicas", [(2, 1), (1, 2)])
+def test_checkpoints_cross_between_strategies(tmp_path, save_replicas,
+                                              restore_replicas):
+  def make(replicas):
+    strategy = mirrored(replicas) if replicas > 1 else None
+    return _video_engine(strategy), strategy
+
+  saved, saved_strategy = make(save_replicas)
+  _step_on(saved, saved_strategy, save_replicas, BATCH_A)
+  path = tf.train.Checkpoint(embedding=saved).save(str(tmp_path / "ckpt"))
+  restored, restored_strategy = make(restore_replicas)
+  restored.build()
+  tf.train.Checkpoint(embedding=restored).restore(path).assert_consumed()
+  for name in ("parameters", "momenta", "velocities"):
+    np.testing.assert_array_equal(restored.variables["video"][name].numpy(),
+                                  saved.variables["video"][name].numpy())
+  _step_on(saved, saved_strategy, save_replicas, BATCH_B)
+  _step_on(restored, restored_strategy, restore_replicas, BATCH_B)
+  for name in ("parameters", "momenta", "velocities"):
+    np.testing.assert_allclose(restored.variables["video"][name].numpy(),
+                               saved.variables["video"][name].numpy(), rtol=1e-6)
+
+
+def test_a_strategy_that_cannot_be_emulated_is_named():
+  strategy = tf.distribute.experimental.CentralStorageStrategy()
+  with strategy.scope(), pytest.raises(
+      tee.ConfigError, match=r"CPUEmbedding cannot emulate the TPU engine under "
+      r"CentralStorageStrategy: .* Supported: the default strategy, "
+      r"OneDeviceStrategy, MirroredStrategy or MultiWorkerMirroredStrategy"):
+    _video_engine()
+
+
+def test_one_device_strategy():
+  strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+  engine = _video_engine(strategy)
+  reference = _video_engine()
+  for batch in (BATCH_A, BATCH_B):
+    _step_on(engine, strategy, 1, batch)
+    _step_on(reference, None, 1, batch)
+  np.testing.assert_array_equal(engine.variables["video"]["parameters"].numpy(),
+                                reference.variables["video"]["parameters"].numpy())
+  assert int(engine.step.numpy()) == 2

@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 # name -> module that defines it.
 _EXPORTS = {
     "Error": "errors", "ConfigError": "errors", "ConfigTypeError": "errors",
-    "InputError": "errors",
+    "InputError": "errors", "InputTypeError": "errors",
     "SGD": "optimizers", "Adagrad": "optimizers",
     "AdagradMomentum": "optimizers", "Adam": "optimizers", "FTRL": "optimizers",
     "TableSpec": "spec", "FeatureSpec": "spec", "EmbeddingSpec": "spec",

@@ -13,7 +13,20 @@ from typing import Iterable, Optional
 
 
 class Error(Exception):
-  """Base class of every error raised on purpose by tpu_embed_ext."""
+  """Base class of every error raised on purpose by tpu_embed_ext.
+
+  ``ag_pass_through``: when an exception escapes code that a ``tf.function``
+  traces, autograph (``autograph/impl/api.py``, ``_attach_error_metadata``
+  and ``_ErrorMetadata.create_exception``) re-creates it with a traceback
+  added to the message, but only for builtin types and types whose
+  ``__init__`` is ``Exception.__init__``; anything else becomes a
+  ``StagingError``, which is not a ``ValueError``. An exception with an
+  ``ag_pass_through`` attribute is re-raised unchanged, so ours keep their
+  class (and message) eagerly and inside ``tf.function`` alike, as
+  TensorFlow's own ``ValueError``s do.
+  """
+
+  ag_pass_through = True
 
 
 class ConfigError(Error, ValueError):
@@ -52,6 +65,14 @@ class ConfigTypeError(ConfigError, TypeError):
 
 class InputError(Error, ValueError):
   """Bad features, weights, ids or gradients given to an embedding engine."""
+
+
+class InputTypeError(InputError, TypeError):
+  """Inputs of the wrong kind (a list of gradients for a tuple of features).
+
+  A ``TypeError`` where ``TPUEmbedding`` raises one (``nest``'s structure
+  check), and an ``InputError`` like every other bad input.
+  """
 
 
 def _rebuild(cls, message, path, file):

@@ -61,11 +61,18 @@ class OptimizerSpec:
   open. Stored as the ``(min, max)`` tuple."""
   low_dimensional_packing_status: bool = False
   """Pack 1/2/4-wide tables into 8-float chunks on the TPU (Engine A)."""
+  clip_gradient_min: dataclasses.InitVar[Optional[float]] = None
+  """TPUEstimator-era (v1 ``*Parameters``) lower side of ``clipvalue``; only
+  an argument: stored in ``clipvalue``. Not with ``clipvalue``
+  (docs/v1_parameters.md)."""
+  clip_gradient_max: dataclasses.InitVar[Optional[float]] = None
+  """The v1 upper side of ``clipvalue``, as ``clip_gradient_min``."""
 
   type_name: ClassVar[str] = ""
   slot_names: ClassVar[Tuple[str, ...]] = ()
 
-  def __post_init__(self):
+  def __post_init__(self, clip_gradient_min=None, clip_gradient_max=None):
+    self._merge_v1_clip(clip_gradient_min, clip_gradient_max)
     self._check_learning_rate()
     for name in ("use_gradient_accumulation",
                  "multiply_weight_decay_factor_by_learning_rate",
@@ -85,6 +92,30 @@ class OptimizerSpec:
     self._check_clipvalue()
 
   # --- validation helpers -------------------------------------------------
+
+  def _merge_v1_clip(self, lo, hi):
+    """``clip_gradient_min/max`` (v1 ``_OptimizationParameters``) -> clipvalue.
+
+    The v1 classes stored the two bounds; TF 2's optimizers take
+    ``clipvalue`` and keep them as ``clip_gradient_min/max``
+    (``tpu_embedding_v2_utils.py`` ``_Optimizer.__init__``): ``(lo, hi)``,
+    None an open side. Both forms at once would be ambiguous.
+    """
+    if lo is None and hi is None:
+      return
+    if self.clipvalue is not None:
+      raise errors.ConfigError(
+          f"clipvalue={self.clipvalue!r} and clip_gradient_min={lo!r} / "
+          f"clip_gradient_max={hi!r} both set gradient clipping. Fix: keep one "
+          "form: clipvalue=(min, max), or the TPUEstimator-era "
+          "clip_gradient_min / clip_gradient_max.", path="clip_gradient_min"
+          if lo is not None else "clip_gradient_max")
+    for name, value in (("clip_gradient_min", lo), ("clip_gradient_max", hi)):
+      if value is not None and (not _is_number(value) or math.isnan(value)):
+        raise errors.ConfigTypeError(
+            f"{name} must be a number or None, got {type(value).__name__} "
+            f"{value!r}. Fix: write a number such as 1.0.", path=name)
+    object.__setattr__(self, "clipvalue", (lo, hi))
 
   def _check_learning_rate(self):
     lr = self.learning_rate
@@ -185,7 +216,7 @@ class OptimizerSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SGD(OptimizerSpec):
-  """``w <- w - lr * g`` (SEMANTICS.md section 1)."""
+  """``w <- w - lr * g`` (docs/semantics.md, SGD)."""
 
   learning_rate: LearningRate = 0.01
   type_name: ClassVar[str] = "sgd"
@@ -193,7 +224,7 @@ class SGD(OptimizerSpec):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Adagrad(OptimizerSpec):
-  """``acc <- acc + g^2; w <- w - lr * g / sqrt(acc)`` (section 2)."""
+  """``acc <- acc + g^2; w <- w - lr * g / sqrt(acc)`` (docs/semantics.md)."""
 
   initial_accumulator_value: float = 0.1
   """Initial value of the ``accumulators`` slot; must be > 0."""
@@ -201,8 +232,8 @@ class Adagrad(OptimizerSpec):
   type_name: ClassVar[str] = "adagrad"
   slot_names: ClassVar[Tuple[str, ...]] = ("accumulators",)
 
-  def __post_init__(self):
-    super().__post_init__()
+  def __post_init__(self, *v1_clip):
+    super().__post_init__(*v1_clip)
     self._check_positive("initial_accumulator_value",
                          "use a small positive value such as 0.1")
 
@@ -212,7 +243,7 @@ class Adagrad(OptimizerSpec):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdagradMomentum(OptimizerSpec):
-  """Adagrad preconditioning with (Nesterov) momentum (section 3)."""
+  """Adagrad preconditioning with (Nesterov) momentum (docs/semantics.md)."""
 
   momentum: float = 0.0
   """Moving-average factor of the ``momenta`` slot."""
@@ -228,8 +259,8 @@ class AdagradMomentum(OptimizerSpec):
   type_name: ClassVar[str] = "adagrad_momentum"
   slot_names: ClassVar[Tuple[str, ...]] = ("accumulators", "momenta")
 
-  def __post_init__(self):
-    super().__post_init__()
+  def __post_init__(self, *v1_clip):
+    super().__post_init__(*v1_clip)
     self._check_bool("use_nesterov")
     if self._check_number("momentum") < 0:
       raise _fail("momentum", self.momentum, "must be >= 0",
@@ -244,7 +275,7 @@ class AdagradMomentum(OptimizerSpec):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Adam(OptimizerSpec):
-  """Adam without bias correction, as the TPU runs it (section 4).
+  """Adam without bias correction, as the TPU runs it (docs/semantics.md).
 
   ``bias_correction=True`` is ours: the TPU applies none, so the learning rate
   becomes the dynamic rate ``lr(t) * sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1))``
@@ -264,8 +295,8 @@ class Adam(OptimizerSpec):
   type_name: ClassVar[str] = "adam"
   slot_names: ClassVar[Tuple[str, ...]] = ("momenta", "velocities")
 
-  def __post_init__(self):
-    super().__post_init__()
+  def __post_init__(self, *v1_clip):
+    super().__post_init__(*v1_clip)
     for name in ("lazy_adam", "sum_inside_sqrt", "bias_correction"):
       self._check_bool(name)
     self._check_unit_interval("beta_1", "use a value such as 0.9")
@@ -281,7 +312,7 @@ class Adam(OptimizerSpec):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FTRL(OptimizerSpec):
-  """Follow-the-regularized-leader as the TPU runs it (section 5)."""
+  """Follow-the-regularized-leader as the TPU runs it (docs/semantics.md)."""
 
   learning_rate_power: float = -0.5
   """``-k``: the accumulator enters as ``acc^k``; must be <= 0."""
@@ -299,8 +330,8 @@ class FTRL(OptimizerSpec):
   type_name: ClassVar[str] = "ftrl"
   slot_names: ClassVar[Tuple[str, ...]] = ("accumulators", "linears")
 
-  def __post_init__(self):
-    super().__post_init__()
+  def __post_init__(self, *v1_clip):
+    super().__post_init__(*v1_clip)
     for name in ("multiply_linear_by_learning_rate", "allow_zero_accumulator"):
       self._check_bool(name)
     if self._check_number("learning_rate_power") > 0:
@@ -320,6 +351,10 @@ class FTRL(OptimizerSpec):
 TYPES: Mapping[str, type] = {
     cls.type_name: cls for cls in (SGD, Adagrad, AdagradMomentum, Adam, FTRL)
 }
+
+
+# TPUEstimator-era names accepted beside the fields (docs/v1_parameters.md).
+V1_CLIP_FIELDS = ("clip_gradient_min", "clip_gradient_max")
 
 
 def field_names(cls: type) -> Tuple[str, ...]:
@@ -351,7 +386,7 @@ def from_dict(config: Mapping[str, Any]) -> OptimizerSpec:
   for key, value in config.items():
     if key == "type":
       continue
-    if key not in allowed:
+    if key not in allowed and key not in V1_CLIP_FIELDS:
       raise errors.ConfigError(
           f'unknown field "{key}" for optimizer type "{name}".'
           f"{errors.did_you_mean(key, allowed)} Valid: "
@@ -451,8 +486,21 @@ def from_tf(optimizer) -> OptimizerSpec:
   return cls(**kwargs)
 
 
-def as_spec(optimizer) -> OptimizerSpec:
-  """Accepts our spec or a TF optimizer object; returns a spec."""
+def as_spec(optimizer, where: str = "") -> OptimizerSpec:
+  """Accepts our spec or a TF optimizer object; returns a spec.
+
+  Anything else is a ``ConfigError`` (a ``ValueError``), the class
+  ``TPUEmbedding.__init__`` raises ("... is an unsupported optimizer
+  class", ``tpu_embedding_v2.py``); ``where`` names the table.
+  """
   if isinstance(optimizer, OptimizerSpec):
     return optimizer
+  if not any(isinstance(optimizer, c) for c in _tf_classes().values()):
+    prefix = f"{where}: " if where else ""
+    raise errors.ConfigError(
+        f"{prefix}{type(optimizer).__name__} is an unsupported optimizer "
+        "class. Fix: pass one of tf.tpu.experimental.embedding's SGD, "
+        "Adagrad, AdagradMomentum, Adam or FTRL, or a tpu_embed_ext optimizer "
+        "spec (a Keras optimizer converts with "
+        "tpu_embed_ext.from_keras_optimizer).")
   return from_tf(optimizer)

@@ -14,7 +14,7 @@ from tpu_embed_ext.text_table import lines as _table_lines
 __all__ = ["Plan", "plan"]
 
 _BYTES_PER_FLOAT = 4
-# Settings TPUEmbeddingV2 (SparseCore) does not honour (SEMANTICS.md, Engine B).
+# Settings TPUEmbeddingV2 (SparseCore) does not honour (docs/semantics.md).
 _SPARSECORE_IGNORES = (
     ("clip_weight_min", lambda o: o.clip_weight_min is not None, "weight clipping"),
     ("clip_weight_max", lambda o: o.clip_weight_max is not None, "weight clipping"),

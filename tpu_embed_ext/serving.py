@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional
 import keras
 import tensorflow as tf
 
+from tpu_embed_ext import errors
+from tpu_embed_ext.emulation.engine import CPUEmbedding
 from tpu_embed_ext.layer import EmbeddingLayer
 
 __all__ = ["PAD_ID", "export_for_serving", "ragged_from_padded"]
@@ -89,6 +91,38 @@ def export_for_serving(model: keras.Model, export_dir: str, input_signature: Any
 
   with _serving_lookups(model):
     concrete = serve.get_concrete_function()
-    tf.saved_model.save(module, export_dir,
-                        signatures={"serving_default": concrete})
+  _check_training_shapes(model, preprocess, input_signature, concrete)
+  tf.saved_model.save(module, export_dir,
+                      signatures={"serving_default": concrete})
   return concrete
+
+
+def _check_training_shapes(model, preprocess, input_signature, concrete):
+  """ConfigError unless serving gives the output shapes of the model's lookups.
+
+  The model trained with ``TPUEmbedding``'s activation shapes, which
+  ``serving_embedding_lookup`` (``TPUEmbeddingForServing``'s) does not share
+  for dense ids of rank >= 2: ``[B, 1]`` gives ``[B, 1, dim]`` there, not
+  ``[B, dim]`` (docs/shapes.md). A SavedModel whose outputs change shape
+  would serve something the model never computed, so export stops instead.
+  """
+  if not all(isinstance(layer.embedding, CPUEmbedding)
+             for layer in _embedding_layers(model)):
+    return  # A TPU engine's lookups cannot be traced off a TPU.
+
+  @tf.function(input_signature=[input_signature])
+  def lookup(inputs):
+    outputs = model(preprocess(inputs), training=False)
+    return outputs if isinstance(outputs, dict) else {"outputs": outputs}
+
+  want = lookup.get_concrete_function().structured_outputs
+  for name, tensor in concrete.structured_outputs.items():
+    if tensor.shape.as_list() != want[name].shape.as_list():
+      raise errors.ConfigError(
+          f"serving output '{name}' has shape {tensor.shape.as_list()}, but the "
+          f"model computes {want[name].shape.as_list()}: serving lookups shape "
+          "dense ids of rank >= 2 as TPUEmbeddingForServing does ([B, 1] -> "
+          "[B, 1, dim]), training as TPUEmbedding does ([B, dim]). Fix: give "
+          "the signature [batch] ids for single-hot features and padded "
+          "[batch, n] ids (made ragged by ragged_from_padded) for multi-hot "
+          "ones, or a preprocess that does.")

@@ -266,6 +266,15 @@ class EmbeddingSpec:
         continue
       if "type" in layer and layer["type"] != merged.get("type"):
         merged, origin = {}, {}
+      # Gradient clipping set in one form replaces what was inherited in the
+      # other (clipvalue, or v1's clip_gradient_min/max); both forms in one
+      # mapping stay an error (optimizers.OptimizerSpec._merge_v1_clip).
+      v1 = optimizers.V1_CLIP_FIELDS
+      if "clipvalue" in layer and not any(k in layer for k in v1):
+        for key in v1:
+          merged.pop(key, None)
+      elif any(k in layer for k in v1) and "clipvalue" not in layer:
+        merged.pop("clipvalue", None)
       merged.update(layer)
       origin.update({k: path for k in layer})
     if "type" not in merged:

@@ -94,6 +94,10 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
         categorical[name] = ids.to_sparse()
       else:
         categorical[name] = ids
+    if drop_remainder:
+      # Every batch has batch_size rows; say so statically: TPUEmbedding
+      # (and CPUEmbedding.enqueue) compile fully defined shapes only.
+      categorical = {k: _with_batch(v, batch_size) for k, v in categorical.items()}
     inputs = {"categorical": categorical}
     if dense_column:
       inputs["dense"] = tf.cast(batch[dense_column], tf.float32)
@@ -104,6 +108,18 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
   if num_batches is not None:
     ds = ds.take(num_batches)
   return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def _with_batch(ids, batch_size: int):
+  """``ids`` with its static batch dimension set to ``batch_size``."""
+  if isinstance(ids, tf.RaggedTensor):
+    return tf.RaggedTensor.from_row_splits(
+        ids.values, tf.ensure_shape(ids.row_splits, [batch_size + 1]),
+        validate=False)
+  if isinstance(ids, tf.SparseTensor):
+    ids.set_shape([batch_size] + [None] * (ids.shape.rank - 1))
+    return ids
+  return tf.ensure_shape(ids, [batch_size] + ids.shape.as_list()[1:])
 
 
 def preprocessor(dataset: str):

@@ -76,7 +76,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     engine: ``"v1"`` emulates ``TPUEmbedding`` (TPU v2-v4); ``"v2"`` emulates
       ``TPUEmbeddingV2`` (SparseCore), which ignores weight clipping,
       ``clipvalue``, ``use_gradient_accumulation`` and ``lazy_adam`` and
-      rejects weight decay (docs/semantics.md, "Engine B").
+      rejects weight decay (docs/semantics.md, engine v1 and v2).
     validate: check ids, shapes and gradients on every step (one reduction
       per feature; on by default).
     topology: with ``engine="v2"``, a SparseCore topology ("v5p:4", a
@@ -104,7 +104,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   ``use_gradient_accumulation=False``: the TPU then applies the optimizer to
   gradient contributions as they arrive, so an id that occurs several times in
   a step is updated several times, in an order the TPU does not specify
-  (docs/semantics.md, section 7). The emulator makes that order
+  (docs/semantics.md, other options). The emulator makes that order
   deterministic: round ``k`` applies the ``k``-th contribution (in input
   order) of every id that has one. With accumulation (the default)
   contributions are summed and each id is updated once.
@@ -131,7 +131,9 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     tables: List[_Table] = []
     features: List[_Feature] = []
     _untracked(self, _feature_config=feature_config, _tables=tables,
-               _features=features, _variables=None, _pending={})
+               _features=features, _variables=None, _pending={},
+               _output_shapes=[tf.TensorShape(f.output_shape) for f in
+                               nest.flatten(feature_config)])
     index = {}
     for path, feature in nest.flatten_with_joined_string_paths(feature_config):
       if id(feature.table) not in index:
@@ -140,6 +142,17 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       table = index[id(feature.table)]
       features.append(_Feature(path, feature, table,
                                f"feature '{path}' (table '{tables[table].name}')"))
+    if engine == "v2":
+      for feature in features:
+        if not tf.TensorShape(feature.config.output_shape).is_fully_defined():
+          # tpu_embedding_v3.py _stack_tables_with_same_table_dim_and_optimizer
+          # counts each feature's samples as prod(output_shape) at creation.
+          raise errors.ConfigError(
+              f"{feature.where}: TPUEmbeddingV2 (SparseCore) needs a fully "
+              "defined FeatureConfig.output_shape, got "
+              f"{validation.listed(tf.TensorShape(feature.config.output_shape))}. "
+              "Fix: set output_shape (e.g. [per_replica_batch]), or emulate "
+              'TPUEmbedding with engine="v1".')
     names = [t.name for t in tables]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -156,7 +169,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       raise ValueError(
           f"table '{name}' has no optimizer. Fix: set TableConfig.optimizer "
           "or pass optimizer= to CPUEmbedding.")
-    spec = optimizers.as_spec(tf_optimizer)
+    spec = optimizers.as_spec(tf_optimizer, where=f"table '{name}'")
     if self._engine == "v2" and spec.weight_decay_factor:
       raise errors.ConfigError(
           f"table '{name}': weight_decay_factor={spec.weight_decay_factor!r} "
@@ -168,10 +181,38 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   # --- variables -----------------------------------------------------------
 
   def build(self, per_replica_input_shapes=None, per_replica_batch_size=None):
-    """Creates the tables and slots (restoring them if a restore is pending)."""
-    del per_replica_input_shapes, per_replica_batch_size
+    """Creates the tables and slots (restoring them if a restore is pending).
+
+    Shapes are ``TPUEmbedding.build``'s (``tpu_embedding_v2.py``,
+    ``_get_and_update_output_shapes_from_input``): ``per_replica_input_shapes``
+    (one shape per feature, or a batch size) or ``per_replica_batch_size``
+    fix every feature's activation shape; ``FeatureConfig.output_shape`` has
+    priority and must agree; the result must be fully defined. Unlike
+    ``TPUEmbedding``, ``build()`` with neither creates the variables and
+    leaves unset shapes to the first batch (docs/shapes.md).
+    """
     if self._variables is not None:
       return
+    incoming = None
+    if per_replica_input_shapes is not None and not isinstance(
+        per_replica_input_shapes, int):
+      validation.check_structure(
+          [None] * len(self._features), "per_replica_input_shapes",
+          nest.flatten(per_replica_input_shapes),
+          "give one shape per FeatureConfig, in its flattened order.")
+      incoming = [lookups.output_shape(f.where, f.config, tf.TensorShape(s))
+                  for f, s in zip(self._features,
+                                  nest.flatten(per_replica_input_shapes))]
+    elif per_replica_input_shapes is not None or per_replica_batch_size:
+      incoming = self._shapes_from_batch_size(
+          per_replica_input_shapes if per_replica_input_shapes is not None
+          else per_replica_batch_size)
+    if incoming is not None:
+      self._record_output_shapes(self._checked_output_shapes(
+          incoming, self._output_shapes, strict=True))
+    for feature, shape in zip(self._features, self._output_shapes):
+      if shape:
+        validation.check_fully_defined(feature.where, shape)
     with tf.init_scope(), self._replicas.single_copy_variables():
       _untracked(self, _variables={
           t.name: self._create_variables(t) for t in self._tables})
@@ -184,6 +225,36 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     self.build()
     self.raise_if_failed()
     return self._variables
+
+  def table_variables(self, table) -> Dict[str, tf.Variable]:
+    """``{"parameters": var, <slot>: var}`` of one of this engine's tables.
+
+    ``table`` is a ``TableConfig`` of the feature config (the same object), or
+    a table name. The way to reach an unnamed ``TableConfig``'s variables:
+    ``TPUEmbedding`` writes the generated name (``table_<i>``) into the
+    user's object, so ``variables[table.name]`` works there; we never modify
+    the user's objects, so ``table.name`` stays None and this looks the
+    table up by identity instead (``table_name`` gives the name used).
+    """
+    return self.variables[self.table_name(table)]
+
+  def table_name(self, table) -> str:
+    """The name a table's variables and checkpoint keys use (``table_<i>``
+    for an unnamed ``TableConfig``, ``i`` its order of first use, as
+    ``TPUEmbedding`` names it)."""
+    if isinstance(table, str):
+      names = [t.name for t in self._tables]
+      if table not in names:
+        raise errors.InputError(
+            f"no table named '{table}'. Fix: use one of {names}.")
+      return table
+    for t in self._tables:
+      if t.config is table:
+        return t.name
+    raise errors.InputTypeError(
+        f"{table!r} is not a TableConfig of this engine's feature config. Fix: "
+        "pass the TableConfig object the FeatureConfigs were built with, or "
+        "a table name.")
 
   @property
   def embedding_tables(self) -> Dict[Any, tf.Variable]:
@@ -261,7 +332,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     """Looks up ``features`` without recording anything for training."""
     self.build()
     self.raise_if_failed()
-    return self._activations(self._prepare(features, weights, False))
+    return self._activations(self._prepare(features, weights, False,
+                                           strict=False))
 
   @_library_code
   def enqueue(self, features, weights=None, training: bool = True,
@@ -314,21 +386,80 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           "first, once per step.")
     return pending
 
-  def _prepare(self, features, weights, training) -> _Pending:
+  def _shapes_from_batch_size(self, batch_size) -> List[tf.TensorShape]:
+    """``tpu_embedding_v2.py`` ``_get_output_shapes_from_batch_size``."""
+    return [tf.TensorShape([batch_size, f.config.max_sequence_length])
+            if not f.config.output_shape and f.config.max_sequence_length > 0
+            else tf.TensorShape([batch_size]) for f in self._features]
+
+  def _checked_output_shapes(self, incoming: List[tf.TensorShape],
+                             stored: List[tf.TensorShape],
+                             strict: bool) -> List[tf.TensorShape]:
+    """Every feature's activation shape, ``incoming`` checked against ``stored``.
+
+    ``tpu_embedding_v2.py`` ``_check_output_shapes``, ``_update_output_shapes``
+    and (``strict``) ``_check_output_shapes_fully_defined``: a shape already
+    set (output_shape, build, or an earlier batch) wins, and must be fully
+    defined.
+    """
+    for feature, old, new in zip(self._features, stored, incoming):
+      validation.check_output_shape(feature.where, old, new)
+      if strict:
+        validation.check_fully_defined(feature.where, old or new)
+    return [old if old else new for old, new in zip(stored, incoming)]
+
+  def _record_output_shapes(self, shapes: List[tf.TensorShape]):
+    """Keeps the fully defined shapes (recorded once a batch passed)."""
+    _untracked(self, _output_shapes=[
+        stored if stored or not new.is_fully_defined() else new
+        for stored, new in zip(self._output_shapes, shapes)])
+
+  def _prepare(self, features, weights, training, strict=True) -> _Pending:
+    """Checks a batch as ``TPUEmbedding.enqueue`` does; its occurrences.
+
+    Structures first, then input shapes. ``strict`` (``enqueue``, the TPU
+    protocol): the first batch (or ``build``) fixes unset output shapes,
+    later batches are checked against them, and shapes must be fully
+    defined, as the TPU compiles them. ``__call__`` is a lookup with no
+    ``TPUEmbedding`` counterpart (like ``TPUEmbeddingForServing``'s): the
+    input rules and ``FeatureConfig.output_shape`` bind, but every call has
+    its own batch (Keras builds models on an unknown batch dimension and
+    evaluates a last, smaller batch), read when the batch runs if unknown
+    when traced; nothing is recorded.
+    """
     validation.check_structure(
-        [f.path for f in self._features], "features", features,
+        self._feature_config, "features", features,
         "pass one entry per FeatureConfig "
-        f"({', '.join(f.path for f in self._features)}).")
+        f"({', '.join(f.path for f in self._features)}), in the same "
+        "containers.")
     flat = tf.nest.flatten(features, expand_composites=False)
     flat_weights = [None] * len(flat)
     if weights is not None:
       validation.check_structure(
-          [f.path for f in self._features], "weights", weights,
+          self._feature_config, "weights", weights,
           "give weights the structure of features (None entries allowed).")
       flat_weights = tf.nest.flatten(weights)
+    flat = [lookups.as_ids(f.where, x) for f, x in zip(self._features, flat)]
+    if self._engine == "v2":  # Shapes are output_shape (tpu_embedding_v3.py).
+      incoming = list(self._output_shapes)
+    else:
+      incoming = [lookups.output_shape(f.where, f.config,
+                                       lookups.input_shape(f.where, f.config, x))
+                  for f, x in zip(self._features, flat)]
+    if strict:
+      shapes = self._checked_output_shapes(incoming, self._output_shapes, True)
+    else:
+      configured = [tf.TensorShape(f.config.output_shape) for f in self._features]
+      shapes = [new if new.rank == shape.rank and not new.is_fully_defined()
+                else shape for shape, new in zip(
+                    self._checked_output_shapes(incoming, configured, False),
+                    incoming)]
     occurrences = [
-        lookups.feature_occurrences(f.where, f.config, x, w, self._validate)
-        for f, x, w in zip(self._features, flat, flat_weights)]
+        lookups.feature_occurrences(f.where, f.config, x, w, self._validate,
+                                    shape, self._engine)
+        for f, x, w, shape in zip(self._features, flat, flat_weights, shapes)]
+    if strict:
+      self._record_output_shapes(shapes)
     verdict = None
     if self._validate:
       verdict = validation.check_ids(
@@ -370,17 +501,15 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           "call enqueue(features, training=True) and dequeue() first.")
     del self._pending[self._replicas.local_replica()]
     validation.check_structure(
-        [f.path for f in self._features], "gradients", gradients,
+        self._feature_config, "gradients", gradients,
         "pass one gradient per feature, shaped like its activation (None "
         "means a zero gradient).")
     per_table = [[] for _ in self._tables]
     for feature, occ, grad in zip(self._features, pending.occurrences,
                                   tf.nest.flatten(gradients)):
       dim = self._tables[feature.table].config.dim
-      if grad is not None and self._validate and tf.executing_eagerly():
-        validation.check_gradient_shape(
-            feature.where, tf.convert_to_tensor(grad),
-            [int(s) for s in occ.shape] + [dim])
+      if grad is not None:
+        validation.check_gradient(feature.where, grad, list(occ.shape) + [dim])
       per_table[feature.table].append(
           lookups.occurrence_gradients(occ, grad, dim))
     payload = {
@@ -401,32 +530,32 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       planned.append(updates.prepare(
           table.optimizer, variables["parameters"],
           [variables[s] for s in table.optimizer.slot_names], ids, grads,
-          updates.learning_rate(table.optimizer, rates), engine=self._engine))
+          updates.learning_rate(table.optimizer, rates), engine=self._engine,
+          where=f"table '{table.name}'"))
     finite = None
     if self._validate:
       finite = validation.check_finite([t.name for t in self._tables],
                                        [u.grads for u in planned])
 
-    def write():
-      with tf.control_dependencies([w for w in (u.write() for u in planned)
+    def write(accept=None):
+      with tf.control_dependencies([w for w in (u.write(accept) for u in planned)
                                     if w is not None]):
-        return self.step.assign_add(1)
+        if accept is None:
+          return self.step.assign_add(1)
+        return self.step.assign_add(tf.cast(accept, tf.int64))
 
     if tf.executing_eagerly():
       write()
       return
-    if finite is not None and finite.assertion is None:  # XLA
-      ok = tf.logical_and(tf.reduce_all(status[:, 0] > 0), finite.ok)
-      first_bad = tf.argmin(status[:, 0], output_type=tf.int64)
-      failure = tf.where(tf.reduce_all(status[:, 0] > 0), finite.failure,
-                         status[first_bad, 1:])
-
-      def reject():
-        return self._failure.assign(failure).op
-
-      def accept():
-        return write().op
-      tf.cond(ok, accept, reject)
+    if finite is not None and finite.assertion is None:
+      # XLA: no assertion can stop the step, so it is gated instead, and the
+      # failure recorded for raise_if_failed.
+      ids_ok = tf.reduce_all(status[:, 0] > 0)
+      accept = tf.logical_and(ids_ok, finite.ok)
+      failure = tf.where(ids_ok, finite.failure,
+                         tf.gather(status, tf.argmin(status[:, 0]))[1:])
+      with tf.control_dependencies([write(accept)]):
+        self._failure.assign(tf.where(accept, self._failure, failure))
       return
     checks = [status] + ([finite.assertion] if finite is not None else [])
     with tf.control_dependencies(checks):

@@ -5,13 +5,19 @@ Occurrence ``i`` of a feature sends ``gain_i * E[id_i]`` to output row
 that form; training reads it backwards (the gradient of occurrence ``i`` is
 ``gain_i * dL/dact[rows[i]]``), so forward and backward can never disagree.
 
-Lookup semantics are ``TPUEmbeddingForServing``'s (``cpu_embedding_lookup``):
-a ragged or sparse rank-2 input is combined per row (``sum``, ``mean`` =
+Combiners are ``TPUEmbeddingForServing``'s (``cpu_embedding_lookup``): a
+ragged or sparse input is combined per row (``sum``, ``mean`` =
 ``sum(w e) / sum(w)``, ``sqrtn`` = ``sum(w e) / sqrt(sum(w^2))``, 0 for an
 empty row); a sequence feature (``max_sequence_length > 0``) returns
 ``[batch, max_sequence_length, dim]`` with later positions truncated and
 missing ones zero. Simulated quantization is applied to the gathered rows
-before the combiner, forward only (section 7).
+before the combiner, forward only (docs/semantics.md, other options).
+
+Shapes and the inputs accepted are ``TPUEmbedding``'s, the object the engine
+stands in for, where ``TPUEmbeddingForServing`` differs (docs/shapes.md):
+dense ids of rank >= 2 must end in a dimension of 1, which is dropped
+(``[B, 1] -> [B, dim]``, ``[B, 4, 1] -> [B, 4, dim]``); ``[B, k]`` with
+``k > 1`` is rejected.
 """
 
 from __future__ import annotations
@@ -23,24 +29,121 @@ import tensorflow as tf
 from tpu_embed_ext import errors
 from tpu_embed_ext.emulation import validation
 
-__all__ = ["Occurrences", "feature_occurrences", "activation",
-           "occurrence_gradients"]
+__all__ = ["Occurrences", "as_ids", "input_shape", "output_shape",
+           "feature_occurrences", "activation", "occurrence_gradients"]
 
 
 class Occurrences(NamedTuple):
-  """One feature's lookup in flat form: ids[i] * gains[i] -> row rows[i]."""
+  """One feature's lookup in flat form: ids[i] * gains[i] -> row rows[i].
+
+  ``kept`` marks occurrences that count (None: all). Only XLA uses it: there
+  truncated sequence positions stay in place with gain 0 instead of being
+  masked out, because XLA mishandles the data-dependent sizes that masking
+  makes (measured: ``tf.unique`` of a masked tensor returned a duplicate).
+  """
   ids: tf.Tensor              # [n] int64
   rows: Optional[tf.Tensor]   # [n] int; None: the identity (dense lookups)
   gains: Optional[tf.Tensor]  # [n] float32; None: all ones
   num_rows: tf.Tensor         # scalar: rows of the [num_rows, dim] output
   shape: Any                  # the activation shape, without dim
+  kept: Optional[tf.Tensor] = None  # [n] bool
 
 
-def feature_occurrences(where: str, config, x, w, check: bool) -> Occurrences:
+def as_ids(where: str, x):
+  """``x`` if it is a ``tf.Tensor``, ``tf.SparseTensor`` or ``tf.RaggedTensor``.
+
+  ``TPUEmbedding`` takes nothing else (``tpu_embedding_v2.py``
+  ``_generate_enqueue_op``: ``ValueError`` "is of unknown type").
+  """
+  if isinstance(x, (tf.Tensor, tf.SparseTensor, tf.RaggedTensor)):
+    return x
+  raise errors.InputError(
+      f"{where}: ids are of type {type(x).__name__}; TPUEmbedding takes only a "
+      "tf.Tensor, tf.SparseTensor or tf.RaggedTensor. Fix: convert them, e.g. "
+      "tf.constant(ids, tf.int64) or tf.ragged.constant(ids, tf.int64).")
+
+
+def input_shape(where: str, config, x) -> tf.TensorShape:
+  """``TPUEmbedding``'s per-replica input shape of one feature's ids ``x``.
+
+  The rules of ``tpu_embedding_v2.py`` ``_get_input_shape_for_tensor``,
+  ``_get_input_shape_for_sparse_tensor`` and
+  ``_get_input_shape_for_ragged_tensor``; the same ``ValueError`` class
+  (``InputError``), with a message naming the feature and the fix.
+  """
+  if isinstance(x, tf.SparseTensor):
+    shape = x.shape
+    if shape.rank is None or shape.rank < 2:
+      raise errors.InputError(
+          f"{where}: sparse ids must have rank >= 2 [batch, ..., ids], got "
+          f"shape {validation.listed(shape)}. Fix: add a batch dimension.")
+    dims = shape.as_list()
+    # A sequence feature without output_shape gets its length inserted
+    # before the ids dimension (rank 2 only; higher ranks ignore it).
+    if (not config.output_shape and config.max_sequence_length > 0
+        and len(dims) == 2):
+      dims.insert(1, config.max_sequence_length)
+    return tf.TensorShape(dims)
+  if isinstance(x, tf.RaggedTensor):
+    if x.shape.rank != 2:
+      raise errors.InputError(
+          f"{where}: ragged ids must have rank 2 [batch, (ids)], got shape "
+          f"{validation.listed(x.shape)}. Fix: merge the extra ragged dimensions, or pass a "
+          "SparseTensor for more dimensions.")
+    dims = x.shape.as_list()
+    if not config.output_shape and config.max_sequence_length > 0:
+      dims.insert(1, config.max_sequence_length)
+    return tf.TensorShape(dims)
+  dims = x.shape.as_list() if x.shape.rank is not None else None
+  if not dims:
+    raise errors.InputError(
+        f"{where}: dense ids must have rank >= 1 [batch], got shape "
+        f"{validation.listed(x.shape)}. Fix: add a batch dimension.")
+  if len(dims) > 1 and dims[-1] != 1:
+    raise errors.InputError(
+        f"{where}: dense ids of shape {validation.listed(x.shape)} have a last dimension of "
+        f"{dims[-1]}, but TPUEmbedding needs dense ids of rank >= 2 to end in "
+        "a dimension of 1, which it drops ([batch, 1] -> [batch, dim]); it "
+        "does not combine several dense ids per row, and padding ids would "
+        "be looked up as ids. Fix: for zero-padded multi-hot ids pass a "
+        "RaggedTensor or SparseTensor (tf.RaggedTensor.from_tensor(ids, "
+        "padding=0) or tf.sparse.from_dense(ids)); for one id per row pass "
+        "[batch] or [batch, 1] ids.")
+  return tf.TensorShape(dims)
+
+
+def output_shape(where: str, config, shape: tf.TensorShape) -> tf.TensorShape:
+  """The activation shape (without ``dim``) for a per-replica input shape.
+
+  ``tpu_embedding_v2.py`` ``_get_output_shapes_from_input_shapes``: the last
+  dimension (the ids) is dropped, except for rank 1; a rank-2 shape not
+  ending in 1 of a sequence feature without ``output_shape`` gets
+  ``max_sequence_length`` inserted first (shapes given to ``build``).
+  """
+  if shape.rank is None or shape.rank < 1:
+    raise errors.InputError(
+        f"{where}: input shape {validation.listed(shape)} must have rank >= 1. Fix: give "
+        "[batch, ...] shapes to build(per_replica_input_shapes=...).")
+  dims = shape.as_list()
+  if (len(dims) == 2 and dims[-1] != 1 and not config.output_shape
+      and config.max_sequence_length > 0):
+    dims.insert(1, config.max_sequence_length)
+  return tf.TensorShape(dims if len(dims) == 1 else dims[:-1])
+
+
+def feature_occurrences(where: str, config, x, w, check: bool,
+                        shape, engine: str = "v1") -> Occurrences:
   """The occurrence form of one feature's ids ``x`` and weights ``w``.
 
   ``where`` names the feature and table in errors; ``check`` enables the
-  eager layout checks of weights against ids.
+  eager layout checks of weights against ids; ``shape`` is the feature's
+  activation shape without ``dim`` (a ``TensorShape``, see ``output_shape``);
+  its unknown dimensions are read from ``x`` when the batch runs.
+
+  ``engine="v2"`` (``TPUEmbeddingV2``, ``tpu_embedding_v3.py``
+  ``_convert_input_feature_to_list_of_coo_tensors``): every dense id, ragged
+  row or sparse row is one of the ``prod(output_shape)`` samples, dense ids
+  may be weighted, and ``max_sequence_length`` plays no part.
   """
   if not isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
     x = tf.convert_to_tensor(x)
@@ -48,69 +151,101 @@ def feature_occurrences(where: str, config, x, w, check: bool) -> Occurrences:
     raise errors.InputError(
         f"{where}: ids must be integers, got dtype {x.dtype.name}. Fix: cast "
         "the ids with tf.cast(ids, tf.int64).")
-  if w is not None and isinstance(x, tf.Tensor):
+  # tpu_embedding_v2.py _add_data_for_tensor / _sparse_tensor / _ragged_tensor.
+  v2 = engine == "v2"
+  if w is not None and isinstance(x, tf.Tensor) and not v2:
     raise errors.InputError(
         f"{where}: weights were given for a dense id tensor. Fix: pass the "
         "ids as a RaggedTensor or SparseTensor to weight them.")
-  if w is not None and config.max_sequence_length > 0:
+  if w is not None and config.max_sequence_length > 0 and not v2:
+    # TPUEmbedding passes them to the TPU, which does not document what a
+    # weight does to a sequence position; TPUEmbeddingForServing rejects them.
     raise errors.InputError(
         f"{where}: weights were given for a sequence feature "
-        f"(max_sequence_length={config.max_sequence_length}). Fix: drop them.")
+        f"(max_sequence_length={config.max_sequence_length}); what the TPU "
+        "does with them is not documented, so they are not emulated. Fix: "
+        "drop them.")
   if w is not None and type(w) is not type(x):
     raise errors.InputError(
         f"{where}: weights are a {type(w).__name__} but ids a "
         f"{type(x).__name__}. Fix: give weights the ids' type and layout.")
+  shape = _runtime_dims(x, tf.TensorShape(shape))
+  if v2 and isinstance(x, tf.RaggedTensor) and x.shape[0] is not None:
+    _check_count(where, "rows of ragged ids", x.shape[0], shape)
   if isinstance(x, tf.Tensor):
-    if config.max_sequence_length > 0:
-      raise errors.InputError(
-          f"{where} is a sequence feature (max_sequence_length="
-          f"{config.max_sequence_length}) but got a dense tensor. Fix: pass a "
-          "RaggedTensor or SparseTensor.")
     ids = tf.reshape(x, [-1])
-    shape = x.shape.as_list() if x.shape.is_fully_defined() else tf.shape(x)
+    if x.shape.is_fully_defined() and _is_static(shape):
+      _check_count(where, "ids", x.shape.num_elements(), shape)
+    if w is not None:  # v2: one weighted id per sample.
+      w = tf.cast(tf.reshape(w, [-1]), tf.float32)
+      return _combined(config, tf.cast(ids, tf.int64),
+                       tf.range(tf.size(ids, out_type=tf.int64)), w,
+                       tf.size(ids, out_type=tf.int64), shape)
     occ = Occurrences(ids, None, None, tf.size(ids), shape)
   elif isinstance(x, tf.RaggedTensor):
-    occ = _ragged(where, config, x, w, check)
+    occ = _ragged(where, config, x, w, check, shape)
   else:
-    occ = _sparse(where, config, x, w, check)
+    occ = _sparse(where, config, x, w, check, shape)
   return occ._replace(ids=tf.cast(occ.ids, tf.int64))
 
 
-def _ragged(where, config, x, w, check) -> Occurrences:
-  if x.shape.rank != 2:
+def _runtime_dims(x, shape: tf.TensorShape) -> list:
+  """``shape`` as a list whose unknown dimensions are read from ``x``.
+
+  An unknown dimension of an activation shape comes from the same position
+  of the input (the sequence length, inserted at 1, is always known).
+  """
+  dims = shape.as_list()
+  if None not in dims:
+    return dims
+  if isinstance(x, tf.SparseTensor):
+    runtime = tf.cast(x.dense_shape, tf.int32)
+  elif isinstance(x, tf.RaggedTensor):
+    runtime = tf.reshape(x.nrows(out_type=tf.int32), [1])
+  else:
+    runtime = tf.shape(x, out_type=tf.int32)
+  return [d if d is not None else runtime[i] for i, d in enumerate(dims)]
+
+
+def _is_static(dims) -> bool:
+  return all(isinstance(d, int) for d in dims)
+
+
+def _check_count(where, what, count, shape):
+  """The TPU fills ``shape`` from the rows it gets: their number must match."""
+  if count != _prod(shape):
     raise errors.InputError(
-        f"{where}: ragged ids must have rank 2 [batch, (ids)], got rank "
-        f"{x.shape.rank}. Fix: merge the extra ragged dimensions.")
-  batch = x.nrows(out_type=tf.int64)
+        f"{where}: {count} {what} cannot fill the activation shape {shape} "
+        f"({_prod(shape)} rows). Fix: make FeatureConfig.output_shape (or the "
+        "shapes given to build) match the input.")
+
+
+def _ragged(where, config, x, w, check, shape) -> Occurrences:
+  # A static batch size when known: XLA needs static reshapes.
+  batch = x.shape[0] if x.shape[0] is not None else x.nrows(out_type=tf.int64)
   ids, row = x.values, x.value_rowids()
   weight = None if w is None else tf.cast(w.values, tf.float32)
   if w is not None and check:
     validation.check_same_layout(where, x, w)
-  out = config.output_shape
-  if out:
-    size = _prod(out)
-    static_batch = x.shape[0]
-    if static_batch is not None and size == static_batch:
-      return _combined(config, ids, row, weight, batch, list(out))
-    length = size // static_batch if static_batch else None
-    if static_batch is None or size % static_batch or length < 1:
-      raise errors.InputError(
-          f"{where}: output_shape {list(out)} must have the batch size "
-          f"{static_batch} or a multiple of it as its number of elements. "
-          "Fix: change FeatureConfig.output_shape.")
-    return _sequence(ids, row, _positions(x), batch, length, list(out))
-  if config.max_sequence_length > 0:
-    length = config.max_sequence_length
-    return _sequence(ids, row, _positions(x), batch, length, [batch, length])
-  return _combined(config, ids, row, weight, batch, tf.reshape(batch, [1]))
-
-
-def _sparse(where, config, x, w, check) -> Occurrences:
-  rank = x.shape.rank
-  if rank is None or rank < 2:
+  static_batch = x.shape[0]
+  if config.max_sequence_length > 0 and not config.output_shape:
+    return _sequence(ids, row, _positions(x), batch,
+                     config.max_sequence_length, shape)
+  size = _prod(shape) if _is_static(shape) else None
+  if static_batch is None or size is None or size == static_batch:
+    return _combined(config, ids, row, weight, batch, shape)
+  # A larger output_shape: the row's ids fill size // batch positions.
+  length = size // static_batch
+  if size % static_batch or length < 1:
     raise errors.InputError(
-        f"{where}: sparse ids must have rank >= 2, got rank {rank}. Fix: "
-        "add a batch dimension.")
+        f"{where}: activation shape {shape} must have the batch size "
+        f"{static_batch} or a multiple of it as its number of elements. "
+        "Fix: change FeatureConfig.output_shape.")
+  return _sequence(ids, row, _positions(x), batch, length, shape)
+
+
+def _sparse(where, config, x, w, check, shape) -> Occurrences:
+  rank = x.shape.rank
   if w is not None and check:
     validation.check_same_indices(where, x, w)
   weight = None if w is None else tf.cast(w.values, tf.float32)
@@ -118,18 +253,22 @@ def _sparse(where, config, x, w, check) -> Occurrences:
     length = config.max_sequence_length
     batch = x.dense_shape[0]
     return _sequence(x.values, x.indices[:, 0], x.indices[:, 1], batch,
-                     length, [batch, length])
-  # Combine over the last dimension, as embedding_lookup_sparse does.
-  outer = x.dense_shape[:-1]
+                     length, shape)
+  # Combine over the last dimension, as embedding_lookup_sparse does. A
+  # static outer shape is used when known (XLA needs static shapes).
+  static = x.shape[:-1]
+  outer = static.as_list() if static.is_fully_defined() else x.dense_shape[:-1]
+  if static.is_fully_defined() and _is_static(shape):
+    _check_count(where, "rows of sparse ids", static.num_elements(), shape)
   row = tf.zeros_like(x.indices[:, 0])
   for d in range(rank - 1):
-    row = row * x.dense_shape[d] + x.indices[:, d]
-  # Like embedding_lookup_sparse, output_shape does not reshape sparse input.
-  return _combined(config, x.values, row, weight, tf.reduce_prod(outer), outer)
+    row = row * outer[d] + x.indices[:, d]
+  num_rows = _prod(outer) if isinstance(outer, list) else tf.reduce_prod(outer)
+  return _combined(config, x.values, row, weight, num_rows, shape)
 
 
 def _combined(config, ids, row, weight, num_rows, shape) -> Occurrences:
-  """Per-row combiner gains (section 0.1)."""
+  """Per-row combiner gains (docs/semantics.md, section 0.1)."""
   combiner = config.table.combiner
   w = tf.ones_like(ids, tf.float32) if weight is None else weight
   if combiner == "sum":
@@ -151,9 +290,14 @@ def _positions(x: tf.RaggedTensor) -> tf.Tensor:
 def _sequence(ids, row, col, batch, length, shape) -> Occurrences:
   """Sequence lookups: position col of row lands in output row*length+col."""
   keep = col < length
+  num_rows = tf.cast(batch, tf.int64) * length
+  if validation.in_xla_context():
+    zero = tf.zeros_like(ids)
+    return Occurrences(tf.where(keep, ids, zero),
+                       tf.where(keep, row * length + col, tf.zeros_like(row)),
+                       tf.cast(keep, tf.float32), num_rows, shape, keep)
   ids, row, col = (tf.boolean_mask(t, keep) for t in (ids, row, col))
-  return Occurrences(ids, row * length + col, None,
-                     tf.cast(batch, tf.int64) * length, shape)
+  return Occurrences(ids, row * length + col, None, num_rows, shape)
 
 
 def _prod(shape) -> int:
@@ -179,12 +323,7 @@ def activation(params, occ: Occurrences, table_config, check=None):
     if occ.gains is not None:
       rows = rows * occ.gains[:, None]
     out = tf.math.unsorted_segment_sum(rows, occ.rows, occ.num_rows)
-  if isinstance(occ.shape, list):
-    out = tf.reshape(out, occ.shape + [dim])
-  else:
-    out = tf.reshape(out, tf.concat([tf.cast(occ.shape, tf.int32), [dim]], 0))
-  _set_static_shape(out, occ.shape, dim)
-  return out
+  return tf.reshape(out, list(occ.shape) + [dim])
 
 
 def occurrence_gradients(occ: Occurrences, grad, dim: int):
@@ -193,14 +332,17 @@ def occurrence_gradients(occ: Occurrences, grad, dim: int):
   ``grad`` None is a zero gradient for every occurrence (the TPU applies a
   zero-gradient update then, docs/semantics.md section 7).
   """
+  # Occurrences that do not count get id -1: no row is touched for them.
+  ids = occ.ids if occ.kept is None else tf.where(
+      occ.kept, occ.ids, -tf.ones_like(occ.ids))
   if grad is None:
-    return occ.ids, tf.zeros([tf.size(occ.ids), dim], tf.float32)
+    return ids, tf.zeros([tf.size(ids), dim], tf.float32)
   grad = tf.reshape(tf.cast(grad, tf.float32), [-1, dim])
   if occ.rows is not None:
     grad = tf.gather(grad, occ.rows)
   if occ.gains is not None:
     grad = grad * occ.gains[:, None]
-  return occ.ids, grad
+  return ids, grad
 
 
 def _quantize(rows, config):
@@ -211,11 +353,6 @@ def _quantize(rows, config):
   quantum = (upper - lower) / (config.num_buckets - 1)
   x = tf.clip_by_value(rows, lower, upper)
   q = tf.floor((x - lower) / quantum + 0.5) * quantum + lower
-  # Straight-through: the backward pass sees the identity (section 7).
+  # Straight-through: the backward pass sees the identity (docs/semantics.md).
   return rows + tf.stop_gradient(q - rows)
 
-
-def _set_static_shape(tensor, shape, dim):
-  if isinstance(shape, (list, tuple)):
-    static = [s if isinstance(s, int) else None for s in shape]
-    tensor.set_shape(static + [dim])

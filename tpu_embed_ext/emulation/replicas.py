@@ -2,7 +2,7 @@
 
 A TPU program runs R replicas; each enqueues and dequeues its own batch, and
 the TPU sums the per-id gradients of all replicas and updates every touched
-id once, on one copy of each table (docs/semantics.md, section 0). The
+id once, on one copy of each table (docs/semantics.md, replicas). The
 emulator does the same under the strategies that run on CPU:
 
 * the default strategy and ``OneDeviceStrategy``: one replica;

@@ -6,7 +6,7 @@ accumulated per-id gradient of those rows, ``lr`` this step's learning rate (a
 float32 scalar) and ``opt`` the optimizer spec holding the hyperparameters.
 No variables, no I/O: the engine gathers, calls, and scatters.
 
-Section numbers refer to SEMANTICS.md, the specification these follow.
+docs/semantics.md is the specification these follow, one section per rule.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def _f32(x) -> tf.Tensor:
 
 
 def sgd(w, slots, g, lr, opt):
-  """``w <- w - lr * g`` (section 1)."""
+  """``w <- w - lr * g`` (section SGD)."""
   del opt
   return w - lr * g, slots
 
 
 def adagrad(w, slots, g, lr, opt):
-  """``acc <- acc + g^2;  w <- w - lr * g / sqrt(acc)`` (section 2).
+  """``acc <- acc + g^2;  w <- w - lr * g / sqrt(acc)`` (section Adagrad).
 
   The new accumulator is used and there is no epsilon, so a zero gradient on
   a touched row changes nothing.
@@ -47,7 +47,7 @@ def adagrad(w, slots, g, lr, opt):
 
 
 def adagrad_momentum(w, slots, g, lr, opt):
-  """Adagrad preconditioning with momentum (section 3).
+  """Adagrad preconditioning with momentum (section AdagradMomentum).
 
   ``acc <- acc + g^2`` if ``beta2 == 1`` else ``beta2 acc + (1 - beta2) g^2``;
   ``s = (acc + epsilon)^(-1/exponent) g``; ``m <- momentum m + s``;
@@ -65,7 +65,7 @@ def adagrad_momentum(w, slots, g, lr, opt):
 
 
 def adam(w, slots, g, lr, opt):
-  """Adam without bias correction (section 4).
+  """Adam without bias correction (section Adam).
 
   ``m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2``;
   ``w <- w - lr m / sqrt(v + eps^2)`` (sum_inside_sqrt) or
@@ -82,7 +82,7 @@ def adam(w, slots, g, lr, opt):
 
 
 def ftrl(w, slots, g, lr, opt):
-  """FTRL as the TPU runs it (section 5), ``k = -learning_rate_power``.
+  """FTRL as the TPU runs it (section FTRL), ``k = -learning_rate_power``.
 
   ``acc' = acc + g^2;  dp = acc'^k - acc^k``; with ``multiply_linear_by_lr``
   the linear slot holds ``linear * lr``:
@@ -132,12 +132,12 @@ def _clip(x, lower, upper):
 def apply_update(opt, w, slots, g, lr, *, engine: str = "v1"):
   """One table step on the touched rows: the whole per-row pipeline.
 
-  Engine ``"v1"`` (TPUEmbedding, section 0): gradient clipping -> decoupled
-  weight decay ``w <- w - wd_eff w`` (``wd_eff = wd * lr`` when
+  Engine ``"v1"`` (TPUEmbedding; docs/semantics.md, the step): gradient
+  clipping -> decoupled weight decay ``w <- w - wd_eff w`` (``wd_eff = wd * lr`` when
   ``multiply_weight_decay_factor_by_learning_rate``) -> the optimizer rule ->
   weight clipping. The placement of weight decay before the rule is the
-  DecoupledWeightDecayExtension convention ([I], section 6), and clipping the
-  accumulated gradient is [I] (section 0.3).
+  DecoupledWeightDecayExtension convention ([I]), and clipping the
+  accumulated gradient is [I].
 
   Engine ``"v2"`` (TPUEmbeddingV2 / SparseCore): the rule only. SparseCore
   passes no weight-clipping bounds and has no gradient clipping; weight decay

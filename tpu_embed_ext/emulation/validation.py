@@ -19,7 +19,7 @@ three cases in one place.
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional
 
 import tensorflow as tf
 from tensorflow.python.framework import ops
@@ -29,7 +29,8 @@ from tensorflow.python.util import nest
 from tpu_embed_ext import errors
 
 __all__ = ["Verdict", "in_xla_context", "check_structure", "check_ids",
-           "check_finite", "check_gradient_shape", "check_same_layout",
+           "check_finite", "check_gradient", "check_output_shape",
+           "check_fully_defined", "listed", "check_same_layout",
            "check_same_indices", "IDS_OUT_OF_RANGE", "NOT_FINITE"]
 
 # Failure kinds recorded under XLA: (kind, index, value).
@@ -58,15 +59,73 @@ def in_xla_context() -> bool:
   return False
 
 
-def check_structure(expected: Sequence[str], what: str, value, fix: str):
-  """InputError unless ``value``'s flattened paths are ``expected``."""
-  paths = [p for p, _ in nest.flatten_with_joined_string_paths(value)]
-  if paths != list(expected):
-    missing = sorted(set(expected) - set(paths))
-    unexpected = sorted(set(paths) - set(expected))
+def check_structure(expected, what: str, value, fix: str):
+  """``nest.assert_same_structure(expected, value)`` with a clearer message.
+
+  ``TPUEmbedding.enqueue`` and ``apply_gradients`` run
+  ``nest.assert_same_structure(self._feature_config, ...)``
+  (``tpu_embedding_v2.py``): a different kind of sequence (a list for a
+  tuple) is a ``TypeError``, any other difference a ``ValueError``. Ours
+  raise ``InputTypeError`` and ``InputError``, subclasses of those.
+  """
+  try:
+    nest.assert_same_structure(expected, value)
+  except (TypeError, ValueError) as e:
+    cls = errors.InputTypeError if isinstance(e, TypeError) else errors.InputError
+    want = [p for p, _ in nest.flatten_with_joined_string_paths(expected)]
+    paths = [p for p, _ in nest.flatten_with_joined_string_paths(value)]
+    missing = sorted(set(want) - set(paths))
+    unexpected = sorted(set(paths) - set(want))
+    if missing or unexpected:
+      detail = f"missing {missing}, unexpected {unexpected}"
+    else:
+      detail = (f"the feature config is a {_kinds(expected)}, {what} a "
+                f"{_kinds(value)}")
+    raise cls(f"{what} do not match the feature config's structure: "
+              f"{detail}. Fix: {fix}") from e
+
+
+def _kinds(structure) -> str:
+  """The container types of a nested structure, outermost first."""
+  kinds = []
+  while isinstance(structure, (list, tuple, dict)) and structure:
+    kinds.append(type(structure).__name__)
+    structure = (next(iter(structure.values())) if isinstance(structure, dict)
+                 else structure[0])
+  return " of ".join(kinds) or type(structure).__name__
+
+
+def check_output_shape(where: str, stored: tf.TensorShape,
+                       incoming: tf.TensorShape):
+  """InputError if ``incoming`` contradicts the feature's ``stored`` shape.
+
+  ``tpu_embedding_v2.py`` ``_check_output_shapes``: unknown dimensions match
+  anything; an incoming rank-1 or rank-2 shape is not compared with a stored
+  shape of higher rank (a ragged or sequence input filling a larger
+  ``output_shape``).
+  """
+  if not stored or not incoming:
+    return
+  if len(incoming) in (1, 2) and len(stored) > len(incoming):
+    return
+  if len(stored) != len(incoming) or any(
+      a is not None and b is not None and a != b
+      for a, b in zip(stored.as_list(), incoming.as_list())):
     raise errors.InputError(
-        f"{what} do not match the feature config's structure: missing "
-        f"{missing}, unexpected {unexpected}. Fix: {fix}")
+        f"{where}: the input gives activations of shape {listed(incoming)}, "
+        f"but the feature's output shape is {listed(stored)} (from FeatureConfig.output_shape, "
+        "build(), or the first batch). Fix: feed batches of the shape the "
+        "feature was built with, or change FeatureConfig.output_shape.")
+
+
+def check_fully_defined(where: str, shape: tf.TensorShape):
+  """``tpu_embedding_v2.py`` ``_check_output_shapes_fully_defined``."""
+  if not shape.is_fully_defined():
+    raise errors.InputError(
+        f"{where}: output shape {listed(shape)} is not fully defined; the TPU "
+        "compiles every activation shape. Fix: give static shapes (batch with "
+        "drop_remainder=True), FeatureConfig.output_shape, or fully defined "
+        "build(per_replica_input_shapes=...).")
 
 
 def ids_message(where: str, vocab: int, bad) -> str:
@@ -143,13 +202,28 @@ def check_finite(tables: List[str], grads: List[tf.Tensor]) -> Optional[Verdict]
   return Verdict(ok, assertion, failure, finite)
 
 
-def check_gradient_shape(where: str, grad: tf.Tensor, expected: List[int]):
-  """Eagerly: InputError unless a gradient has its activation's shape."""
-  if grad.shape.as_list() != expected:
+def check_gradient(where: str, grad, expected: List[int]):
+  """A gradient must be a ``tf.Tensor`` of its activation's static shape.
+
+  ``TPUEmbedding.apply_gradients`` (``tpu_embedding_v2.py``) raises
+  ``ValueError`` for a non-tensor gradient and for a static shape other than
+  the activation's (an unknown dimension included), eagerly and in graphs.
+  """
+  if not isinstance(grad, tf.Tensor):
     raise errors.InputError(
-        f"{where}: gradient shape {grad.shape.as_list()} does not match its "
-        f"activation shape {expected}. Fix: pass dL/d(activation) for exactly "
-        "the activations dequeue() returned.")
+        f"{where}: gradient is a {type(grad).__name__}, not a tf.Tensor. Fix: "
+        "pass dL/d(activation) as a tensor (tf.convert_to_tensor), or None "
+        "for a zero gradient.")
+  # A dimension known only when the batch runs (our lookups without a TPU
+  # program, see CPUEmbedding.__call__) is checked for compatibility.
+  expected = [d if isinstance(d, int) else None for d in expected]
+  want = tf.TensorShape(expected)
+  if (grad.shape != want if want.is_fully_defined()
+      else not grad.shape.is_compatible_with(want)):
+    raise errors.InputError(
+        f"{where}: gradient shape {listed(grad.shape)} does not match its activation "
+        f"shape {expected}. Fix: pass dL/d(activation) for exactly the "
+        "activations dequeue() returned.")
 
 
 def check_same_layout(where, ids: tf.RaggedTensor, weights: tf.RaggedTensor):
@@ -171,3 +245,8 @@ def check_same_indices(where, ids: tf.SparseTensor, weights: tf.SparseTensor):
       raise errors.InputError(
           f"{where}: weights' indices do not match the ids' indices. Fix: give "
           "one weight per id, at the same indices.")
+
+
+def listed(shape: tf.TensorShape):
+  """``[2, None]`` for a known rank, the shape itself otherwise."""
+  return shape.as_list() if shape.rank is not None else shape

@@ -1,0 +1,224 @@
+"""The documentation cannot drift from the code.
+
+* The site builds with ``mkdocs build --strict``, which fails on a broken link,
+  a broken anchor or an API symbol that does not resolve (shown below by
+  breaking a copy of the site on purpose), and the API page covers every
+  public name.
+* Every ```python block of docs/guides/*.md runs: the blocks of one page in
+  order, in one namespace, in a fresh working directory. A block that needs a
+  TPU is skipped only under an explicit marker with a reason,
+  ``<!-- docs-test: skip (reason) -->`` on the line before it.
+* No file refers to a markdown document that is not in the repository, and
+  every ``tests/test_x.py::test_y`` the docs cite exists.
+"""
+
+import importlib.util
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+GUIDES = sorted((DOCS / "guides").glob("*.md"))
+SCANNED = ["README.md", "mkdocs.yml", "docs", "tpu_embed_ext", "tests", "benchmarks",
+           "colab", "configs"]
+TEXT_SUFFIXES = {".md", ".py", ".yaml", ".yml", ".ipynb", ".json", ".txt"}
+_SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s*\((?P<reason>[^)]*)\)\s*-->")
+_MKDOCS = importlib.util.find_spec("mkdocs") is not None
+_NO_MKDOCS = "mkdocs is not installed: pip install -e '.[docs]' (the test extra has it)"
+
+
+# --- the site ------------------------------------------------------------------
+
+def _build(config_dir: pathlib.Path, site: pathlib.Path):
+  # No -q: mkdocs then drops warnings before --strict counts them.
+  return subprocess.run(
+      [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+      cwd=config_dir, capture_output=True, text=True, timeout=180,
+      env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+
+
+@pytest.mark.skipif(not _MKDOCS, reason=_NO_MKDOCS)
+def test_site_builds_strict(tmp_path):
+  out = _build(ROOT, tmp_path / "site")
+  assert out.returncode == 0, out.stdout + out.stderr
+  api = (tmp_path / "site" / "api" / "index.html").read_text()
+  assert "CPUEmbedding" in api and "export_for_serving" in api
+
+
+@pytest.mark.skipif(not _MKDOCS, reason=_NO_MKDOCS)
+@pytest.mark.parametrize("breakage,message", [
+    ("[a page](no_such_page.md)", "no_such_page.md"),
+    ("[a section](semantics.md#no-such-section)", "no-such-section"),
+    ("::: tpu_embed_ext.spec.NoSuchSymbol", "tpu_embed_ext.spec.NoSuchSymbol"),
+], ids=["link", "anchor", "api_symbol"])
+def test_strict_build_fails_on_a_broken_reference(tmp_path, breakage, message):
+  copy = tmp_path / "repo"
+  shutil.copytree(DOCS, copy / "docs")
+  shutil.copy(ROOT / "mkdocs.yml", copy / "mkdocs.yml")
+  (copy / "tpu_embed_ext").symlink_to(ROOT / "tpu_embed_ext")
+  page = copy / "docs" / "index.md"
+  page.write_text(page.read_text() + f"\n\n{breakage}\n")
+  out = _build(copy, tmp_path / "site")
+  assert out.returncode != 0
+  assert message in out.stdout + out.stderr
+
+
+def test_api_page_documents_every_public_name():
+  import tpu_embed_ext
+  text = (DOCS / "api.md").read_text()
+  documented = set(re.findall(r"^::: (tpu_embed_ext\.[\w.]+)$", text, re.M))
+  exports = tpu_embed_ext._EXPORTS  # pylint: disable=protected-access
+  missing = [name for name in tpu_embed_ext.__all__ if name != "__version__"
+             and f"tpu_embed_ext.{exports[name]}.{name}" not in documented]
+  assert not missing, f"add `::: tpu_embed_ext.<module>.<name>` to docs/api.md: {missing}"
+
+
+# --- the guides' code ----------------------------------------------------------
+
+def code_blocks(text: str):
+  """``(line number, code, skip reason or None)`` of every ```python block."""
+  blocks, lines, i = [], text.splitlines(), 0
+  while i < len(lines):
+    if lines[i].strip() == "```python":
+      start, previous = i + 1, next((l for l in reversed(lines[:i]) if l.strip()), "")
+      end = next(j for j in range(start, len(lines)) if lines[j].strip() == "```")
+      skip = _SKIP.search(previous)
+      if skip and not skip.group("reason").strip():
+        raise ValueError(f"line {i + 1}: a skipped block needs a reason")
+      blocks.append((start + 1, "\n".join(lines[start:end]) + "\n",
+                     skip.group("reason").strip() if skip else None))
+      i = end
+    i += 1
+  return blocks
+
+
+@pytest.mark.parametrize("page", GUIDES, ids=[p.stem for p in GUIDES])
+def test_guide_code_runs(page, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  namespace = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
+  ran = 0
+  for line, code, skip in code_blocks(page.read_text()):
+    if skip is None:
+      exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec"), namespace)  # pylint: disable=exec-used
+      ran += 1
+  assert ran or not code_blocks(page.read_text()), f"{page.name}: every block is skipped"
+
+
+def test_a_skipped_block_needs_a_reason():
+  marked = "<!-- docs-test: skip (needs a TPU) -->\n```python\nx = 1\n```\n"
+  assert code_blocks(marked) == [(3, "x = 1\n", "needs a TPU")]
+  with pytest.raises(ValueError, match="needs a reason"):
+    code_blocks(marked.replace("needs a TPU", " "))
+
+
+# --- references to documents ---------------------------------------------------
+
+def _text_files():
+  this_file = pathlib.Path(__file__).resolve()  # names broken references on purpose
+  for entry in SCANNED:
+    path = ROOT / entry
+    files = [path] if path.is_file() else sorted(path.rglob("*"))
+    for f in files:
+      if (f.is_file() and f.suffix in TEXT_SUFFIXES and "__pycache__" not in f.parts
+          and f.resolve() != this_file):
+        yield f
+
+
+def _exists(reference: str, source: pathlib.Path) -> bool:
+  target = reference.split("#", 1)[0]
+  if not target:
+    return True
+  bases = [source.parent, ROOT]
+  if source.name == "mkdocs.yml":
+    bases.append(DOCS)  # nav entries are relative to docs_dir
+  return any((base / target).exists() for base in bases)
+
+
+def _dangling(path: pathlib.Path):
+  text = re.sub(r"\w+://\S+", "", path.read_text(errors="replace"))
+  for name in set(re.findall(r"[\w./-]*[\w-]\.md\b", text)):
+    if not _exists(name, path):
+      yield name
+  if path.suffix in (".md", ".ipynb"):
+    for target in set(re.findall(r"\]\(([^)\s]+)\)", text)):
+      if not target.startswith(("mailto:", "#")) and not _exists(target, path):
+        yield target
+
+
+def test_no_reference_to_a_document_outside_the_repository():
+  dangling = {f"{f.relative_to(ROOT)}: {ref}" for f in _text_files()
+              for ref in _dangling(f)}
+  assert not dangling, sorted(dangling)
+
+
+def test_dangling_reference_detection():
+  page = DOCS / "guides" / "cpu-testing.md"
+  assert _exists("../semantics.md#replicas", page) and _exists("README.md", page)
+  assert not _exists("SEMANTICS" + ".md", page)
+
+
+def test_cited_tests_exist():
+  cited = set()
+  for page in [ROOT / "README.md", *DOCS.rglob("*.md")]:
+    cited |= set(re.findall(r"tests/(test_\w+\.py)::(test_\w+)", page.read_text()))
+  assert cited
+  missing = sorted(f"{module}::{name}" for module, name in cited
+                   if not (ROOT / "tests" / module).exists()
+                   or f"def {name}(" not in (ROOT / "tests" / module).read_text())
+  assert not missing, missing
+
+
+# --- the config format page ----------------------------------------------------
+
+def _sections(text: str):
+  """``{### heading: {`key`: default text}}`` from the tables under each heading."""
+  out, heading = {}, None
+  for line in text.splitlines():
+    if line.startswith("## ") or line.startswith("### "):
+      heading = line.lstrip("#").strip()
+      out[heading] = {}
+    row = re.match(r"\| `(\w+)` \| ([^|]*) \|", line)
+    if row and heading is not None:
+      out[heading][row.group(1)] = row.group(2).strip()
+  return out
+
+
+def test_config_examples_load():
+  from tpu_embed_ext import spec as spec_lib
+  from tpu_embed_ext import train
+  import yaml
+  blocks = re.findall(r"```yaml\n(.*?)```", (DOCS / "config.md").read_text(), re.S)
+  assert len(blocks) >= 5
+  for block in blocks:
+    config = yaml.safe_load(block)
+    spec = spec_lib.EmbeddingSpec.from_dict(config)
+    train.TrainConfig.from_dict(spec.train)
+
+
+def test_config_page_lists_every_key_with_its_default():
+  import dataclasses
+  import yaml
+  from tpu_embed_ext import optimizers, spec as spec_lib, train
+  sections = _sections((DOCS / "config.md").read_text())
+  assert set(sections["Top-level keys"]) == set(spec_lib._TOP_LEVEL)  # pylint: disable=protected-access
+  assert set(sections["`tables`"]) == set(spec_lib._TABLE_FIELDS)  # pylint: disable=protected-access
+  assert set(sections["`features`"]) == set(spec_lib._FEATURE_FIELDS)  # pylint: disable=protected-access
+  assert set(sections["`train`"]) == {f.name for f in dataclasses.fields(train.TrainConfig)}
+  for heading, cls in (("`tables`", spec_lib.TableSpec), ("`features`", spec_lib.FeatureSpec)):
+    for field in dataclasses.fields(cls):
+      if field.name in sections[heading] and field.default is not dataclasses.MISSING:
+        assert yaml.safe_load(sections[heading][field.name].strip("`")) == field.default, (
+            heading, field.name)
+  common = sections["Common fields"]
+  for name, cls in optimizers.TYPES.items():
+    rows = {**common, **sections[f"`{name}`"]}
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
+    assert set(rows) == set(fields), name
+    for key, default in fields.items():
+      assert yaml.safe_load(rows[key].strip("`")) == default, (name, key)
