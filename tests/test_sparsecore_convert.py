@@ -221,7 +221,7 @@ def test_unknown_prefix_is_named(tmp_path):
 
 def test_convert_checkpoint_command(tmp_path):
   spec = tee.EmbeddingSpec.from_file("configs/tiny.yaml")
-  emb = tee.CPUEmbedding(spec, engine="v2")
+  emb = tee.CPUEmbedding(spec)  # the same checkpoint keys as engine="v2"
   emb.build()
   for slots in emb.variables.values():
     for var in slots.values():

@@ -60,8 +60,8 @@ def _limits_engine(**config):
                                combiner="mean",
                                initializer=tf.random_uniform_initializer(seed=r))
             for n, r in (("a", 64), ("b", 32))}
-  features = {"fa": api.FeatureConfig(table=tables["a"]),
-              "fb": api.FeatureConfig(table=tables["b"])}
+  features = {"fa": api.FeatureConfig(table=tables["a"], output_shape=[8]),
+              "fb": api.FeatureConfig(table=tables["b"], output_shape=[8])}
   return tee.CPUEmbedding(features, engine="v2", topology="2x2",
                           sparse_core_config=api.SparseCoreEmbeddingConfig(**config))
 
@@ -146,7 +146,8 @@ def test_dropping_inside_tf_function_equals_eager():
 def test_what_is_not_emulated_says_so():
   table = api.TableConfig(vocabulary_size=8, dim=2, name="t", optimizer=api.SGD(0.1))
   with pytest.raises(errors.ConfigError) as e:
-    tee.CPUEmbedding({"s": api.FeatureConfig(table=table, max_sequence_length=3)},
+    tee.CPUEmbedding({"s": api.FeatureConfig(table=table, max_sequence_length=3,
+                                             output_shape=[4, 3])},
                      engine="v2", topology="2x2")
   assert str(e.value) == (
       "SparseCore input limits are not emulated for sequence features (s). Fix: drop "
@@ -154,7 +155,8 @@ def test_what_is_not_emulated_says_so():
       "convert-checkpoint.")
   strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
   with strategy.scope():
-    emb = tee.CPUEmbedding({"f": api.FeatureConfig(table=table)}, engine="v2",
+    emb = tee.CPUEmbedding({"f": api.FeatureConfig(table=table, output_shape=[4])},
+                           engine="v2",
                            topology="2x2")
   ids = strategy.experimental_distribute_values_from_function(
       lambda ctx: {"f": tf.constant([1, 2, 3, 4], tf.int64)})
