@@ -2,7 +2,8 @@
 
   plan    --config FILE [--proto]        print the TPU plan of a config
   train   --config FILE [--steps N] [--model_dir DIR] [--tpu auto|none|NAME]
-  export  --config FILE --model_dir DIR --out DIR
+  export  --config FILE --model_dir DIR [--out DIR]
+  convert-checkpoint --config FILE --checkpoint PREFIX --out PREFIX --topology T|none
 
 A user error (a bad config or flag, a model_dir in use or not writable, a
 damaged checkpoint, tables larger than memory) prints one line, ``error:``
@@ -28,6 +29,19 @@ flags.DEFINE_string("tpu", "auto", "train: 'auto' (use a TPU if one is attached)
 flags.DEFINE_string("out", None, "export: where to write the SavedModel "
                     "(default: <model_dir>/serving).")
 flags.DEFINE_bool("verbose", False, "On an error, show the traceback.")
+# SparseCore (TPUEmbeddingV2): tpu_embed_ext/sparsecore/, docs/sparsecore.md.
+flags.DEFINE_enum("engine", "v1", ["v1", "v2"], "plan: v2 adds TPUEmbeddingV2's "
+                  "(SparseCore) stacked layout on --topology.")
+flags.DEFINE_string("topology", "v5p:4", "plan --engine v2 / convert-checkpoint: "
+                    "GENERATION:CHIPS (v5p:4, v6e:8, tpu7x:4) or CHIPSxSPARSECORES.")
+flags.DEFINE_integer("data", 0, "plan --engine v2: measure the ids each stack sends "
+                     "to each SparseCore over this many training batches.")
+flags.DEFINE_string("checkpoint", None, "convert-checkpoint: the checkpoint prefix to "
+                    "convert (per-table or SparseCore-stacked).")
+flags.DEFINE_string("prefix", "embedding", "convert-checkpoint: the embedding's path "
+                    "in the checkpoint (tf.train.Checkpoint(embedding=...)).")
+flags.DEFINE_integer("batch_size", 0, "plan --engine v2: per-chip batch of features "
+                     "without output_shape (the stacker's output samples).")
 
 
 def _model_dir():
@@ -48,6 +62,14 @@ def _plan():
   if FLAGS.proto:
     print()
     print(plan.config_proto())
+  if FLAGS.engine == "v2":
+    print()
+    print(plan.sparsecore(FLAGS.topology, batch_size=FLAGS.batch_size))
+    if FLAGS.data:
+      from tpu_embed_ext.sparsecore import report, topology
+      print()
+      print(report.measure_training_data(
+          plan.spec, topology.parse_topology(FLAGS.topology), FLAGS.data))
 
 
 def _train():
@@ -92,7 +114,23 @@ def _export():
                                               out=out))
 
 
-COMMANDS = {"plan": _plan, "train": _train, "export": _export}
+def _convert_checkpoint():
+  import tpu_embed_ext as tee
+  from tpu_embed_ext import sparsecore
+  if not (FLAGS.checkpoint and FLAGS.out and FLAGS["topology"].present):
+    raise app.UsageError("convert-checkpoint needs --checkpoint PREFIX --out PREFIX "
+                         "--topology T (a SparseCore topology, or none for per-table).")
+  topology = None if FLAGS.topology == "none" else FLAGS.topology
+  layouts = sparsecore.convert_checkpoint(
+      FLAGS.checkpoint, FLAGS.out, tee.EmbeddingSpec.from_file(FLAGS.config),
+      topology, prefix=FLAGS.prefix)
+  form = (f"SparseCore layout for {sparsecore.parse_topology(topology)} "
+          f"({len({l.stack for l in layouts})} stacks)" if layouts else "per-table")
+  print(f"{FLAGS.checkpoint} -> {FLAGS.out}: {form}.")
+
+
+COMMANDS = {"plan": _plan, "train": _train, "export": _export,
+            "convert-checkpoint": _convert_checkpoint}
 
 
 def _one_line(e: BaseException):

@@ -8,6 +8,8 @@ from typing import Dict, List, Optional
 import tensorflow as tf
 
 from tpu_embed_ext import learning_rates, optimizers, tf_config
+from tpu_embed_ext.text_table import human_bytes as _human
+from tpu_embed_ext.text_table import lines as _table_lines
 
 __all__ = ["Plan", "plan"]
 
@@ -93,6 +95,14 @@ class Plan:
     """The TPUEmbeddingConfiguration (see tf_config.config_proto)."""
     return tf_config.config_proto(self._config, **kwargs)
 
+  def sparsecore(self, topology, batch_size: int = 0):
+    """The stacked layout ``TPUEmbeddingV2`` gives these tables on ``topology``
+    (a ``sparsecore.Topology`` or its spelling, "v5p:4"): a ``StackingPlan``."""
+    from tpu_embed_ext.sparsecore import report, topology as sc_topology  # pylint: disable=g-import-not-at-top
+    return report.stacking_plan(
+        self._config, sc_topology.parse_topology(topology),
+        {t.name: t.optimizer.slot_names for t in self.tables}, batch_size=batch_size)
+
   def _sparsecore_warnings(self) -> List[str]:
     out = []
     for t in self.tables:
@@ -133,11 +143,7 @@ class Plan:
     rows.append(("total", f"{sum(t.rows for t in self.tables):,} rows", "", "",
                  f"{len(self._rates)} tags", "", _human(self.total_bytes),
                  f"{len(self.spec.features)} features"))
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-    out = [line(header), line(tuple("-" * w for w in widths))]
-    out += [line(r) for r in rows[:-1]] + [line(tuple("-" * w for w in widths)),
-                                           line(rows[-1])]
+    out = _table_lines(header, rows)
     if self._rates:
       out += ["", "dynamic learning rates:"]
       out += [f"  tag {tag}: {learning_rates.describe(rate)}"
@@ -145,13 +151,6 @@ class Plan:
     if self.warnings:
       out += ["", "SparseCore (TPUEmbeddingV2) notes:"] + [f"  {w}" for w in self.warnings]
     return "\n".join(out)
-
-
-def _human(n: int) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if n < 1024 or unit == "GiB":
-      return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-    n /= 1024
 
 
 def plan(spec) -> Plan:

@@ -79,6 +79,15 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       rejects weight decay (docs/semantics.md, engine v1 and v2).
     validate: check ids, shapes and gradients on every step (one reduction
       per feature; on by default).
+    topology: with ``engine="v2"``, a SparseCore topology ("v5p:4", a
+      ``sparsecore.Topology``): checkpoints are then written and read in
+      ``TPUEmbeddingV2``'s stacked layout for it (``<stack>``,
+      ``<stack>/<slot>``, ``_sparse_core_table_layouts``), and each step's ids
+      are checked against SparseCore's input limits, dropped as SparseCore
+      drops them with ``allow_id_dropping`` (docs/sparsecore.md).
+      ``variables`` stay per table.
+    sparse_core_config: the ``SparseCoreEmbeddingConfig`` of those limits
+      (None: TPUEmbeddingV2's defaults).
 
   Replicas: under ``MirroredStrategy`` (or ``MultiWorkerMirroredStrategy``)
   the protocol is ``TPUEmbedding``'s: ``enqueue`` takes distributed values
@@ -103,7 +112,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
 
   def __init__(self, feature_config, optimizer=None,
                pipeline_execution_with_tensor_core: bool = False, *,
-               engine: str = "v1", validate: bool = True):
+               engine: str = "v1", validate: bool = True, topology=None,
+               sparse_core_config=None):
     del pipeline_execution_with_tensor_core
     if engine not in _ENGINES:
       raise ValueError(f'engine must be "v1" or "v2", got engine={engine!r}.')
@@ -148,6 +158,9 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     if duplicates:
       raise ValueError(f"Tables must have unique names; found {duplicates} "
                        "more than once. Fix: name each TableConfig uniquely.")
+    _untracked(self, _sparsecore=None)
+    if topology is not None:
+      self._init_sparsecore(optimizer, topology, sparse_core_config)
 
   def _resolve_table(self, table, global_optimizer, i) -> _Table:
     name = table.name if table.name is not None else f"table_{i}"
@@ -203,6 +216,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     with tf.init_scope(), self._replicas.single_copy_variables():
       _untracked(self, _variables={
           t.name: self._create_variables(t) for t in self._tables})
+      if self._sparsecore is not None:
+        self._sparsecore.track(self, self._variables)
 
   @property
   def variables(self) -> Dict[str, Dict[str, tf.Variable]]:
@@ -257,8 +272,11 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     TensorFlow's own restore reports a mismatch one variable at a time, after
     restoring the variables before it; this checks all tables first, naming
     the table and both shapes. ``prefix`` is the embedding's checkpoint path
-    (``tf.train.Checkpoint(embedding=e)``: "embedding").
+    (``tf.train.Checkpoint(embedding=e)``: "embedding"). With a topology,
+    the checkpoint's SparseCore layouts must be this engine's.
     """
+    if self._sparsecore is not None:
+      return self._sparsecore.check_checkpoint(path, prefix)
     stored = dict(tf.train.list_variables(path))
     for table in self._tables:
       key = lambda slot: (f"{prefix}/{table.name}" + (f".S{slot}" if slot else "")
@@ -449,6 +467,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       verdict = validation.check_ids(
           [f.where for f in self._features], [o.ids for o in occurrences],
           [self._tables[f.table].config.vocabulary_size for f in self._features])
+    if self._sparsecore is not None:
+      occurrences = self._sparsecore_limits(occurrences, verdict)
     return _Pending(features, occurrences, verdict, training)
 
   def _activations(self, pending: _Pending):
@@ -550,6 +570,42 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     with tf.control_dependencies([status] + [v.assertion for v in verdicts]):
       write()
 
+  # --- SparseCore (TPUEmbeddingV2) layout and limits: tpu_embed_ext/sparsecore/ ---
+
+  def _init_sparsecore(self, optimizer, topology, sparse_core_config):
+    if self._engine != "v2":
+      raise errors.ConfigError(
+          f'topology={topology!r} needs engine="v2": only TPUEmbeddingV2 '
+          '(SparseCore) stacks tables. Fix: pass engine="v2", or drop topology.')
+    sequence = [f.path for f in self._features if f.config.max_sequence_length > 0]
+    if sequence:
+      raise errors.ConfigError(
+          f"SparseCore input limits are not emulated for sequence features "
+          f"({', '.join(sequence)}). Fix: drop topology= and convert checkpoints "
+          "with python -m tpu_embed_ext convert-checkpoint.")
+    from tpu_embed_ext.sparsecore import state  # pylint: disable=g-import-not-at-top
+    _untracked(self, _sparsecore=state.SparseCoreState(
+        self._feature_config, optimizer, topology, sparse_core_config))
+
+  def _sparsecore_limits(self, occurrences, verdict):
+    """Each feature's occurrences SparseCore keeps this step (sparsecore/limits.py)."""
+    if self._replicas.num_local > 1:
+      raise errors.ConfigError(
+          "SparseCore input limits are emulated on one CPU replica holding the "
+          f"global batch, not on {self._replicas.num_local}. Fix: drop topology= "
+          "under a multi-replica strategy.")
+    deps = [verdict.assertion] if verdict is not None and verdict.assertion is not None else []
+    with tf.control_dependencies(deps):  # ids in range first
+      samples = [o.rows if o.rows is not None else tf.range(tf.size(o.ids, tf.int64))
+                 for o in occurrences]
+      keep = self._sparsecore.keep_masks(samples, [o.ids for o in occurrences],
+                                         [o.num_rows for o in occurrences])
+    return [o._replace(ids=tf.boolean_mask(o.ids, k), rows=tf.boolean_mask(r, k),
+                       gains=None if o.gains is None else tf.boolean_mask(o.gains, k))
+            for o, r, k in zip(occurrences, samples, keep)]
+
+  # --- end of SparseCore ---------------------------------------------------
+
   def _create_variables(self, table: _Table) -> Dict[str, tf.Variable]:
     shape = (table.config.vocabulary_size, table.config.dim)
 
@@ -563,6 +619,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           trainable=trainable)
 
     def create(name, initializer, trainable=False):
+      if self._sparsecore is not None:  # saved stacked instead (build)
+        return getter(name, shape, tf.float32, initializer, trainable)
       # The custom getter lets a pending checkpoint restore fill the variable
       # at creation, as TPUEmbedding does.
       return self._add_variable_with_custom_getter(

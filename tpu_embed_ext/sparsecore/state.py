@@ -1,0 +1,92 @@
+"""What an engine emulating ``TPUEmbeddingV2`` on a topology keeps: layouts, limits.
+
+``SparseCoreState`` is built once from the engine's feature config; the engine
+calls ``track`` with its per-table variables after creating them (untracked),
+``check_checkpoint`` before a restore, and ``keep`` on each step's ids. The
+engine's variables, lookups and updates stay per table.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Sequence
+
+import numpy as np
+
+from tpu_embed_ext import errors, optimizers
+from tpu_embed_ext.sparsecore import layout as sc_layout
+from tpu_embed_ext.sparsecore import limits as sc_limits
+from tpu_embed_ext.sparsecore import trackable
+from tpu_embed_ext.sparsecore.topology import parse_topology
+
+__all__ = ["SparseCoreState"]
+
+
+class SparseCoreState:
+  """Layouts and limits of ``feature_config`` on ``topology``.
+
+  Args:
+    feature_config: the engine's nested ``FeatureConfig``.
+    optimizer: the optimizer of tables without one.
+    topology: a ``Topology`` or its spelling ("v5p:4").
+    sparse_core_config: a ``SparseCoreEmbeddingConfig`` (or ``Limits``);
+      None: TPUEmbeddingV2's defaults.
+  """
+
+  def __init__(self, feature_config, optimizer, topology, sparse_core_config=None):
+    self.topology = parse_topology(topology)
+    self.limits = (sparse_core_config if isinstance(sparse_core_config, sc_limits.Limits)
+                   else sc_limits.Limits.from_config(sparse_core_config))
+    stacking = not getattr(sparse_core_config, "disable_table_stacking", False)
+    self.layouts: List[sc_layout.TableLayout] = sc_layout.compute_layouts(
+        sc_layout.stacking_inputs(feature_config, optimizer), self.topology,
+        stacking=stacking)
+    from tensorflow.python.util import nest  # pylint: disable=g-import-not-at-top
+    paths = nest.flatten_with_joined_string_paths(feature_config)
+    self._paths = [p for p, _ in paths]
+    self._features = [f for _, f in paths]
+    self.padding: Dict[str, Dict[str, float]] = {}
+    for f in self._features:
+      spec = optimizers.as_spec(f.table.optimizer or optimizer)
+      self.padding[f.table.name] = {
+          "parameters": 0.0, **dict(zip(spec.slot_names, spec.slot_initial_values()))}
+
+  def track(self, owner, variables: Mapping[str, Mapping[str, object]]) -> None:
+    """Makes ``owner`` save and restore ``variables`` in the stacked layout."""
+    trackable.track_stacked(owner, variables, self.layouts, self.padding)
+
+  def check_checkpoint(self, path: str, prefix: str = "embedding") -> None:
+    trackable.check_checkpoint(path, self.layouts, prefix)
+
+  def keep(self, samples: Sequence[np.ndarray], ids: Sequence[np.ndarray],
+           sample_counts: Sequence[int]) -> List[np.ndarray]:
+    """Per flat feature, which ids SparseCore keeps this step (or InputError)."""
+    if len(ids) != len(self._features):
+      raise errors.InputError(
+          f"expected ids for {len(self._features)} features "
+          f"({', '.join(self._paths)}), got {len(ids)}. Fix: pass one entry per "
+          "feature, in flat order.")
+    features = [sc_limits.FeatureIds(f.table.name, np.asarray(s, np.int64),
+                                     np.asarray(i, np.int64), int(n), path)
+                for f, path, s, i, n in zip(self._features, self._paths, samples, ids,
+                                            sample_counts)]
+    _, keep = sc_limits.check_limits(features, self.layouts, self.topology, self.limits)
+    return keep
+
+  def keep_masks(self, samples, ids, sample_counts):
+    """``keep`` on tensors, eagerly or inside ``tf.function`` (``tf.numpy_function``).
+
+    In a graph, a limit error surfaces as the ``InvalidArgumentError`` of
+    ``tf.numpy_function`` carrying the same message.
+    """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    n = len(ids)
+    if tf.executing_eagerly():
+      return [tf.constant(k) for k in self.keep(
+          [np.asarray(s) for s in samples], [np.asarray(i) for i in ids],
+          [int(c) for c in sample_counts])]
+    masks = tf.numpy_function(
+        lambda *a: self.keep(a[:n], a[n:2 * n], [int(c) for c in a[2 * n:]]),
+        [tf.cast(s, tf.int64) for s in samples] + [tf.cast(i, tf.int64) for i in ids]
+        + [tf.cast(c, tf.int64) for c in sample_counts], [tf.bool] * n,
+        stateful=False)
+    return [tf.ensure_shape(m, i.shape) for m, i in zip(masks, ids)]
