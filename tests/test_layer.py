@@ -208,6 +208,7 @@ class _RecordingV2:
   def __init__(self):
     self.calls = []
     self.step = tf.Variable(0, dtype=tf.int64)
+    self.embedding_tables = {}
 
   def __call__(self, features, weights=None):
     self.calls.append("lookup")
