@@ -336,8 +336,10 @@ class EmbeddingLayer(keras.layers.Layer):
           "tf.train.Checkpoint, whose keys equal TPUEmbedding's.")
     state = {}
     for table, variables in self.embedding.variables.items():
-      for slot, variable in variables.items():
-        state[table if slot == "parameters" else f"{table}.{slot}"] = variable
+      state[table] = variables["parameters"]
+      state.update({f"{table}.{slot}": variable
+                    for slot, variable in variables.items()
+                    if slot != "parameters"})
     state[_STEP_KEY] = self.embedding.step
     state[_SINK_KEY] = self.gradient_sink
     return state
@@ -391,10 +393,11 @@ class EmbeddingLayer(keras.layers.Layer):
     for key, variable in state.items():
       want, have = list(variable.shape), list(values[key].shape)
       if have != want:
-        what = f"table '{owner[key]}'" if owner[key] else key
+        what = f"table '{owner[key]}'" if owner[key] else f"'{key}'"
+        where = f" (slot '{key}')" if owner[key] and key != owner[key] else ""
         raise errors.ConfigError(
-            f"EmbeddingLayer '{self.name}': {what} is saved with shape {have} "
-            f"under '{key}', this layer has {want}. Fix: load into a spec with "
+            f"EmbeddingLayer '{self.name}': {what} is saved with shape "
+            f"{have}{where}, this layer has {want}. Fix: load into a spec with "
             "the same vocabulary_size and dim.")
     for key, variable in state.items():
       variable.assign(values[key].astype(tf.as_dtype(variable.dtype).as_numpy_dtype))
