@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import tpu_embed_ext as tee
 from tpu_embed_ext import errors
+from tests.test_layer import _logits
 
 USER_VOCAB, ITEM_VOCAB, DIM, BATCH, STEPS = 12, 10, 4, 6, 5
 
@@ -382,15 +383,6 @@ def test_trainable_false_freezes_tables_slots_and_step():
   assert _summary(model)[1:] == (2 * DIM + 1, tables + 1)
 
 
-PROJECTION = tf.constant(
-    np.random.RandomState(11).normal(size=(2 * DIM, 1)).astype(np.float32))
-
-
-def _head(activations):
-  return tf.matmul(tf.concat([activations["user"], activations["item"]], 1),
-                   PROJECTION)
-
-
 class TwoTowers(keras.Model):
   """Two towers sharing one EmbeddingLayer: one call per tower."""
 
@@ -399,8 +391,8 @@ class TwoTowers(keras.Model):
     self.embedding = tee.EmbeddingLayer(spec)
 
   def call(self, inputs, training=False):
-    return (_head(self.embedding(inputs["a"], training=training))
-            + _head(self.embedding(inputs["b"], training=training)))
+    return (_logits(self.embedding(inputs["a"], training=training))
+            + _logits(self.embedding(inputs["b"], training=training)))
 
 
 class OneCall(TwoTowers):
@@ -413,7 +405,7 @@ class OneCall(TwoTowers):
     n = tf.shape(a["user"])[0]
     first = {k: v[:n] for k, v in activations.items()}
     second = {k: v[n:] for k, v in activations.items()}
-    return _head(first) + _head(second)
+    return _logits(first) + _logits(second)
 
 
 def test_two_calls_in_one_step_make_one_table_step_like_one_call():
@@ -454,3 +446,115 @@ def test_ragged_and_sparse_inputs_reach_the_engine_as_such():
                              rtol=1e-6)
   np.testing.assert_allclose(got["item"], [item_table[r].mean(0) for r in item.to_list()],
                              rtol=1e-6)
+
+
+# --- pinned errors -------------------------------------------------------------
+
+def _store(layer):
+  store = {}
+  layer.save_own_variables(store)
+  return store
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.pop("user"),
+     "EmbeddingLayer 'embedding': table 'user' is not in the saved weights (they "
+     "hold ['.gradient_sink', '.step', 'item', 'item.accumulators', "
+     "'user.momenta', 'user.velocities']). Fix: load weights saved from a layer "
+     "with the same spec, or rename the table back."),
+    (lambda s: s.update(other=np.zeros([2, DIM], np.float32)),
+     "EmbeddingLayer 'embedding': the saved weights hold ['other'], which this "
+     "spec does not have. Fix: load into a layer with the same spec."),
+    (lambda s: s.pop(".step"),
+     "EmbeddingLayer 'embedding': the saved weights lack ['.step']. Fix: load "
+     "weights saved by EmbeddingLayer.save_own_variables."),
+    (lambda s: s.update({"user.momenta": np.zeros([USER_VOCAB, 1], np.float32)}),
+     "EmbeddingLayer 'embedding': table 'user' is saved with shape [12, 1] "
+     "(slot 'user.momenta'), this layer has [12, 4]."),
+], ids=["missing_table", "unknown_key", "missing_step", "slot_shape"])
+def test_load_own_variables_rejects_bad_stores_and_changes_nothing(edit, message):
+  layer = tee.EmbeddingLayer(_spec(), name="embedding")
+  store = _store(layer)
+  store = {k: v + 1 for k, v in store.items()}  # Differs from the layer.
+  edit(store)
+  before = _store(layer)
+  with pytest.raises(errors.ConfigError, match=re.escape(message)):
+    layer.load_own_variables(store)
+  after = _store(layer)
+  for key in before:
+    np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+
+
+def test_declared_ragged_input_with_float_ids_is_rejected():
+  layer = tee.EmbeddingLayer(_spec(), name="embedding")
+  layer(_inputs())  # Declares "item" ragged.
+  features = {"user": tf.constant([1, 2], tf.int64),
+              "item": tf.constant([[1.0, -1.0], [2.0, 3.0]])}
+  with pytest.raises(errors.InputError, match=re.escape(
+      "EmbeddingLayer 'embedding': ids must be integers, got dtype float32 for "
+      "a ragged input. Fix: cast the ids to int64; for model.export of a "
+      "subclassed model pass input_signature= with integer tf.TensorSpecs.")):
+    layer(features)
+
+
+def test_declared_ragged_input_as_padded_matrix_drops_the_padding():
+  layer = tee.EmbeddingLayer(_spec(), name="embedding")
+  layer(_inputs())
+  padded = tf.constant([[1, -1, 2], [3, -1, -1]], tf.int64)
+  ragged = tf.ragged.constant([[1, 2], [3]], tf.int64)
+  user = tf.constant([0, 1], tf.int64)
+  np.testing.assert_array_equal(layer({"user": user, "item": padded})["item"],
+                                layer({"user": user, "item": ragged})["item"])
+
+
+def _two_eager_calls(layer, first, second):
+  with tf.GradientTape() as tape:
+    outputs = [layer(first, training=True), layer(second, training=True)]
+    loss = tf.add_n([tf.reduce_sum(a) for o in outputs for a in o.values()]
+                    + list(layer.losses))
+  tape.gradient(loss, layer.trainable_variables)
+
+
+_ITEM = tf.ragged.constant([[1, 2], [3]], tf.int64)
+_DENSE_USER = {"user": tf.constant([1, 2], tf.int64), "item": _ITEM}
+_OUTPUT_SHAPE_SPEC = {**SPEC, "features": {
+    "user": {"table": "user", "output_shape": [2]}, "item": {"table": "item"}}}
+
+
+@pytest.mark.parametrize("config, second, message", [
+    (SPEC, {"user": tf.ragged.constant([[1], [2]], tf.int64), "item": _ITEM},
+     "EmbeddingLayer 'embedding': feature 'user' comes as EagerTensor and "
+     "RaggedTensor in calls of one training step, which cannot be concatenated "
+     "into one table step. Fix: pass it as the same kind of tensor in every "
+     "call."),
+    (_OUTPUT_SHAPE_SPEC, _DENSE_USER,
+     "EmbeddingLayer 'embedding' was called 2 times in one training step with "
+     "a feature that sets output_shape, whose batch cannot be concatenated. "
+     "Fix: call the layer once per step, with every feature in one "
+     "structure."),
+], ids=["tensor_kinds", "output_shape"])
+def test_two_calls_that_cannot_be_concatenated_are_rejected(config, second, message):
+  layer = tee.EmbeddingLayer(tee.EmbeddingSpec.from_dict(config), name="embedding")
+  with pytest.raises(errors.InputError, match=re.escape(message)):
+    _two_eager_calls(layer, _DENSE_USER, second)
+  assert int(layer.step.numpy()) == 0
+
+
+def test_tpu_engine_called_twice_in_one_step_is_rejected(monkeypatch):
+  from tests.test_layer import _RecordingV2, _feature_config  # pylint: disable=import-outside-toplevel
+  from tpu_embed_ext import layer as layer_lib
+  monkeypatch.setattr(layer_lib.engine_lib, "create_embedding",
+                      lambda *a, **k: _RecordingV2())
+  monkeypatch.setattr(layer_lib, "_engine_kind", lambda e: "tpu_v2")
+  layer = tee.EmbeddingLayer(_feature_config(), name="embedding")
+  features = {"user": tf.constant([1, 2]), "item": tf.constant([3, 4])}
+  with pytest.raises(errors.InputError, match=re.escape(
+      "EmbeddingLayer 'embedding' was called 2 times in one training step; a "
+      "TPU engine takes one batch per step. Fix: call the layer once, with "
+      "every feature in one structure.")):
+    _two_eager_calls(layer, features, features)
+  with pytest.raises(errors.ConfigError, match=re.escape(
+      "EmbeddingLayer 'embedding': Keras weight files of a TPU engine are not "
+      "supported (not run on a TPU). Fix: save with tf.train.Checkpoint, whose "
+      "keys equal TPUEmbedding's.")):
+    layer.save_own_variables({})

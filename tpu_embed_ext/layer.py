@@ -62,6 +62,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
+from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
 from tpu_embed_ext.emulation import dispatch
@@ -192,8 +193,10 @@ class EmbeddingLayer(keras.layers.Layer):
     configs = tf.nest.flatten(self.embedding.feature_config)
     flat = tf.nest.flatten(features)
     if len(configs) != len(flat):
-      self.embedding._check_structure(  # pylint: disable=protected-access
-          "features", features, "pass one keras.Input per FeatureConfig.")
+      raise errors.InputError(
+          f"EmbeddingLayer '{self.name}' got {len(flat)} inputs, its feature "
+          f"config has {len(configs)} features. Fix: pass one keras.Input per "
+          "FeatureConfig, in the feature config's structure.")
     specs = [keras.KerasTensor(_output_shape(c, x), dtype=self.compute_dtype)
              for c, x in zip(configs, flat)]
     for i, x in enumerate(flat):
@@ -508,9 +511,17 @@ def _concat_calls(feature_config, calls, name):
   flat_weights = [[None] * len(configs) if w is None else tf.nest.flatten(w)
                   for _, w in calls]
   features, weights = [], []
-  for i in range(len(configs)):
+  paths = [p for p, _ in nest.flatten_with_joined_string_paths(feature_config)]
+  for i, path in enumerate(paths):
     xs = [f[i] for f in flat_features]
     ws = [w[i] for w in flat_weights]
+    kinds = sorted({type(x).__name__ for x in xs})
+    if len(kinds) > 1:
+      raise errors.InputError(
+          f"EmbeddingLayer '{name}': feature '{path}' comes as "
+          f"{' and '.join(kinds)} in calls of one training step, which cannot "
+          "be concatenated into one table step. Fix: pass it as the same kind "
+          "of tensor in every call.")
     features.append(_concat(xs))
     if all(w is None for w in ws):
       weights.append(None)
@@ -530,10 +541,8 @@ def _concat(xs):
 
 
 def _unit_weights(x):
-  if isinstance(x, tf.RaggedTensor):
-    return x.with_values(tf.ones_like(x.values, tf.float32))
-  if isinstance(x, tf.SparseTensor):
-    return x.with_values(tf.ones_like(x.values, tf.float32))
-  raise errors.InputError(
-      "weights were given for some calls of a dense feature; dense ids take "
-      "no weights. Fix: pass the ids as a RaggedTensor or SparseTensor.")
+  """Weight 1 for every id of a ragged or sparse ``x``.
+
+  (Dense ids take no weights: the engine rejects them in the forward pass.)
+  """
+  return x.with_values(tf.ones_like(x.values, tf.float32))
