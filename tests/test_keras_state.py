@@ -243,39 +243,50 @@ def test_feature_config_layer_cannot_be_saved_as_keras_config(tmp_path):
 
 # --- table gradients whatever the dense optimizer does -----------------------
 
+def _reference_embedding(model):
+  """A CPUEmbedding of the same spec, with the model's tables and slots."""
+  layer = model.get_layer("embedding")
+  reference = tee.CPUEmbedding(_spec())
+  for table, slots in reference.variables.items():
+    for key, variable in slots.items():
+      variable.assign(layer.variables_by_table[table][key])
+  return reference
+
+
 def _reference_run(model, batches, dense_dtype=tf.float32):
   """Trains the model; trains a CPUEmbedding with dL/dact of the unscaled loss.
 
   The reference reads the model's dense weights before each step, so it
   follows whatever the dense optimizer does to them.
   """
-  layer = model.get_layer("embedding")
-  reference = tee.CPUEmbedding(_spec())
-  for table, slots in reference.variables.items():
-    for key, variable in slots.items():
-      variable.assign(layer.variables_by_table[table][key])
-  bce = keras.losses.BinaryCrossentropy(from_logits=True)
+  reference = _reference_embedding(model)
   for features, label in batches:
-    kernel, bias = (w.numpy() for w in model.get_layer("head").weights)
-    reference.enqueue(features, training=True)
-    with tf.GradientTape() as tape:
-      activations = reference.dequeue()
-      tape.watch(activations)
-      x = tf.concat([activations["user"], activations["item"]], 1)
-      loss = bce(label, tf.matmul(x, kernel) + bias)
-    reference.apply_gradients(tape.gradient(loss, activations))
+    _reference_step(reference, model, features, label)
     model.train_on_batch(features, label)
   return reference
 
 
-def _assert_tables_match(model, reference, **tolerance):
+def _reference_step(reference, model, features, label):
+  """One step of dL/dact of the unscaled loss with the model's dense weights."""
+  kernel, bias = (w.numpy() for w in model.get_layer("head").weights)
+  reference.enqueue(features, training=True)
+  with tf.GradientTape() as tape:
+    activations = reference.dequeue()
+    tape.watch(activations)
+    x = tf.concat([activations["user"], activations["item"]], 1)
+    loss = keras.losses.BinaryCrossentropy(from_logits=True)(
+        label, tf.matmul(x, kernel) + bias)
+  reference.apply_gradients(tape.gradient(loss, activations))
+
+
+def _assert_tables_match(model, reference, steps=STEPS, **tolerance):
   layer = model.get_layer("embedding")
   for table, slots in reference.variables.items():
     for key, variable in slots.items():
       np.testing.assert_allclose(layer.variables_by_table[table][key].numpy(),
                                  variable.numpy(), err_msg=f"{table}/{key}",
                                  **tolerance)
-  assert int(layer.step.numpy()) == int(reference.step.numpy()) == STEPS
+  assert int(layer.step.numpy()) == int(reference.step.numpy()) == steps
 
 
 DENSE_OPTIONS = {
@@ -558,3 +569,21 @@ def test_tpu_engine_called_twice_in_one_step_is_rejected(monkeypatch):
       "supported (not run on a TPU). Fix: save with tf.train.Checkpoint, whose "
       "keys equal TPUEmbedding's.")):
     layer.save_own_variables({})
+
+
+def test_hand_written_tf_function_loop_without_model_losses_applies_gradients_as_given():
+  batches = _batches(16, n=3)
+  model = _compiled(_model(), "sgd")
+  reference = _reference_embedding(model)
+  bce = keras.losses.BinaryCrossentropy(from_logits=True)
+
+  @tf.function
+  def step(features, label):
+    with tf.GradientTape() as tape:
+      loss = bce(label, model(features, training=True))  # model.losses left out
+    tape.gradient(loss, model.trainable_variables)  # Tables step; dense stays.
+
+  for features, label in batches:
+    _reference_step(reference, model, features, label)
+    step(features, label)
+  _assert_tables_match(model, reference, steps=3, rtol=1e-6, atol=1e-7)

@@ -279,9 +279,13 @@ class EmbeddingLayer(keras.layers.Layer):
   def _table_step(self, step: "_StepCalls"):
     """Applies a step's unscaled gradients; returns the sink's gradient."""
     flat = [tf.nest.flatten(step.gradients[i]) for i in range(len(step.calls))]
-    scaled = tf.logical_and(tf.not_equal(step.scale, 0.0),
-                            tf.not_equal(step.scale, 1.0))
-    scale = tf.where(tf.equal(step.scale, 0.0), 1.0, step.scale)
+    # The probe's gradient is s / R: the optimizer's scale s times Keras's
+    # 1 / R for R > 1 replicas (keras.src.losses.loss's
+    # scale_loss_for_distribution). Only s is divided out.
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    probe = step.scale * replicas if replicas > 1 else step.scale
+    scaled = tf.logical_and(tf.not_equal(probe, 0.0), tf.not_equal(probe, 1.0))
+    scale = tf.where(tf.equal(probe, 0.0), 1.0, probe)
     flat = [[g / scale for g in grads] for grads in flat]
     finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
                             for grads in flat for g in grads])
