@@ -502,10 +502,25 @@ def test_declared_ragged_input_with_float_ids_is_rejected():
   features = {"user": tf.constant([1, 2], tf.int64),
               "item": tf.constant([[1.0, -1.0], [2.0, 3.0]])}
   with pytest.raises(errors.InputError, match=re.escape(
-      "EmbeddingLayer 'embedding': ids must be integers, got dtype float32 for "
-      "a ragged input. Fix: cast the ids to int64; for model.export of a "
-      "subclassed model pass input_signature= with integer tf.TensorSpecs.")):
+      "EmbeddingLayer 'embedding': feature 'item': ids must be integers, got "
+      "dtype float32 for a ragged input. Fix: cast the ids to int64; for "
+      "model.export of a subclassed model pass input_signature= with integer "
+      "tf.TensorSpecs.")):
     layer(features)
+
+
+def test_declared_ragged_input_as_padded_matrix_is_refused_for_training():
+  layer = tee.EmbeddingLayer(_spec(), name="embedding")
+  layer(_inputs())
+  features = {"user": tf.constant([1, 2], tf.int64),
+              "item": tf.constant([[1, 0], [2, 3]], tf.int64)}
+  with pytest.raises(errors.InputError, match=re.escape(
+      "EmbeddingLayer 'embedding': feature 'item' was declared "
+      "keras.Input(ragged=True) but got a dense [2, 2] tensor for training. "
+      "Fix: pass a tf.RaggedTensor (a matrix padded with -1 is read only for "
+      "serving).")):
+    with tf.GradientTape():
+      layer(features, training=True)
 
 
 def test_declared_ragged_input_as_padded_matrix_drops_the_padding():

@@ -115,7 +115,7 @@ class EmbeddingLayer(keras.layers.Layer):
                   if isinstance(spec_or_feature_config, EmbeddingSpec) else None)
     self._engine_arg = engine
     self._validate = validate
-    self._step_calls = _StepCalls(graph=None)
+    object.__setattr__(self, "_step_calls", _StepCalls(graph=None))
     # Flat feature index -> "ragged" / "sparse", for features whose
     # keras.Input was declared so (seen by compute_output_spec).
     # (Set untracked: a tracked dict would become checkpoint state.)
@@ -162,7 +162,7 @@ class EmbeddingLayer(keras.layers.Layer):
   # --- call ----------------------------------------------------------------
 
   def call(self, features, weights=None, training=None):
-    features = self._composite_features(features)
+    features = self._composite_features(features, training)
     if self._serving:
       return self._cast(self._serving_lookup(features, weights))
     if not training or not self.trainable or (
@@ -204,7 +204,7 @@ class EmbeddingLayer(keras.layers.Layer):
         self._composite_inputs[i] = "ragged" if x.ragged else "sparse"
     return tf.nest.pack_sequence_as(features, specs)
 
-  def _composite_features(self, features):
+  def _composite_features(self, features, training):
     """Ragged/sparse again for declared inputs that arrive as padded matrices.
 
     Keras gives a ``keras.Input(ragged=True)`` (or ``sparse=True``) a dense
@@ -212,18 +212,29 @@ class EmbeddingLayer(keras.layers.Layer):
     for its serving signature. Such a feature arrives as an integer
     ``[batch, max_ids]`` matrix padded with ``PAD_ID`` (-1), the convention
     of ``serving.export_for_serving``; its ``PAD_ID`` entries are dropped.
+    Training refuses such a matrix: its padding cannot be told from ids
+    (``RaggedTensor.to_tensor`` pads with 0, a valid id).
     """
     flat = tf.nest.flatten(features)
+    paths = [p for p, _ in nest.flatten_with_joined_string_paths(
+        self.embedding.feature_config)]
     for i, kind in self._composite_inputs.items():
       x = flat[i] if i < len(flat) else None
       if not isinstance(x, tf.Tensor) or x.shape.rank != 2:
         continue
+      where = f"EmbeddingLayer '{self.name}': feature '{paths[i]}'"
+      if training and self.trainable:
+        wanted = "tf.RaggedTensor" if kind == "ragged" else "tf.SparseTensor"
+        raise errors.InputError(
+            f"{where} was declared keras.Input({kind}=True) but got a dense "
+            f"{x.shape.as_list()} tensor for training. Fix: pass a {wanted} "
+            f"(a matrix padded with {PAD_ID} is read only for serving).")
       if not x.dtype.is_integer:
         raise errors.InputError(
-            f"EmbeddingLayer '{self.name}': ids must be integers, got dtype "
-            f"{x.dtype.name} for a {kind} input. Fix: cast the ids to int64; "
-            "for model.export of a subclassed model pass input_signature= "
-            "with integer tf.TensorSpecs.")
+            f"{where}: ids must be integers, got dtype {x.dtype.name} for a "
+            f"{kind} input. Fix: cast the ids to int64; for model.export of a "
+            "subclassed model pass input_signature= with integer "
+            "tf.TensorSpecs.")
       keep = tf.not_equal(x, PAD_ID)
       if kind == "ragged":
         flat[i] = tf.ragged.boolean_mask(x, keep)
@@ -258,10 +269,7 @@ class EmbeddingLayer(keras.layers.Layer):
           "Fix: call the layer once, with every feature in one structure.")
     index = len(step.calls)
     step.calls.append((features, weights))
-    if self._kind == "cpu":
-      self.embedding.enqueue(features, weights, training=True)
-      activations = self.embedding.dequeue()
-    elif self._kind == "tpu_v2":
+    if self._kind == "tpu_v2":
       activations, step.preserved = self.embedding(features, weights)
     else:
       self.embedding.enqueue(features, weights, training=True)
