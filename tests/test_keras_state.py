@@ -454,9 +454,9 @@ def test_ragged_and_sparse_inputs_reach_the_engine_as_such():
   item_table = layer.variables_by_table["item"]["parameters"].numpy()
   rows = [[1, 2], [3], [4], [5], [6], [7]]
   np.testing.assert_allclose(got["user"], [user_table[r].sum(0) for r in rows],
-                             rtol=1e-6)
+                             rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(got["item"], [item_table[r].mean(0) for r in item.to_list()],
-                             rtol=1e-6)
+                             rtol=1e-6, atol=1e-6)
 
 
 # --- pinned errors -------------------------------------------------------------
