@@ -51,9 +51,19 @@ def _inputs(user_sparse=False):
                               name="item")}
 
 
+def _seeded(layer):
+  """Fixed table values (spec initializers take no seed): repeatable tests."""
+  rng = np.random.RandomState(17)
+  for variables in layer.variables_by_table.values():
+    table = variables["parameters"]
+    table.assign(rng.uniform(-1, 1, table.shape).astype(np.float32))
+  return layer
+
+
 def _model(spec=None, user_sparse=False):
   inputs = _inputs(user_sparse)
-  activations = tee.EmbeddingLayer(spec or _spec(), name="embedding")(inputs)
+  layer = _seeded(tee.EmbeddingLayer(spec or _spec(), name="embedding"))
+  activations = layer(inputs)
   x = keras.layers.Concatenate()([activations["user"], activations["item"]])
   head = keras.layers.Dense(1, name="head",
                             kernel_initializer=keras.initializers.GlorotUniform(1))
@@ -324,16 +334,26 @@ def test_mixed_float16_tables_follow_the_unscaled_float32_gradients():
     model = _compiled(_model(), keras.optimizers.SGD(0.5))
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     features, _ = _batches(8)[0]
-    assert model.get_layer("embedding")(features)["user"].dtype == tf.float16
+    layer = model.get_layer("embedding")
+    assert layer(features)["user"].dtype == tf.float16
+    start = {t: {k: v.numpy() for k, v in slots.items()}
+             for t, slots in layer.variables_by_table.items()}
     reference = _reference_run(model, _batches(8))
   finally:
     keras.mixed_precision.set_dtype_policy("float32")
-  layer = model.get_layer("embedding")
-  for variables in layer.variables_by_table.values():
-    assert all(v.dtype == tf.float32 for v in variables.values())
-  # float16 activations and dense math: equal to float16 rounding. A table
-  # gradient left scaled by 2**15 would be off by orders of magnitude.
-  _assert_tables_match(model, reference, rtol=2e-3, atol=2e-4)
+  assert int(layer.step.numpy()) == int(reference.step.numpy()) == STEPS
+  for table, slots in reference.variables.items():
+    for key, variable in slots.items():
+      got = layer.variables_by_table[table][key]
+      assert got.dtype == tf.float32
+      want = variable.numpy()
+      # float16 activations and dense math: within 0.5% of how far the run
+      # moved each variable (Adam amplifies the rounding of tiny gradients).
+      # A gradient left scaled by 2**15 is off by about the whole movement.
+      movement = np.abs(want - start[table][key]).max()
+      assert movement > 0, f"{table}/{key}"
+      np.testing.assert_allclose(got.numpy(), want, rtol=0,
+                                 atol=5e-3 * movement, err_msg=f"{table}/{key}")
 
 
 def test_overflowing_loss_scale_skips_the_table_step_like_the_dense_step():
@@ -424,9 +444,8 @@ def test_two_calls_in_one_step_make_one_table_step_like_one_call():
   batches = [({"a": fa, "b": fb}, ya) for (fa, ya), (fb, _) in zip(a, b)]
   spec = _spec()
   two, one = TwoTowers(spec), OneCall(spec)
-  for name, slots in one.embedding.variables_by_table.items():
-    for key, variable in slots.items():
-      variable.assign(two.embedding.variables_by_table[name][key])
+  _seeded(two.embedding)
+  _seeded(one.embedding)
   for model in (two, one):
     _compiled(model, "sgd")
     for features, label in batches:
@@ -441,7 +460,7 @@ def test_two_calls_in_one_step_make_one_table_step_like_one_call():
 
 def test_ragged_and_sparse_inputs_reach_the_engine_as_such():
   inputs = _inputs(user_sparse=True)
-  layer = tee.EmbeddingLayer(_spec())
+  layer = _seeded(tee.EmbeddingLayer(_spec()))
   activations = layer(inputs)
   for output in activations.values():
     assert tuple(output.shape) == (None, DIM)

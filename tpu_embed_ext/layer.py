@@ -215,6 +215,8 @@ class EmbeddingLayer(keras.layers.Layer):
     Training refuses such a matrix: its padding cannot be told from ids
     (``RaggedTensor.to_tensor`` pads with 0, a valid id).
     """
+    if not self._composite_inputs:
+      return features
     flat = tf.nest.flatten(features)
     paths = [p for p, _ in nest.flatten_with_joined_string_paths(
         self.embedding.feature_config)]
