@@ -585,6 +585,26 @@ def test_two_calls_that_cannot_be_concatenated_are_rejected(config, second, mess
   assert int(layer.step.numpy()) == 0
 
 
+def test_a_step_whose_gradients_never_all_arrive_is_reported():
+  layer = tee.EmbeddingLayer(_spec(), name="embedding")
+  features = _DENSE_USER
+  with tf.GradientTape():
+    layer(features, training=True)  # No gradient is ever taken of this call.
+  with tf.GradientTape() as tape:
+    out = layer(features, training=True)
+    loss = tf.reduce_sum(out["user"]) + tf.add_n(layer.losses)
+  tape.gradient(loss, layer.trainable_variables)
+  assert int(layer.step.numpy()) == 0
+  with pytest.raises(errors.InputError, match=re.escape(
+      "EmbeddingLayer 'embedding': gradients arrived for 1 of the 2 training "
+      "calls of the last step, so its table step was not applied. Fix: take "
+      "the gradient once per step, of a loss that depends on every training "
+      "call (model.losses included), with respect to the layer's trainable "
+      "variables.")):
+    with tf.GradientTape():
+      layer(features, training=True)
+
+
 def test_tpu_engine_called_twice_in_one_step_is_rejected(monkeypatch):
   from tests.test_layer import _RecordingV2, _feature_config  # pylint: disable=import-outside-toplevel
   from tpu_embed_ext import layer as layer_lib

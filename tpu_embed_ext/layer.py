@@ -261,6 +261,16 @@ class EmbeddingLayer(keras.layers.Layer):
     """Activations, and what to do with their (scaled) gradients."""
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     step = self._step_calls
+    if step.graph is graph and step.gradients and not step.done:
+      # A backward pass has run (this is a new forward pass) without the
+      # gradients of some calls: their step can never be applied.
+      raise errors.InputError(
+          f"EmbeddingLayer '{self.name}': gradients arrived for "
+          f"{len(step.gradients)} of the {len(step.calls)} training calls of "
+          "the last step, so its table step was not applied. Fix: take the "
+          "gradient once per step, of a loss that depends on every training "
+          "call (model.losses included), with respect to the layer's "
+          "trainable variables.")
     if step.graph is not graph or step.done:
       step = _StepCalls(graph)
       object.__setattr__(self, "_step_calls", step)
