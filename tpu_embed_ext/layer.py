@@ -40,7 +40,8 @@ skips its step and lowers the scale as it does for dense gradients.
 Several calls of one layer in one training step (two towers sharing tables)
 make one table step, as a TPU makes one step for all features of a batch:
 their batches are concatenated per feature and their gradients applied once,
-when the last of them has arrived.
+when the last of them has arrived. A backward pass that leaves some calls out
+is reported (``InputError``) at the next call rather than dropped silently.
 
 Engines: on CPU (no ``TPUStrategy`` in scope) the layer runs
 ``CPUEmbedding``, our emulation of the TPU engine. Under a ``TPUStrategy`` it
