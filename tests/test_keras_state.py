@@ -608,7 +608,7 @@ def test_a_step_whose_gradients_never_all_arrive_is_reported():
 def test_tpu_engine_called_twice_in_one_step_is_rejected(monkeypatch):
   from tests.test_layer import _RecordingV2, _feature_config  # pylint: disable=import-outside-toplevel
   from tpu_embed_ext import layer as layer_lib
-  monkeypatch.setattr(layer_lib.engine_lib, "create_embedding",
+  monkeypatch.setattr(layer_lib.dispatch, "create_embedding",
                       lambda *a, **k: _RecordingV2())
   monkeypatch.setattr(layer_lib, "_engine_kind", lambda e: "tpu_v2")
   layer = tee.EmbeddingLayer(_feature_config(), name="embedding")

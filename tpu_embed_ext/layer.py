@@ -62,6 +62,7 @@ from typing import Dict, List, Optional
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.distribute import values_util
 from tensorflow.python.eager import record
 from tensorflow.python.util import nest
 
@@ -116,7 +117,8 @@ class EmbeddingLayer(keras.layers.Layer):
                   if isinstance(spec_or_feature_config, EmbeddingSpec) else None)
     self._engine_arg = engine
     self._validate = validate
-    object.__setattr__(self, "_step_calls", _StepCalls(graph=None))
+    # Replica (under a tf.distribute strategy) -> its calls of this step.
+    object.__setattr__(self, "_step_calls", {})
     # Flat feature index -> "ragged" / "sparse", for features whose
     # keras.Input was declared so (seen by compute_output_spec).
     # (Set untracked: a tracked dict would become checkpoint state.)
@@ -261,7 +263,8 @@ class EmbeddingLayer(keras.layers.Layer):
   def _train_lookup(self, features, weights):
     """Activations, and what to do with their (scaled) gradients."""
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-    step = self._step_calls
+    replica = values_util.get_current_replica_id_as_int() or 0
+    step = self._step_calls.setdefault(replica, _StepCalls(graph))
     if step.graph is graph and step.gradients and not step.done:
       # A backward pass has run (this is a new forward pass) without the
       # gradients of some calls: their step can never be applied.
@@ -274,7 +277,7 @@ class EmbeddingLayer(keras.layers.Layer):
           "trainable variables.")
     if step.graph is not graph or step.done:
       step = _StepCalls(graph)
-      object.__setattr__(self, "_step_calls", step)
+      self._step_calls[replica] = step
     if step.calls and self._kind != "cpu":
       raise errors.InputError(
           f"EmbeddingLayer '{self.name}' was called {len(step.calls) + 1} "
@@ -308,9 +311,6 @@ class EmbeddingLayer(keras.layers.Layer):
     scaled = tf.logical_and(tf.not_equal(probe, 0.0), tf.not_equal(probe, 1.0))
     scale = tf.where(tf.equal(probe, 0.0), 1.0, probe)
     flat = [[g / scale for g in grads] for grads in flat]
-    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
-                            for grads in flat for g in grads])
-    skip = tf.logical_and(scaled, tf.logical_not(finite))
 
     def apply():
       if len(step.calls) == 1:
@@ -324,6 +324,14 @@ class EmbeddingLayer(keras.layers.Layer):
       self._apply(gradients, step)
       return tf.constant(0.0)
 
+    if replicas > 1:
+      # The engine sums replicas in a merge_call, which cannot run inside
+      # tf.cond: no overflow skip under a strategy (the engine's finite check
+      # stops the step instead).
+      return apply()
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
+                            for grads in flat for g in grads])
+    skip = tf.logical_and(scaled, tf.logical_not(finite))
     return tf.cond(skip, lambda: tf.constant(np.nan, tf.float32), apply)
 
   def _apply(self, gradients, step):
@@ -461,8 +469,9 @@ class EmbeddingLayer(keras.layers.Layer):
 class _StepCalls:
   """The training calls of one step, until all their gradients have arrived.
 
-  Kept per graph: a ``tf.function`` trace of a training step records its
-  calls and its backward pass in the same graph.
+  Kept per graph and replica: a ``tf.function`` trace of a training step
+  records its calls and its backward pass in the same graph, and each replica
+  of a strategy traces its own.
   """
 
   def __init__(self, graph):
