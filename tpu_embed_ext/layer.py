@@ -285,7 +285,12 @@ class EmbeddingLayer(keras.layers.Layer):
           "Fix: call the layer once, with every feature in one structure.")
     index = len(step.calls)
     step.calls.append((features, weights))
-    if self._kind == "tpu_v2":
+    if self._kind == "cpu":
+      # Looked up now, enqueued in the backward pass once every call of the
+      # step is known: the engine's batch shape is then that of the whole
+      # step, the same on every step.
+      activations = self.embedding(features, weights)
+    elif self._kind == "tpu_v2":
       activations, step.preserved = self.embedding(features, weights)
     else:
       self.embedding.enqueue(features, weights, training=True)
@@ -315,12 +320,14 @@ class EmbeddingLayer(keras.layers.Layer):
     def apply():
       if len(step.calls) == 1:
         gradients = tf.nest.pack_sequence_as(step.gradients[0], flat[0])
+        features, weights = step.calls[0]
       else:
         features, weights = _concat_calls(self.embedding.feature_config,
                                           step.calls, self.name)
-        self.embedding.enqueue(features, weights, training=True)
         gradients = tf.nest.pack_sequence_as(
             step.gradients[0], [tf.concat(gs, 0) for gs in zip(*flat)])
+      if self._kind == "cpu":
+        self.embedding.enqueue(features, weights, training=True)
       self._apply(gradients, step)
       return tf.constant(0.0)
 
