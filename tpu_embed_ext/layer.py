@@ -12,9 +12,11 @@ How the table update is wired into ``fit``: the layer owns one trainable
 scalar, the *gradient sink*, and routes its activations through a
 ``tf.custom_gradient`` whose inputs are the sink and the activations. When
 Keras's ``train_step`` asks the tape for the gradient of the loss with respect
-to its trainable weights, the custom gradient receives ``dL/dactivations`` and
-hands them to the engine's ``apply_gradients`` (one table step per training
-batch, which also advances the engine's ``step`` and so its schedules). The
+to its trainable weights, the custom gradient receives ``dL/dactivations``,
+enqueues the step's batch on the CPU engine (the forward pass only looked it
+up) and hands them to the engine's ``apply_gradients`` (one table step per
+training batch, which also advances the engine's ``step`` and so its
+schedules). The
 sink is marked ``overwrite_with_gradient``: Keras optimizers write its
 gradient into it instead of stepping, clipping or accumulating it, so it
 never takes part in the dense optimizer's math.
