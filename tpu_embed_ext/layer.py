@@ -1,20 +1,49 @@
 """Keras 3 layer that trains embedding tables with their own TPU optimizers.
 
 ``EmbeddingLayer`` hides the enqueue / dequeue / apply_gradients protocol of the
-TPU embedding mid-level API inside ``model.fit``. Tables are never Keras
-weights, so the model's Keras optimizer never touches them: each table is
-updated by its own table optimizer (per-table overrides and schedules
-included), exactly as on a TPU.
+TPU embedding mid-level API inside ``model.fit``. Tables are never trainable
+Keras weights, so the model's Keras optimizer never touches them: each table
+is updated by its own table optimizer (per-table overrides and schedules
+included), exactly as on a TPU. ``model.summary()`` and ``layer.weights``
+list the tables as non-trainable weights (their optimizer slots are optimizer
+state, like a Keras optimizer's, and are not counted).
 
 How the table update is wired into ``fit``: the layer owns one trainable
 scalar, the *gradient sink*, and routes its activations through a
 ``tf.custom_gradient`` whose inputs are the sink and the activations. When
 Keras's ``train_step`` asks the tape for the gradient of the loss with respect
 to its trainable weights, the custom gradient receives ``dL/dactivations``,
-hands them to the engine's ``apply_gradients`` (one table step per training
-batch, which also advances the engine's ``step`` and so its schedules), and
-returns a zero gradient for the sink. The sink's value is never read, so
-whatever the Keras optimizer does to it (momentum, weight decay) has no effect.
+enqueues the step's batch on the CPU engine (the forward pass only looked it
+up) and hands them to the engine's ``apply_gradients`` (one table step per
+training batch, which also advances the engine's ``step`` and so its
+schedules). The
+sink is marked ``overwrite_with_gradient``: Keras optimizers write its
+gradient into it instead of stepping, clipping or accumulating it, so it
+never takes part in the dense optimizer's math.
+
+Loss scaling: ``train_step`` differentiates ``optimizer.scale_loss(loss)``
+(``loss_scale_factor``, or ``LossScaleOptimizer``'s dynamic scale under
+``mixed_float16``), and Keras divides the scale out of the dense gradients
+only, inside ``optimizer.apply``. The layer measures the scale where it
+enters: each training call adds a *scale probe* to ``layer.losses``, a loss
+term whose value is exactly 0 and whose gradient is therefore the factor the
+loss was multiplied by after the losses were summed. Table gradients are
+``dL/dactivations`` divided by that factor, i.e. the gradients of the
+unscaled loss (bit for bit when the scale is a power of two, as Keras's
+scales are). Under ``tf.distribute`` Keras also multiplies the loss by
+``1 / num_replicas``; that factor is kept, as the TPU sums replicas'
+gradients. A loss that leaves out ``model.losses`` (a hand-written loop that
+forgets them) gives the probe a zero gradient: the activations' gradients are
+then applied as given, as ``TPUEmbedding.apply_gradients`` would. When the loss
+is scaled and a table gradient is not finite (a float16 overflow), the table
+step is skipped and the sink's gradient is NaN, so ``LossScaleOptimizer``
+skips its step and lowers the scale as it does for dense gradients.
+
+Several calls of one layer in one training step (two towers sharing tables)
+make one table step, as a TPU makes one step for all features of a batch:
+their batches are concatenated per feature and their gradients applied once,
+when the last of them has arrived. A backward pass that leaves some calls out
+is reported (``InputError``) at the next call rather than dropped silently.
 
 Engines: on CPU (no ``TPUStrategy`` in scope) the layer runs
 ``CPUEmbedding``, our emulation of the TPU engine. Under a ``TPUStrategy`` it
@@ -24,27 +53,44 @@ TPU branches were NOT run on TPU hardware: no TPU is reachable where this
 package is developed. They are exercised on CPU up to the point where a TPU is
 needed (construction with a stand-in strategy, the engine chosen, the protocol
 each engine needs); see tests/test_layer.py.
+
+Saving: see ``save_own_variables`` and the README's "Saving and restoring".
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, List, Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
+from tensorflow.python.distribute import values_util
+from tensorflow.python.eager import record
+from tensorflow.python.util import nest
 
+from tpu_embed_ext import errors
 from tpu_embed_ext.emulation import dispatch
+from tpu_embed_ext.spec import EmbeddingSpec
 
-__all__ = ["EmbeddingLayer"]
+__all__ = ["EmbeddingLayer", "PAD_ID"]
+
+PAD_ID = -1
+"""Padding of a ragged or sparse feature given as a dense id matrix."""
+
+# A leading dot keeps them apart from table names.
+_STEP_KEY = ".step"
+_SINK_KEY = ".gradient_sink"
 
 
+@keras.saving.register_keras_serializable(package="tpu_embed_ext")
 class EmbeddingLayer(keras.layers.Layer):
   """Embedding lookups whose tables train with TPU embedding optimizers.
 
   Args:
     spec_or_feature_config: an ``EmbeddingSpec`` (schedules bind to this
       layer's ``step``), or a nested ``tf.tpu.experimental.embedding``
-      ``FeatureConfig`` structure as ``TPUEmbedding`` takes it.
+      ``FeatureConfig`` structure as ``TPUEmbedding`` takes it (such a layer
+      cannot be saved as a Keras config: ``model.save`` needs a spec).
     optimizer: the global table optimizer for a feature config whose tables
       have none (a ``tf.tpu.experimental.embedding`` optimizer or our spec).
       Ignored for an ``EmbeddingSpec``, which carries its own.
@@ -54,16 +100,31 @@ class EmbeddingLayer(keras.layers.Layer):
     validate: check ids and gradients on every step (CPU engine only).
 
   Call with ``features`` (the structure of the feature config) and optional
-  ``weights``; returns activations with the structure of ``features``.
-  ``training=True`` looks up and trains on the backward pass;
-  ``training=False`` (``evaluate``, ``predict``) only looks up.
+  ``weights``; returns activations with the structure of ``features``, in the
+  layer's compute dtype (float16 under ``mixed_float16``; the engine computes
+  in float32). ``training=True`` looks up and trains on the backward pass;
+  ``training=False`` (``evaluate``, ``predict``) and ``trainable=False`` only
+  look up.
   """
 
   def __init__(self, spec_or_feature_config, optimizer=None,
                engine: Optional[str] = None, *, validate: bool = True,
                **kwargs):
     super().__init__(**kwargs)
+    # Keras would cast float feature weights to the compute dtype (float16
+    # under mixed precision); the engine takes them in float32.
+    self._convert_input_args = False
     self._serving = False
+    self._spec = (spec_or_feature_config
+                  if isinstance(spec_or_feature_config, EmbeddingSpec) else None)
+    self._engine_arg = engine
+    self._validate = validate
+    # Replica (under a tf.distribute strategy) -> its calls of this step.
+    object.__setattr__(self, "_step_calls", {})
+    # Flat feature index -> "ragged" / "sparse", for features whose
+    # keras.Input was declared so (seen by compute_output_spec).
+    # (Set untracked: a tracked dict would become checkpoint state.)
+    object.__setattr__(self, "_composite_inputs", {})
     # Created eagerly, outside any tf.function, so the tables and slots exist
     # (and can be restored) before the first call.
     self.embedding = dispatch.create_embedding(
@@ -75,7 +136,9 @@ class EmbeddingLayer(keras.layers.Layer):
     # TPUEmbedding's); the layer checkpoints it, so schedules resume.
     self.table_step = self.embedding.step
     self.gradient_sink = self.add_weight(
-        shape=(), initializer="zeros", trainable=True, name="gradient_sink")
+        shape=(), initializer="zeros", trainable=True, name="gradient_sink",
+        overwrite_with_gradient=True)
+    self.built = True
 
   @property
   def step(self) -> tf.Variable:
@@ -87,13 +150,106 @@ class EmbeddingLayer(keras.layers.Layer):
     """``{table_name: {"parameters": var, <slot>: var}}`` of the engine."""
     return self.embedding.variables
 
+  # --- Keras weights -------------------------------------------------------
+
+  def _tables(self) -> List[tf.Variable]:
+    return list(self.embedding.embedding_tables.values())
+
+  @property
+  def weights(self):
+    """Keras's weights plus the tables (``trainable=False`` variables)."""
+    return super().weights + self._tables()
+
+  @property
+  def variables(self):
+    return super().variables + self._tables()
+
+  # --- call ----------------------------------------------------------------
+
   def call(self, features, weights=None, training=None):
+    features = self._composite_features(features, training)
     if self._serving:
-      return self._serving_lookup(features, weights)
-    if not training:
-      return self._lookup(features, weights)
-    activations, apply = self._train_lookup(features, weights)
-    return _route_gradients(activations, self.gradient_sink, apply)
+      return self._cast(self._serving_lookup(features, weights))
+    if not training or not self.trainable or (
+        tf.executing_eagerly() and not record.could_possibly_record()):
+      # Nothing can train: no backward pass will come (evaluation, a frozen
+      # layer, or an eager call that no tape records).
+      return self._cast(self._lookup(features, weights))
+    activations, on_gradients = self._train_lookup(features, weights)
+    outputs, probe = _route_gradients(activations, self.gradient_sink,
+                                      on_gradients)
+    self.add_loss(probe)
+    return self._cast(outputs)
+
+  def _cast(self, activations):
+    dtype = self.compute_dtype
+    if dtype == "float32":
+      return activations
+    return tf.nest.map_structure(lambda a: tf.cast(a, dtype), activations)
+
+  def compute_output_spec(self, features, weights=None, training=None):
+    """Output shapes from the feature config, for ragged and sparse inputs too.
+
+    Keras traces symbolic calls (``keras.Input``) with dense placeholders;
+    looking those up would give ragged and sparse features the dense
+    ``[batch, length, dim]`` shape instead of ``[batch, dim]``.
+    """
+    del weights, training
+    configs = tf.nest.flatten(self.embedding.feature_config)
+    flat = tf.nest.flatten(features)
+    if len(configs) != len(flat):
+      raise errors.InputError(
+          f"EmbeddingLayer '{self.name}' got {len(flat)} inputs, its feature "
+          f"config has {len(configs)} features. Fix: pass one keras.Input per "
+          "FeatureConfig, in the feature config's structure.")
+    specs = [keras.KerasTensor(_output_shape(c, x), dtype=self.compute_dtype)
+             for c, x in zip(configs, flat)]
+    for i, x in enumerate(flat):
+      if getattr(x, "ragged", False) or getattr(x, "sparse", False):
+        self._composite_inputs[i] = "ragged" if x.ragged else "sparse"
+    return tf.nest.pack_sequence_as(features, specs)
+
+  def _composite_features(self, features, training):
+    """Ragged/sparse again for declared inputs that arrive as padded matrices.
+
+    Keras gives a ``keras.Input(ragged=True)`` (or ``sparse=True``) a dense
+    placeholder where it cannot trace composites, as ``model.export`` does
+    for its serving signature. Such a feature arrives as an integer
+    ``[batch, max_ids]`` matrix padded with ``PAD_ID`` (-1), the convention
+    of ``serving.export_for_serving``; its ``PAD_ID`` entries are dropped.
+    Training refuses such a matrix: its padding cannot be told from ids
+    (``RaggedTensor.to_tensor`` pads with 0, a valid id).
+    """
+    if not self._composite_inputs:
+      return features
+    flat = tf.nest.flatten(features)
+    paths = [p for p, _ in nest.flatten_with_joined_string_paths(
+        self.embedding.feature_config)]
+    for i, kind in self._composite_inputs.items():
+      x = flat[i] if i < len(flat) else None
+      if not isinstance(x, tf.Tensor) or x.shape.rank != 2:
+        continue
+      where = f"EmbeddingLayer '{self.name}': feature '{paths[i]}'"
+      if training and self.trainable:
+        wanted = "tf.RaggedTensor" if kind == "ragged" else "tf.SparseTensor"
+        raise errors.InputError(
+            f"{where} was declared keras.Input({kind}=True) but got a dense "
+            f"{x.shape.as_list()} tensor for training. Fix: pass a {wanted} "
+            f"(a matrix padded with {PAD_ID} is read only for serving).")
+      if not x.dtype.is_integer:
+        raise errors.InputError(
+            f"{where}: ids must be integers, got dtype {x.dtype.name} for a "
+            f"{kind} input. Fix: cast the ids to int64; for model.export of a "
+            "subclassed model pass input_signature= with integer "
+            "tf.TensorSpecs.")
+      keep = tf.not_equal(x, PAD_ID)
+      if kind == "ragged":
+        flat[i] = tf.ragged.boolean_mask(x, keep)
+      else:
+        indices = tf.where(keep)
+        flat[i] = tf.SparseTensor(indices, tf.gather_nd(x, indices),
+                                  tf.shape(x, out_type=tf.int64))
+    return tf.nest.pack_sequence_as(features, flat)
 
   # --- engine protocols ----------------------------------------------------
 
@@ -107,23 +263,97 @@ class EmbeddingLayer(keras.layers.Layer):
     return self.embedding(features, weights)
 
   def _train_lookup(self, features, weights):
-    """Returns activations and the function that applies their gradients."""
+    """Activations, and what to do with their (scaled) gradients."""
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    replica = values_util.get_current_replica_id_as_int() or 0
+    step = self._step_calls.setdefault(replica, _StepCalls(graph))
+    if step.graph is graph and step.gradients and not step.done:
+      # A backward pass has run (this is a new forward pass) without the
+      # gradients of some calls: their step can never be applied.
+      raise errors.InputError(
+          f"EmbeddingLayer '{self.name}': gradients arrived for "
+          f"{len(step.gradients)} of the {len(step.calls)} training calls of "
+          "the last step, so its table step was not applied. Fix: take the "
+          "gradient once per step, of a loss that depends on every training "
+          "call (model.losses included), with respect to the layer's "
+          "trainable variables.")
+    if step.graph is not graph or step.done:
+      step = _StepCalls(graph)
+      self._step_calls[replica] = step
+    if step.calls and self._kind != "cpu":
+      raise errors.InputError(
+          f"EmbeddingLayer '{self.name}' was called {len(step.calls) + 1} "
+          "times in one training step; a TPU engine takes one batch per step. "
+          "Fix: call the layer once, with every feature in one structure.")
+    index = len(step.calls)
+    step.calls.append((features, weights))
     if self._kind == "cpu":
+      # Looked up now, enqueued in the backward pass once every call of the
+      # step is known: the engine's batch shape is then that of the whole
+      # step, the same on every step.
+      activations = self.embedding(features, weights)
+    elif self._kind == "tpu_v2":
+      activations, step.preserved = self.embedding(features, weights)
+    else:
       self.embedding.enqueue(features, weights, training=True)
-      return self.embedding.dequeue(), self.embedding.apply_gradients
+      activations = self.embedding.dequeue()
+
+    def on_gradients(gradients, scale):
+      step.gradients[index] = gradients
+      step.scale = scale
+      if len(step.gradients) < len(step.calls):
+        return tf.zeros([])
+      step.done = True
+      return self._table_step(step)
+    return activations, on_gradients
+
+  def _table_step(self, step: "_StepCalls"):
+    """Applies a step's unscaled gradients; returns the sink's gradient."""
+    flat = [tf.nest.flatten(step.gradients[i]) for i in range(len(step.calls))]
+    # The probe's gradient is s / R: the optimizer's scale s times Keras's
+    # 1 / R for R > 1 replicas (keras.src.losses.loss's
+    # scale_loss_for_distribution). Only s is divided out.
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    probe = step.scale * replicas if replicas > 1 else step.scale
+    scaled = tf.logical_and(tf.not_equal(probe, 0.0), tf.not_equal(probe, 1.0))
+    scale = tf.where(tf.equal(probe, 0.0), 1.0, probe)
+    flat = [[g / scale for g in grads] for grads in flat]
+
+    def apply():
+      if len(step.calls) == 1:
+        gradients = tf.nest.pack_sequence_as(step.gradients[0], flat[0])
+        features, weights = step.calls[0]
+      else:
+        features, weights = _concat_calls(self.embedding.feature_config,
+                                          step.calls, self.name)
+        gradients = tf.nest.pack_sequence_as(
+            step.gradients[0], [tf.concat(gs, 0) for gs in zip(*flat)])
+      if self._kind == "cpu":
+        self.embedding.enqueue(features, weights, training=True)
+      self._apply(gradients, step)
+      return tf.constant(0.0)
+
+    if replicas > 1:
+      # The engine sums replicas in a merge_call, which cannot run inside
+      # tf.cond: no overflow skip under a strategy (the engine's finite check
+      # stops the step instead).
+      return apply()
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
+                            for grads in flat for g in grads])
+    skip = tf.logical_and(scaled, tf.logical_not(finite))
+    return tf.cond(skip, lambda: tf.constant(np.nan, tf.float32), apply)
+
+  def _apply(self, gradients, step):
+    if self._kind == "cpu":
+      self.embedding.apply_gradients(gradients)
+      return
     # TPU engines have no step of their own: advance the one that
     # create_embedding bound the schedules to.
     if self._kind == "tpu_v2":
-      activations, preserved = self.embedding(features, weights)
-      apply = lambda grads: self.embedding.apply_gradients(grads, preserved)
+      self.embedding.apply_gradients(gradients, step.preserved)
     else:
-      self.embedding.enqueue(features, weights, training=True)
-      activations, apply = self.embedding.dequeue(), self.embedding.apply_gradients
-
-    def apply_and_step(grads):
-      apply(grads)
-      self.embedding.step.assign_add(1)
-    return activations, apply_and_step
+      self.embedding.apply_gradients(gradients)
+    self.embedding.step.assign_add(1)
 
   def _serving_lookup(self, features, weights):
     # The standard CPU lookup of a TPU-trained model, with no TPU ops.
@@ -135,11 +365,131 @@ class EmbeddingLayer(keras.layers.Layer):
     """Switches calls to ``serving_embedding_lookup`` (used by export)."""
     self._serving = enabled
 
+  # --- Keras saving --------------------------------------------------------
+
+  def _state(self) -> Dict[str, tf.Variable]:
+    """Every saved variable by its key in a Keras weights file.
+
+    ``<table>`` is a table, ``<table>.<slot>`` one of its optimizer slots
+    (HDF5 reads "/" as a group, so TensorFlow's ``<table>/<slot>`` is not
+    usable), ``.step`` the table step, ``.gradient_sink`` the sink.
+    """
+    if self._kind != "cpu":
+      raise errors.ConfigError(
+          f"EmbeddingLayer '{self.name}': Keras weight files of a TPU engine "
+          "are not supported (not run on a TPU). Fix: save with "
+          "tf.train.Checkpoint, whose keys equal TPUEmbedding's.")
+    state = {}
+    for table, variables in self.embedding.variables.items():
+      state[table] = variables["parameters"]
+      state.update({f"{table}.{slot}": variable
+                    for slot, variable in variables.items()
+                    if slot != "parameters"})
+    state[_STEP_KEY] = self.embedding.step
+    state[_SINK_KEY] = self.gradient_sink
+    return state
+
+  def save_own_variables(self, store):
+    """Writes tables, slots, the table step and the sink (see ``_state``)."""
+    for key, variable in self._state().items():
+      store[key] = np.asarray(variable.numpy())
+
+  def load_own_variables(self, store):
+    """Restores what ``save_own_variables`` wrote, or changes nothing.
+
+    Every table, slot and shape is checked before the first variable is
+    written; a mismatch names the table.
+    """
+    state = self._state()
+    stored = set(store.keys())
+    # Keys of the other tables, which may start with "<table>." too.
+    owner = {_STEP_KEY: None, _SINK_KEY: None}
+    for table, variables in self.embedding.variables.items():
+      owner.update({table if s == "parameters" else f"{table}.{s}": table
+                    for s in variables})
+    others = {t: {k for k, o in owner.items() if o != t}
+              for t in self.embedding.variables}
+    for table, variables in self.embedding.variables.items():
+      if table not in stored:
+        raise errors.ConfigError(
+            f"EmbeddingLayer '{self.name}': table '{table}' is not in the "
+            f"saved weights (they hold {sorted(stored)}). Fix: load weights "
+            "saved from a layer with the same spec, or rename the table back.")
+      slots = sorted(s for s in variables if s != "parameters")
+      saved = sorted(k[len(table) + 1:] for k in stored - others[table]
+                     if k.startswith(f"{table}."))
+      if saved != slots:
+        raise errors.ConfigError(
+            f"EmbeddingLayer '{self.name}': table '{table}' is saved with "
+            f"optimizer slots {saved}, its optimizer needs {slots}. Fix: load "
+            "with the table optimizer the weights were trained with.")
+    unknown = sorted(stored - set(state))
+    if unknown:
+      raise errors.ConfigError(
+          f"EmbeddingLayer '{self.name}': the saved weights hold {unknown}, "
+          "which this spec does not have. Fix: load into a layer with the same "
+          "spec.")
+    missing = sorted({_STEP_KEY, _SINK_KEY} - stored)
+    if missing:
+      raise errors.ConfigError(
+          f"EmbeddingLayer '{self.name}': the saved weights lack {missing}. "
+          "Fix: load weights saved by EmbeddingLayer.save_own_variables.")
+    values = {key: np.asarray(store[key]) for key in state}
+    for key, variable in state.items():
+      want, have = list(variable.shape), list(values[key].shape)
+      if have != want:
+        what = f"table '{owner[key]}'" if owner[key] else f"'{key}'"
+        where = f" (slot '{key}')" if owner[key] and key != owner[key] else ""
+        raise errors.ConfigError(
+            f"EmbeddingLayer '{self.name}': {what} is saved with shape "
+            f"{have}{where}, this layer has {want}. Fix: load into a spec with "
+            "the same vocabulary_size and dim.")
+    for key, variable in state.items():
+      variable.assign(values[key].astype(tf.as_dtype(variable.dtype).as_numpy_dtype))
+
   def get_config(self):
-    raise NotImplementedError(
-        "EmbeddingLayer holds TensorFlow TPU embedding objects and is saved "
-        "with tf.train.Checkpoint or exported with "
-        "tpu_embed_ext.serving.export_for_serving, not as a Keras config.")
+    if self._spec is None:
+      raise errors.ConfigTypeError(
+          f"EmbeddingLayer '{self.name}' was built from a "
+          "tf.tpu.experimental.embedding FeatureConfig structure, which has "
+          "no Keras config (model.save / get_config). Fix: build the layer "
+          "from a tpu_embed_ext.EmbeddingSpec (EmbeddingSpec.from_dict or "
+          "from_file), or save weights only (save_weights, "
+          "tf.train.Checkpoint).")
+    config = super().get_config()
+    config.update(spec=self._spec.to_dict(), engine=self._engine_arg,
+                  validate=self._validate)
+    return config
+
+  @classmethod
+  def from_config(cls, config):
+    config = dict(config)
+    spec = EmbeddingSpec.from_dict(config.pop("spec"))
+    return cls(spec, **config)
+
+  def get_build_config(self):
+    # Everything is created in __init__: there is nothing to rebuild.
+    return {}
+
+  def build_from_config(self, config):
+    del config
+
+
+class _StepCalls:
+  """The training calls of one step, until all their gradients have arrived.
+
+  Kept per graph and replica: a ``tf.function`` trace of a training step
+  records its calls and its backward pass in the same graph, and each replica
+  of a strategy traces its own.
+  """
+
+  def __init__(self, graph):
+    self.graph = graph
+    self.calls = []       # [(features, weights)] in call order
+    self.gradients = {}   # call index -> gradients (scaled)
+    self.scale = None     # the scale probe's gradient
+    self.preserved = None  # TPUEmbeddingV2's preserved outputs
+    self.done = False
 
 
 def _engine_kind(embedding) -> str:
@@ -152,16 +502,90 @@ def _engine_kind(embedding) -> str:
   return "cpu"
 
 
-def _route_gradients(activations, sink, apply_gradients):
-  """Identity on ``activations``; its backward pass trains the tables."""
-  flat = tf.nest.flatten(activations)
+def _output_shape(config, x) -> tuple:
+  """The activation shape the engine gives ``x`` (a KerasTensor)."""
+  dim = config.table.dim
+  shape = tuple(x.shape)
+  if not (getattr(x, "ragged", False) or getattr(x, "sparse", False)):
+    return shape + (dim,)
+  if config.output_shape:
+    return tuple(config.output_shape) + (dim,)
+  if config.max_sequence_length > 0:
+    return (shape[0], config.max_sequence_length, dim)
+  return shape[:-1] + (dim,)
+
+
+def _route_gradients(activations, sink, on_gradients):
+  """Identity on ``activations``, plus the scale probe (a zero loss term).
+
+  The backward pass hands ``dL/dactivations`` and the probe's gradient (the
+  loss's scale) to ``on_gradients``, which returns the sink's gradient.
+  """
+  flat = [tf.cast(a, tf.float32) for a in tf.nest.flatten(activations)]
 
   @tf.custom_gradient
   def route(sink_value, *flat_activations):
     def grad(*upstream):
-      apply_gradients(tf.nest.pack_sequence_as(activations, list(upstream)))
+      *gradients, scale = upstream
+      gradients = [tf.cast(g, tf.float32) for g in gradients]
+      sink_gradient = on_gradients(
+          tf.nest.pack_sequence_as(activations, gradients),
+          tf.cast(scale, tf.float32))
       # No gradient flows into the tables' gather: the engine has applied it.
-      return [tf.zeros_like(sink_value)] + [None] * len(flat_activations)
-    return [tf.identity(a) for a in flat_activations], grad
+      return ([tf.cast(sink_gradient, sink_value.dtype)]
+              + [None] * len(flat_activations))
+    outputs = [tf.identity(a) for a in flat_activations]
+    return outputs + [tf.zeros([], tf.float32)], grad
 
-  return tf.nest.pack_sequence_as(activations, route(sink, *flat))
+  *outputs, probe = route(sink, *flat)
+  return tf.nest.pack_sequence_as(activations, outputs), probe
+
+
+def _concat_calls(feature_config, calls, name):
+  """One batch of every call's features and weights, concatenated per feature."""
+  configs = tf.nest.flatten(feature_config)
+  if any(c.output_shape for c in configs):
+    raise errors.InputError(
+        f"EmbeddingLayer '{name}' was called {len(calls)} times in one "
+        "training step with a feature that sets output_shape, whose batch "
+        "cannot be concatenated. Fix: call the layer once per step, with "
+        "every feature in one structure.")
+  flat_features = [tf.nest.flatten(f) for f, _ in calls]
+  flat_weights = [[None] * len(configs) if w is None else tf.nest.flatten(w)
+                  for _, w in calls]
+  features, weights = [], []
+  paths = [p for p, _ in nest.flatten_with_joined_string_paths(feature_config)]
+  for i, path in enumerate(paths):
+    xs = [f[i] for f in flat_features]
+    ws = [w[i] for w in flat_weights]
+    kinds = sorted({type(x).__name__ for x in xs})
+    if len(kinds) > 1:
+      raise errors.InputError(
+          f"EmbeddingLayer '{name}': feature '{path}' comes as "
+          f"{' and '.join(kinds)} in calls of one training step, which cannot "
+          "be concatenated into one table step. Fix: pass it as the same kind "
+          "of tensor in every call.")
+    features.append(_concat(xs))
+    if all(w is None for w in ws):
+      weights.append(None)
+    else:  # A call without weights weighs every id 1.
+      weights.append(_concat([_unit_weights(x) if w is None else w
+                              for x, w in zip(xs, ws)]))
+  any_weights = any(w is not None for w in weights)
+  return (tf.nest.pack_sequence_as(feature_config, features),
+          tf.nest.pack_sequence_as(feature_config, weights) if any_weights
+          else None)
+
+
+def _concat(xs):
+  if isinstance(xs[0], tf.SparseTensor):
+    return tf.sparse.concat(0, list(xs), expand_nonconcat_dims=True)
+  return tf.concat(list(xs), 0)
+
+
+def _unit_weights(x):
+  """Weight 1 for every id of a ragged or sparse ``x``.
+
+  (Dense ids take no weights: the engine rejects them in the forward pass.)
+  """
+  return x.with_values(tf.ones_like(x.values, tf.float32))

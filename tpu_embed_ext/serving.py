@@ -25,11 +25,9 @@ import tensorflow as tf
 
 from tpu_embed_ext import errors
 from tpu_embed_ext.emulation.engine import CPUEmbedding
-from tpu_embed_ext.layer import EmbeddingLayer
+from tpu_embed_ext.layer import PAD_ID, EmbeddingLayer
 
 __all__ = ["PAD_ID", "export_for_serving", "ragged_from_padded", "check_ids"]
-
-PAD_ID = -1
 
 
 def ragged_from_padded(structure):
