@@ -20,7 +20,12 @@ api = tf.tpu.experimental.embedding
 def mirrored(replicas):
   if len(tf.config.list_logical_devices("CPU")) < replicas:
     pytest.fail(f"needs {replicas} logical CPU devices (tests/conftest.py)")
-  return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+  # ReductionToOneDevice: collective all-reduces of strategies of different
+  # sizes in one process clash over group keys (a TensorFlow limitation;
+  # a program has one strategy).
+  return tf.distribute.MirroredStrategy(
+      [f"/cpu:{i}" for i in range(replicas)],
+      cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
 def distribute(strategy, per_replica):

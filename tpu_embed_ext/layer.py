@@ -62,6 +62,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 import keras
+from keras.src.backend.common import symbolic_scope
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import values_util
@@ -167,6 +168,8 @@ class EmbeddingLayer(keras.layers.Layer):
   # --- call ----------------------------------------------------------------
 
   def call(self, features, weights=None, training=None):
+    if symbolic_scope.in_symbolic_scope():
+      return self._shape_only(features, weights, training)
     features = self._composite_features(features, training)
     if self._serving:
       return self._cast(self._serving_lookup(features, weights))
@@ -180,6 +183,26 @@ class EmbeddingLayer(keras.layers.Layer):
                                       on_gradients)
     self.add_loss(probe)
     return self._cast(outputs)
+
+  def _shape_only(self, features, weights, training):
+    """Zeros of the activations' shapes, without touching the engine.
+
+    Keras builds a model under a strategy by calling it in a symbolic scope
+    on a batch it has reduced with MEAN across replicas (ids become floats);
+    only shapes matter there, and no table may be read or stepped.
+    """
+    specs = tf.nest.flatten(self.compute_output_spec(features, weights, training))
+    outputs = []
+    for spec, x in zip(specs, tf.nest.flatten(features)):
+      if isinstance(x, tf.RaggedTensor):
+        batch = x.nrows(out_type=tf.int32)
+      elif isinstance(x, tf.SparseTensor):
+        batch = tf.cast(x.dense_shape[0], tf.int32)
+      else:
+        batch = tf.shape(x)[0]
+      dims = [batch if d is None else d for d in spec.shape]
+      outputs.append(tf.zeros(tf.stack(dims), spec.dtype))
+    return tf.nest.pack_sequence_as(features, outputs)
 
   def _cast(self, activations):
     dtype = self.compute_dtype
@@ -503,16 +526,22 @@ def _engine_kind(embedding) -> str:
 
 
 def _output_shape(config, x) -> tuple:
-  """The activation shape the engine gives ``x`` (a KerasTensor)."""
+  """The activation shape the engine gives ``x`` (a KerasTensor or tensor).
+
+  The engine's (``TPUEmbedding``'s) rules, docs/shapes.md: ``output_shape``
+  first; ragged and sparse ids combine over their last dimension (sequence
+  features get ``max_sequence_length``); dense ids of rank >= 2 drop their
+  trailing dimension of 1.
+  """
   dim = config.table.dim
   shape = tuple(x.shape)
-  if not (getattr(x, "ragged", False) or getattr(x, "sparse", False)):
-    return shape + (dim,)
   if config.output_shape:
     return tuple(config.output_shape) + (dim,)
-  if config.max_sequence_length > 0:
+  composite = (getattr(x, "ragged", False) or getattr(x, "sparse", False) or
+               isinstance(x, (tf.RaggedTensor, tf.SparseTensor)))
+  if composite and config.max_sequence_length > 0 and len(shape) == 2:
     return (shape[0], config.max_sequence_length, dim)
-  return shape[:-1] + (dim,)
+  return (shape if len(shape) == 1 else shape[:-1]) + (dim,)
 
 
 def _route_gradients(activations, sink, on_gradients):
