@@ -5,6 +5,7 @@ one physical CPU into logical devices happens here, before any test runs.
 Tests that need no replicas keep using the first device.
 """
 
+import pytest
 import tensorflow as tf
 
 LOGICAL_CPUS = 8
@@ -20,3 +21,14 @@ def _split_cpu():
 
 
 _split_cpu()
+
+
+@pytest.fixture
+def no_op_determinism():
+  """Keras turns XLA off while op determinism is on (the training job sets it)."""
+  from tensorflow.python.framework import config  # pylint: disable=g-import-not-at-top
+  was_on = config.is_op_determinism_enabled()
+  config.disable_op_determinism()
+  yield
+  if was_on:
+    config.enable_op_determinism()

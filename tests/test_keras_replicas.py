@@ -87,3 +87,20 @@ def test_fit_under_mirrored_strategy_equals_one_device(one_device, replicas):
                                err_msg=name)
   for got, want in zip(dense, want_dense):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_xla_around_several_replicas_is_refused_with_the_fix(no_op_determinism):
+  """TensorFlow cannot compile several CPU devices in one XLA cluster."""
+  del no_op_determinism
+  strategy = mirrored(2)
+  with strategy.scope():
+    model = Ranker()
+    model.compile(optimizer=keras.optimizers.SGD(0.5), jit_compile=True,
+                  loss=keras.losses.BinaryCrossentropy(from_logits=True))
+  assert model.jit_compile
+  with pytest.raises(tee.ConfigError, match=(
+      r"XLA \(jit_compile=True\) around 2 MirroredStrategy replicas cannot run on "
+      r"CPU: .* Fix: emulate the replicas with jit_compile=False, or compile one "
+      r"device with jit_compile=True")):
+    model.fit(_dataset(), epochs=1, verbose=0)
+  assert int(model.embedding.step.numpy()) == 0

@@ -145,17 +145,6 @@ def test_xla_refuses_what_it_cannot_emulate_exactly():
     _jit_step(engine)(tf.ragged.constant([[1, 1]], tf.int64))
 
 
-@pytest.fixture
-def no_op_determinism():
-  """Keras turns XLA off while op determinism is on (another test may set it)."""
-  from tensorflow.python.framework import config  # pylint: disable=g-import-not-at-top
-  was_on = config.is_op_determinism_enabled()
-  config.disable_op_determinism()
-  yield
-  if was_on:
-    config.enable_op_determinism()
-
-
 def test_model_fit_with_jit_compile_equals_without(no_op_determinism):
   del no_op_determinism
   results = []

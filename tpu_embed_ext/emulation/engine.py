@@ -429,6 +429,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     evaluates a last, smaller batch), read when the batch runs if unknown
     when traced; nothing is recorded.
     """
+    self._replicas.check_not_compiled_across_devices()
     validation.check_structure(
         self._feature_config, "features", features,
         "pass one entry per FeatureConfig "

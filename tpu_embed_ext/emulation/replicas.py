@@ -28,6 +28,7 @@ from tensorflow.python.distribute import distribute_lib, values_util
 from tensorflow.python.ops import resource_variable_ops
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.emulation import validation
 
 __all__ = ["Replicas", "check_strategy"]
 
@@ -81,6 +82,24 @@ class Replicas:
     device = self.strategy.extended.worker_devices[0] if self.distributed else None
     with tf.variable_creator_scope(creator), tf.device(device):
       yield
+
+  def check_not_compiled_across_devices(self):
+    """ConfigError for XLA over several local replicas (TensorFlow cannot).
+
+    XLA compiles one device; a ``jit_compile=True`` function around
+    ``strategy.run`` over several CPU devices reads variables of the other
+    devices, which TensorFlow rejects at run time with a message about
+    resource devices (plain Keras models fail the same way). Said here
+    first, with the fix.
+    """
+    if self.num_local > 1 and validation.in_xla_context():
+      raise errors.ConfigError(
+          f"XLA (jit_compile=True) around {self.num_local} "
+          f"{type(self.strategy).__name__} replicas cannot run on CPU: XLA "
+          "compiles one device, and TensorFlow refuses the other replicas' "
+          "variables in it (a plain Keras model fails the same way). Fix: "
+          "emulate the replicas with jit_compile=False, or compile one device "
+          "with jit_compile=True; on a TPU, TPUStrategy compiles every replica.")
 
   def in_replica_fn(self) -> bool:
     """Inside ``strategy.run`` of this engine's strategy."""
