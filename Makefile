@@ -33,6 +33,8 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 
 bench: $(VENV)/.bench-installed
 	$(PY) -m benchmarks.run_all
+	$(PY) -m benchmarks.replicas
+	$(PY) -m benchmarks.convert_checkpoint
 
 # The documentation site, built offline into site/ (fails on a broken link or
 # a missing API symbol; tests/test_docs.py runs the same build in `make test`).
