@@ -218,6 +218,10 @@ def input_datasets(spec: EmbeddingSpec, cfg: TrainConfig, *, skip_batches=0):
         "synthetic_clicks/tiny or a name from tfds.list_builders().",
         path="train.dataset") from None
   builder.download_and_prepare()
+  # TensorFlow combines the shuffle's seed with the global seed, so the order
+  # would depend on what the caller seeded before (plan --data measured other
+  # batches than train trained on). Fix the global seed to the config's.
+  tf.random.set_seed(cfg.seed)
   common = dict(features=columns, batch_size=cfg.batch_size,
                 dense_column=cfg.dense_column, label_column=cfg.label,
                 preprocess=pipeline.preprocessor(cfg.dataset))
