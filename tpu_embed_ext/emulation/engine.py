@@ -6,6 +6,7 @@ checkpoint keys. The work is done by the modules beside it:
 
 * ``lookups``: every input kind in occurrence form, activations, and
   per-occurrence gradients;
+* ``shapes``: ``TPUEmbedding``'s activation shapes, fixed and checked;
 * ``updates``: one table's step (per-id sums, update rules, writes);
 * ``validation``: ids, gradients and structures, eagerly, in graphs and
   under XLA;
@@ -28,7 +29,8 @@ from tensorflow.python.trackable import autotrackable
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors, optimizers
-from tpu_embed_ext.emulation import lookups, replicas, updates, validation
+from tpu_embed_ext.emulation import (lookups, replicas, shapes, updates,
+                                      validation)
 
 __all__ = ["CPUEmbedding"]
 
@@ -131,9 +133,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     tables: List[_Table] = []
     features: List[_Feature] = []
     _untracked(self, _feature_config=feature_config, _tables=tables,
-               _features=features, _variables=None, _pending={},
-               _output_shapes=[tf.TensorShape(f.output_shape) for f in
-                               nest.flatten(feature_config)])
+               _features=features, _variables=None, _pending={})
     index = {}
     for path, feature in nest.flatten_with_joined_string_paths(feature_config):
       if id(feature.table) not in index:
@@ -153,6 +153,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
               f"{validation.listed(tf.TensorShape(feature.config.output_shape))}. "
               "Fix: set output_shape (e.g. [per_replica_batch]), or emulate "
               'TPUEmbedding with engine="v1".')
+    _untracked(self, _shapes=shapes.OutputShapes(features))
     names = [t.name for t in tables]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -193,26 +194,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     """
     if self._variables is not None:
       return
-    incoming = None
-    if per_replica_input_shapes is not None and not isinstance(
-        per_replica_input_shapes, int):
-      validation.check_structure(
-          [None] * len(self._features), "per_replica_input_shapes",
-          nest.flatten(per_replica_input_shapes),
-          "give one shape per FeatureConfig, in its flattened order.")
-      incoming = [lookups.output_shape(f.where, f.config, tf.TensorShape(s))
-                  for f, s in zip(self._features,
-                                  nest.flatten(per_replica_input_shapes))]
-    elif per_replica_input_shapes is not None or per_replica_batch_size:
-      incoming = self._shapes_from_batch_size(
-          per_replica_input_shapes if per_replica_input_shapes is not None
-          else per_replica_batch_size)
-    if incoming is not None:
-      self._record_output_shapes(self._checked_output_shapes(
-          incoming, self._output_shapes, strict=True))
-    for feature, shape in zip(self._features, self._output_shapes):
-      if shape:
-        validation.check_fully_defined(feature.where, shape)
+    self._shapes.build(per_replica_input_shapes, per_replica_batch_size)
     with tf.init_scope(), self._replicas.single_copy_variables():
       _untracked(self, _variables={
           t.name: self._create_variables(t) for t in self._tables})
@@ -388,33 +370,10 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           "first, once per step.")
     return pending
 
-  def _shapes_from_batch_size(self, batch_size) -> List[tf.TensorShape]:
-    """``tpu_embedding_v2.py`` ``_get_output_shapes_from_batch_size``."""
-    return [tf.TensorShape([batch_size, f.config.max_sequence_length])
-            if not f.config.output_shape and f.config.max_sequence_length > 0
-            else tf.TensorShape([batch_size]) for f in self._features]
-
-  def _checked_output_shapes(self, incoming: List[tf.TensorShape],
-                             stored: List[tf.TensorShape],
-                             strict: bool) -> List[tf.TensorShape]:
-    """Every feature's activation shape, ``incoming`` checked against ``stored``.
-
-    ``tpu_embedding_v2.py`` ``_check_output_shapes``, ``_update_output_shapes``
-    and (``strict``) ``_check_output_shapes_fully_defined``: a shape already
-    set (output_shape, build, or an earlier batch) wins, and must be fully
-    defined.
-    """
-    for feature, old, new in zip(self._features, stored, incoming):
-      validation.check_output_shape(feature.where, old, new)
-      if strict:
-        validation.check_fully_defined(feature.where, old or new)
-    return [old if old else new for old, new in zip(stored, incoming)]
-
-  def _record_output_shapes(self, shapes: List[tf.TensorShape]):
-    """Keeps the fully defined shapes (recorded once a batch passed)."""
-    _untracked(self, _output_shapes=[
-        stored if stored or not new.is_fully_defined() else new
-        for stored, new in zip(self._output_shapes, shapes)])
+  @property
+  def _output_shapes(self) -> List[tf.TensorShape]:
+    """Every feature's activation shape as fixed so far (``shapes.py``)."""
+    return self._shapes.stored
 
   def _prepare(self, features, weights, training, strict=True) -> _Pending:
     """Checks a batch as ``TPUEmbedding.enqueue`` does; its occurrences.
@@ -443,26 +402,14 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           "give weights the structure of features (None entries allowed).")
       flat_weights = tf.nest.flatten(weights)
     flat = [lookups.as_ids(f.where, x) for f, x in zip(self._features, flat)]
-    if self._engine == "v2":  # Shapes are output_shape (tpu_embedding_v3.py).
-      incoming = list(self._output_shapes)
-    else:
-      incoming = [lookups.output_shape(f.where, f.config,
-                                       lookups.input_shape(f.where, f.config, x))
-                  for f, x in zip(self._features, flat)]
-    if strict:
-      shapes = self._checked_output_shapes(incoming, self._output_shapes, True)
-    else:
-      configured = [tf.TensorShape(f.config.output_shape) for f in self._features]
-      shapes = [new if new.rank == shape.rank and not new.is_fully_defined()
-                else shape for shape, new in zip(
-                    self._checked_output_shapes(incoming, configured, False),
-                    incoming)]
+    batch_shapes = self._shapes.for_batch(flat, strict, self._engine)
     occurrences = [
         lookups.feature_occurrences(f.where, f.config, x, w, self._validate,
                                     shape, self._engine)
-        for f, x, w, shape in zip(self._features, flat, flat_weights, shapes)]
+        for f, x, w, shape in zip(self._features, flat, flat_weights,
+                                  batch_shapes)]
     if strict:
-      self._record_output_shapes(shapes)
+      self._shapes.record(batch_shapes)
     verdict = None
     if self._validate:
       verdict = validation.check_ids(
