@@ -290,16 +290,21 @@ def weights_layout_ok(where, ids, weights) -> Optional[tf.Tensor]:
     return None
   a, b = ((ids.row_splits, weights.row_splits) if ragged
           else (ids.indices, weights.indices))
-  if a.shape.is_fully_defined() and b.shape.is_fully_defined() and a.shape != b.shape:
+  if (not a.shape[1:].is_compatible_with(b.shape[1:]) or (
+      a.shape.is_fully_defined() and b.shape.is_fully_defined() and a.shape != b.shape)):
     raise errors.InputError(
         f"{where}: {WEIGHTS_MESSAGE} (found when the function was traced: "
         f"{'row splits' if ragged else 'indices'} of shape "
         f"{listed(b.shape)} for ids of shape {listed(a.shape)})")
-  same_shape = tf.reduce_all(tf.equal(tf.shape(a, out_type=tf.int64),
-                                      tf.shape(b, out_type=tf.int64)))
-  return tf.cond(same_shape,
-                 lambda: tf.reduce_all(tf.equal(a, tf.cast(b, a.dtype))),
-                 lambda: tf.constant(False))
+  # No tf.cond: XLA compiles both branches, with the shapes that differ.
+  # b's rows, as many as a has (a row of -1 beyond b's end), are compared.
+  b = tf.cast(b, a.dtype)
+  padded = tf.concat([b, -tf.ones_like(b[:1]) if b.shape.rank == 1 else
+                      -tf.ones([1, tf.shape(b)[1]], b.dtype)], 0)
+  rows_a, rows_b = tf.shape(a, out_type=tf.int64)[0], tf.shape(b, out_type=tf.int64)[0]
+  aligned = tf.gather(padded, tf.minimum(tf.range(rows_a), rows_b))
+  return tf.logical_and(tf.equal(rows_a, rows_b),
+                        tf.reduce_all(tf.equal(a, aligned)))
 
 
 def aligned_weights(values: tf.Tensor, count) -> tf.Tensor:
