@@ -1,4 +1,5 @@
-"""Input checks: ids in range, finite gradients, matching structures.
+"""Input checks: ids in range, weights laid out as their ids, finite
+gradients, matching structures.
 
 A step that fails a check changes no table, slot or step. Where the check
 runs depends on how the step runs:
