@@ -14,7 +14,9 @@ checkpoint keys. The work is done by the modules beside it:
 * ``protocol``: the pending batch of every replica between ``enqueue``,
   ``dequeue`` and ``apply_gradients``;
 * ``tables``: optimizers resolved per table, variables and checkpoint keys
-  (those of ``TPUEmbedding``).
+  (those of ``TPUEmbedding``);
+* ``sparsecore_limits``: ``engine="v2"`` on a topology (SparseCore's input
+  limits and stacked checkpoints, ``tpu_embed_ext/sparsecore/``).
 """
 
 from __future__ import annotations
