@@ -28,7 +28,7 @@ import tensorflow as tf
 from tensorflow.python.trackable import autotrackable
 from tensorflow.python.util import nest
 
-from tpu_embed_ext import errors, optimizers
+from tpu_embed_ext import derived_names, errors, optimizers
 from tpu_embed_ext.emulation import (lookups, replicas, shapes, updates,
                                       validation)
 
@@ -159,6 +159,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     if duplicates:
       raise ValueError(f"Tables must have unique names; found {duplicates} "
                        "more than once. Fix: name each TableConfig uniquely.")
+    derived_names.check_table_names({t.name: t.optimizer.slot_names for t in tables})
     _untracked(self, _sparsecore=None)
     if topology is not None:
       self._init_sparsecore(optimizer, topology, sparse_core_config)
