@@ -10,11 +10,13 @@ check here is one row of the audit in docs/numeric-traps.md (formula, trap,
 check, test).
 
 ``check_optimizer`` runs from every optimizer spec's ``__post_init__``, so
-``EmbeddingSpec.from_dict`` / ``from_file``, optimizer specs built in Python
-and optimizers handed to ``CPUEmbedding`` as TensorFlow objects are all
-checked. A learning-rate schedule is checked over its whole range, at the
-steps ``learning_rates.check_steps`` lists; a user's zero-arg callable cannot
-be asked about other steps and is checked at its current value only.
+``EmbeddingSpec.from_dict`` / ``from_file`` and optimizer specs built in
+Python are checked. A learning-rate schedule is checked over its whole range,
+at the steps ``learning_rates.check_steps`` lists; a user's zero-arg callable
+cannot be asked about other steps and is not range-checked. A TensorFlow
+optimizer object handed to ``CPUEmbedding`` is taken as ``TPUEmbedding``
+takes it, without these checks (``skip_checks``); the engine then rejects the
+step that would write NaN or Inf, as for any other cause.
 
 Errors are ``NumericTrapError`` (a ``ConfigError``); where the TPU's result is
 defined but surprising, a ``NumericTrapWarning``.
@@ -33,7 +35,7 @@ import numpy as np
 
 from tpu_embed_ext import errors
 
-__all__ = ["NumericTrapError", "NumericTrapWarning", "check_optimizer",
+__all__ = ["NumericTrapError", "NumericTrapWarning", "check_optimizer", "skip_checks",
            "checks_for", "rate_samples", "CHECKS", "MAX_LEARNING_RATE"]
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -48,20 +50,21 @@ treated as a typo."""
 CHECKS = {
     "float32_range": ("all", "every hyperparameter is finite in float32"),
     "learning_rate_bound": ("all", f"learning rate <= {MAX_LEARNING_RATE:g} at "
-                            "every step (Adam: with bias correction)"),
-    "weight_decay": ("all", "weight decay factor (x lr) < 2 at every step"),
+                            "every step"),
+    "weight_decay": ("all", "weight decay factor (x lr) < 2 at every step, "
+                     "warned from 1"),
     "beta_rounds_to_one": ("adam, adagrad_momentum",
                            "betas stay below 1 in float32"),
     "accumulator_start": ("adagrad, ftrl",
                           "initial_accumulator_value is a normal float32"),
     "epsilon_power": ("adagrad_momentum",
                       "epsilon^(-1/exponent) is finite in float32"),
-    "momentum_growth": ("adagrad_momentum", "momentum <= 1"),
+    "momentum_growth": ("adagrad_momentum", "momentum <= 1, warned at 1"),
     "adam_epsilon": ("adam", "epsilon^2 (or epsilon) is a normal float32"),
     "ftrl_divides_by_lr": ("ftrl", "learning rate > 0 at every step unless "
                            "multiply_linear_by_learning_rate"),
     "ftrl_power": ("ftrl", "initial_accumulator_value^(-learning_rate_power) "
-                   "is a normal float32"),
+                   "is a normal float32; warned for a power below -1"),
 }
 
 _unchecked = contextvars.ContextVar("tpu_embed_ext_numeric_unchecked",
@@ -77,9 +80,10 @@ class NumericTrapWarning(UserWarning):
 
 
 @contextlib.contextmanager
-def _skip_checks():
-  """Internal (tests only): builds specs without these checks, to show on
-  CPU that the step would indeed write a non-finite value."""
+def skip_checks():
+  """Builds specs without these checks: TF optimizer objects (as
+  TPUEmbedding takes them), and tests that show on CPU that a trap's step
+  indeed writes a non-finite value."""
   token = _unchecked.set(True)
   try:
     yield
@@ -169,19 +173,16 @@ def _float32_range(spec):
                     f"use a value of the usual magnitude for {name}")
 
 
-def _learning_rate(spec, samples, betas):
+def _learning_rate(spec, samples):
   for t, value in samples:
     if not math.isfinite(value) or value > MAX_LEARNING_RATE:
-      what = ("with Adam's bias correction "
-              f"sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1)) " if betas else "")
       raise _fail(
           "learning_rate",
-          f"{_describe_rate(spec.learning_rate, t, value)}: the rate {what}"
-          f"is {value:g} at step {t}, above {MAX_LEARNING_RATE:g}; one step "
-          "moves a weight by lr * g, and float32 overflows (Inf, then NaN) "
-          "within a few steps",
+          f"{_describe_rate(spec.learning_rate, t, value)}, above "
+          f"{MAX_LEARNING_RATE:g}: one step moves a weight by lr * g, and "
+          "float32 overflows (Inf, then NaN) within a few steps",
           "use a rate such as 0.01 (embedding tables train with rates up to "
-          "about 1)" + (", or a beta_1 further from 1" if betas else ""))
+          "about 1)")
 
 
 def _weight_decay(spec, samples):
@@ -247,7 +248,8 @@ def _adagrad_momentum(spec):
                 "use a larger epsilon (the default is 1e-10) or exponent 2, "
                 "so that epsilon^(-1/exponent) stays below 3.4e38")
   if spec.momentum > 1.0:
-    steps = int(math.log(F32_MAX) / math.log(spec.momentum)) + 1
+    # m_t is about momentum^(t-1) * s, s about 1 (Adagrad-scaled).
+    steps = int(math.log(F32_MAX) / math.log(spec.momentum)) + 2
     raise _fail("momentum",
                 f"momentum={spec.momentum!r} > 1: m <- momentum * m + s grows "
                 f"as momentum^t and overflows float32 (Inf) within about "
@@ -294,9 +296,15 @@ def _ftrl(spec, samples):
         "such as -0.5.", NumericTrapWarning, stacklevel=4)
   if spec.multiply_linear_by_learning_rate or samples is None:
     return
-  for t, lr in samples:
-    denominator = _f32((start + spec.beta) / lr) if lr > 0 else math.inf
-    if lr <= 0 or not math.isfinite(denominator):
+
+  def bad(lr):
+    return lr <= 0 or not math.isfinite(_f32((start + spec.beta) / lr))
+
+  for i, (t, lr) in enumerate(samples):
+    if bad(lr):
+      if i > 0:  # The first bad step: monotone between the checked steps.
+        t, lr = _first_bad(spec.learning_rate, samples[i - 1][0], t, lr, bad)
+      denominator = _f32((start + spec.beta) / lr) if lr > 0 else math.inf
       raise _fail(
           "learning_rate",
           f"{_describe_rate(spec.learning_rate, t, lr)}, and FTRL without "
@@ -308,6 +316,21 @@ def _ftrl(spec, samples):
           "rate that stays above 0")
 
 
+def _first_bad(learning_rate, good: int, t: int, lr: float, bad):
+  """The first step in (good, t] whose rate is ``bad``, by bisection."""
+  schedule = getattr(learning_rate, "schedule", learning_rate)
+  if not callable(schedule):
+    return t, lr
+  while t - good > 1:
+    mid = (good + t) // 2
+    value = _f32(float(schedule(mid)))
+    if bad(value):
+      t, lr = mid, value
+    else:
+      good = mid
+  return t, lr
+
+
 def check_optimizer(spec) -> None:
   """Raises NumericTrapError (warns NumericTrapWarning) for ``spec``'s traps."""
   if _unchecked.get():
@@ -316,9 +339,13 @@ def check_optimizer(spec) -> None:
   _float32_range(spec)
   betas = ((spec.beta_1, spec.beta_2)
            if kind == "adam" and getattr(spec, "bias_correction", False) else None)
-  samples = rate_samples(spec.learning_rate, betas)
-  if samples is not None:
-    _learning_rate(spec, samples, betas)
+  # The bound is on the rate itself: Adam's bias correction multiplies it by
+  # sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1)) but m by (1 - beta_1^(t+1)),
+  # so the step stays about lr (and the factor is finite: beta_1 < 1).
+  base = rate_samples(spec.learning_rate)
+  if base is not None:
+    _learning_rate(spec, base)
+  samples = rate_samples(spec.learning_rate, betas) if betas else base
   _weight_decay(spec, samples or [])
   if kind == "adam":
     _adam(spec)

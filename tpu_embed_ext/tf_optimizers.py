@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 from typing import Optional
 
-from tpu_embed_ext import errors
+from tpu_embed_ext import errors, numeric_traps
 from tpu_embed_ext.optimizers import (FTRL, SGD, Adagrad, AdagradMomentum, Adam,
                                       LearningRate, OptimizerSpec, field_names)
 
@@ -107,7 +107,11 @@ def from_tf(optimizer) -> OptimizerSpec:
   for name in ("exponent", "beta2"):  # TF's int defaults (2, 1) -> floats.
     if name in kwargs and _is_number(kwargs[name]):
       kwargs[name] = float(kwargs[name])
-  return cls(**kwargs)
+  # A TF optimizer object is taken as TPUEmbedding takes it: without the
+  # numeric-trap checks of specs (numeric_traps.py). The engine still rejects
+  # a step that would write NaN or Inf, as for any other cause.
+  with numeric_traps.skip_checks():
+    return cls(**kwargs)
 
 
 def as_spec(optimizer, where: str = "") -> OptimizerSpec:
