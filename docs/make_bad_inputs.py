@@ -116,6 +116,36 @@ rows += [
   ('engine="v2": ragged rows that cannot fill output_shape', "InputError (ValueError)", "feature 'f' (table 'video'): 2 rows of ragged ids cannot fill the activation shape [4] (4 rows).", "tests/test_parity.py::test_v2_shapes_come_from_output_shape"),
   ("serving signature whose lookups change the model's output shapes", "ConfigError", "serving output 'outputs' has shape [None, 1, 2], but the model computes [None, 2]", "tests/test_parity.py::test_serving_export_keeps_training_shapes"),
 ]
+# Config and spec inputs (issue 22) and numeric traps (issue 21).
+import tests.test_config_inputs as tci
+for name in sorted(tci.CASES):
+  _, flags, msg = tci.CASES[name]
+  rows.append((f"config (plan{' ' + ' '.join(flags) if flags and len(' '.join(flags)) < 40 else ''}): "
+               f"{name.replace('_', ' ')}", "ConfigError (CLI: one line, exit 2)", msg,
+               f"tests/test_config_inputs.py::test_config_input_errors_are_one_line[{name}]"))
+T = "tests/test_numeric_traps.py::"
+rows += [
+  ("YAML of nested aliases (a 1.5 KB \"billion laughs\")", "ConfigError (CLI: one line, exit 2)", "the YAML expands to more than 1,000,000 values once its aliases (*name) are expanded (the node at line 7). Fix: use aliases for repeated settings only, not nested in each other.", "tests/test_config_inputs.py::test_billion_laughs_is_refused_before_it_is_expanded"),
+  ("recursive YAML alias; 150 levels of nesting; a config file over 16 MiB", "ConfigError", "the YAML alias at line 1 refers to a node that contains it ... / the YAML nests more than 100 levels ... / the config file is larger than 16 MiB.", "tests/test_config_inputs.py::test_recursive_alias_deep_nesting_and_size_are_refused"),
+  ("TableConfigs `x` and `x/accumulators` (Adagrad) given to CPUEmbedding", "ConfigError", "tables 'x' and 'x/accumulators' both give TensorFlow the variable name 'x/accumulators' ... Fix: rename table 'x/accumulators' (a name without '/' cannot collide).", "tests/test_config_inputs.py::test_table_and_slot_names_collide_at_engine_construction_from_tf_configs"),
+  ("two SparseCore stacks with one name (`a` + `b_c`, `a_b` + `c`)", "ConfigError (CLI: one line, exit 2)", "two SparseCore stacks are both named 'a_b_c' (TPUEmbeddingV2 names a stack after its tables joined by '_'): one holds table 'a', the other table 'a_b'. ...", "tests/test_config_inputs.py::test_two_sparsecore_stacks_with_one_name_are_refused"),
+  ("FTRL with learning_rate 0 (no multiply_linear_by_learning_rate)", "NumericTrapError (ConfigError)", "table 't': learning_rate=0.0, and FTRL without multiply_linear_by_learning_rate divides by it ... Fix: set multiply_linear_by_learning_rate: true ...", T + "test_ftrl_constant_learning_rate_zero"),
+  ("FTRL with a schedule that starts at 0 (criteo.yaml's C16, before its fix)", "NumericTrapError (ConfigError)", "table 't': the learning rate warm (CosineDecay(...)) is 0 at step 0, and FTRL without multiply_linear_by_learning_rate divides by it", T + "test_ftrl_schedule_that_starts_at_zero"),
+  ("FTRL with a schedule that decays to 0", "NumericTrapError (ConfigError)", "table 't': the learning rate decay (ExponentialDecay(...)) is 0 at step 121679, and FTRL ...", T + "test_ftrl_schedule_that_decays_to_zero"),
+  ("FTRL with learning_rate 1e-40", "NumericTrapError (ConfigError)", "table 't': learning_rate=1e-40, and FTRL without multiply_linear_by_learning_rate divides by it", T + "test_ftrl_learning_rate_so_small_the_denominator_overflows"),
+  ("Adagrad / FTRL initial_accumulator_value 0 in float32 (1e-46)", "NumericTrapError (ConfigError)", "table 't': initial_accumulator_value=1e-46 is 0 in float32 (the TPU flushes values below 1.2e-38 to 0): the accumulator starts at 0 ...", T + "test_adagrad_initial_accumulator_that_is_zero_in_float32"),
+  ("FTRL learning_rate_power -50 (0.1^50 is 0 in float32)", "NumericTrapError (ConfigError)", "table 't': initial_accumulator_value^(-learning_rate_power) = 0.1^50.0 is 0 in float32: ... w = N / D = 0 / 0 = NaN on the first step", T + "test_ftrl_power_that_flushes_the_accumulator_to_zero"),
+  ("FTRL learning_rate_power below -1", "NumericTrapWarning", "learning_rate_power=-20.0: acc^20 overflows float32 once the accumulator (a sum of squared gradients) passes 84.4, and the row becomes NaN.", T + "test_ftrl_power_below_minus_one_warns_and_overflows_with_large_accumulators"),
+  ("AdagradMomentum exponent 0.2 (epsilon^-5 overflows); epsilon 1e-46", "NumericTrapError (ConfigError)", "table 't': epsilon=1e-10 with exponent=0.2: the accumulator starts at 0, so the first step scales the gradient by (0 + epsilon)^(-1/exponent) = inf in float32 ...", T + "test_adagrad_momentum_epsilon_to_a_power_that_overflows"),
+  ("AdagradMomentum momentum 1.5 (1.0 warns)", "NumericTrapError (ConfigError)", "table 't': momentum=1.5 > 1: m <- momentum * m + s grows as momentum^t and overflows float32 (Inf) within about 220 steps of a row", T + "test_adagrad_momentum_above_one_grows_to_inf"),
+  ("AdagradMomentum beta2 0.99999999 (1.0 in float32)", "NumericTrapError (ConfigError)", "table 't': beta2=0.99999999 is 1.0 in float32, the TPU's precision: the TPU then sums squares ...", T + "test_adagrad_momentum_beta2_that_is_one_in_float32"),
+  ("Adam epsilon 1e-30 (epsilon^2 is 0 in float32)", "NumericTrapError (ConfigError)", "table 't': epsilon=1e-30: the denominator sqrt(v + epsilon^2) is 0 in float32 ...", T + "test_adam_epsilon_whose_square_is_zero_in_float32"),
+  ("Adam beta_1 / beta_2 that are 1.0 in float32", "NumericTrapError (ConfigError)", "table 't': beta_2=0.99999999 is 1.0 in float32, the TPU's precision: the second moment v <- 1 * v + 0 * g^2 stays 0 ...", T + "test_adam_betas_that_are_one_in_float32"),
+  ("a hyperparameter beyond float32 (1e39)", "NumericTrapError (ConfigError)", "table 't': learning_rate=1e+39 is beyond float32's range (+-3.403e+38): the TPU stores it as Inf ...", T + "test_hyperparameter_beyond_float32"),
+  ("weight decay >= 2 (or wd x lr >= 2 at some step; 1 to 2 warns)", "NumericTrapError (ConfigError)", "table 't': weight_decay_factor=3.0: decay is w <- (1 - wd) w, so |w| grows by 2 on every touched step and float32 overflows to Inf", T + "test_weight_decay_of_two_or_more_grows_to_inf"),
+  ("quantization step Inf or 0 in float32", "ConfigError", "quantization step q = (upper - lower) / (num_buckets - 1) = (3e+38 - -3e+38) / 255 is inf in float32: ...", T + "test_quantization_step_that_overflows_or_underflows"),
+  ("initializer value beyond float32", "ConfigError", "tables.t.initializer.value: value=1e+39 is beyond float32's range (+-3.403e+38): the TPU would store Inf.", T + "test_initializer_beyond_float32"),
+]
 esc = lambda t: str(t).replace("|", "\\|").replace("\n", " ")
 out = ["# Bad inputs and their errors", "",
        "Every row is pinned by the test it names (the message is asserted). Errors name the",
