@@ -403,3 +403,13 @@ def test_shipped_configs_pass_every_check_without_warnings():
     with warnings.catch_warnings():
       warnings.simplefilter("error", NumericTrapWarning)
       EmbeddingSpec.from_file(path)
+
+
+def test_spec_built_directly_is_checked():
+  from tpu_embed_ext.spec import FeatureSpec, TableSpec
+  with pytest.raises(NumericTrapError, match=re.escape(
+      "optimizer.learning_rate: table 't': learning_rate=0.0, and FTRL without "
+      "multiply_linear_by_learning_rate divides by it")):
+    EmbeddingSpec(optimizer={"type": "ftrl", "learning_rate": 0.0},
+                  tables=(TableSpec(name="t", vocabulary_size=4, dim=2),),
+                  features=(FeatureSpec(name="f", table="t"),))

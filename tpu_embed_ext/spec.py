@@ -88,6 +88,13 @@ class EmbeddingSpec:
   source: Optional[str] = dataclasses.field(default=None, compare=False)
   """The file the spec was read from, for error messages."""
 
+  def __post_init__(self):
+    # Every table's optimizer must resolve and validate (numeric traps
+    # included), and no two derived names (variables, checkpoint keys) clash:
+    # also for a spec built directly rather than by from_dict.
+    derived_names.check_table_names(
+        {t.name: self.optimizer_for(t.name).slot_names for t in self.tables})
+
   # --- parsing ---------------------------------------------------------------
 
   @classmethod
@@ -217,10 +224,6 @@ class EmbeddingSpec:
     spec = cls(optimizer=global_optimizer, tables=tuple(tables),
                features=tuple(features), overrides=tuple(overrides),
                schedules=schedules, train=train, source=source)
-    # Every table's optimizer must resolve and validate (numeric traps
-    # included), and no two derived names (variables, checkpoint keys) clash.
-    derived_names.check_table_names(
-        {t.name: spec.optimizer_for(t.name).slot_names for t in tables})
     return spec
 
   # --- resolution --------------------------------------------------------------
