@@ -210,3 +210,13 @@ def test_real_sparsecore_counts_per_chip():
   for text in ("8x1", "8x8", "8x0"):
     with pytest.raises(tee.ConfigError, match="a TPU chip has 2 or 4 SparseCores"):
       parse_topology(text)
+
+
+def test_a_stack_named_like_another_stacks_slot_is_refused():
+  inputs = [sc_layout.StackingInput("a", 64, 8, "g1"),
+            sc_layout.StackingInput("b", 64, 8, "g1"),
+            sc_layout.StackingInput("a_b/momenta", 64, 8, "g2")]
+  with pytest.raises(tee.ConfigError, match=re.escape(
+      "SparseCore stack 'a_b/momenta' (table 'a_b/momenta') has the name of stack "
+      "'a_b''s momenta slot variable (table 'b')")):
+    sc_layout.compute_layouts(inputs, Topology(2, 4), use_tensorflow=False)

@@ -22,6 +22,9 @@ from tpu_embed_ext import errors
 
 __all__ = ["check_table_names", "check_stack_names", "derived_table_names"]
 
+# Every slot name of the TPU optimizers (optimizers.py, slot_names).
+_SLOT_NAMES = ("accumulators", "momenta", "velocities", "linears")
+
 
 def derived_table_names(table: str, slots: Sequence[str]) -> Tuple[str, ...]:
   """The variable names TensorFlow gives a table and its slots."""
@@ -75,3 +78,15 @@ def check_stack_names(layouts) -> None:
           "table names that also appear as prefixes or suffixes).",
           path=f"tables.{l.table}")
     seen[key] = l.table
+  # A stack's slot variables are "<stack>/<slot>": no other stack may be
+  # named so (tables "a", "b" stack as "a_b"; a table "a_b/momenta" alone).
+  stacks = {l.stack: l.table for l in layouts}
+  for stack, table in stacks.items():
+    prefix, _, slot = stack.rpartition("/")
+    if prefix in stacks and slot in _SLOT_NAMES:
+      raise errors.ConfigError(
+          f"SparseCore stack '{stack}' (table '{table}') has the name of stack "
+          f"'{prefix}''s {slot} slot variable (table '{stacks[prefix]}'): their "
+          f"variables and checkpoint keys would collide. Fix: rename table "
+          f"'{table}' (a name without '/' cannot collide).",
+          path=f"tables.{table}")
