@@ -15,7 +15,7 @@ import numpy as np
 from tpu_embed_ext import errors
 
 __all__ = ["require_mapping", "entries", "require_fields", "check_keys",
-           "positive_int", "number", "parse_initializer", "parse_quantization",
+           "positive_int", "number", "size", "parse_initializer", "parse_quantization",
            "INITIALIZERS", "MAX_VOCABULARY_SIZE", "MAX_DIM"]
 
 INITIALIZERS = {
