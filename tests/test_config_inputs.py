@@ -57,6 +57,10 @@ CASES = {
         lambda c: c["optimizer"].update(learning_rate=1e30), (),
         "optimizer.learning_rate: table 't': learning_rate=1e+30, above 1e+06: one "
         "step moves a weight by lr * g"),
+    "learning_rate_400_digit_integer": (
+        lambda c: c["optimizer"].update(learning_rate=10 ** 400), (),
+        "optimizer.learning_rate: learning_rate 10000000000000000000... is beyond "
+        "any float. Fix: write a rate such as 0.01."),
     "negative_warmup_steps": (
         lambda c: c["optimizer"].update(learning_rate={
             "class": "CosineDecay", "initial_learning_rate": 0.0, "decay_steps": 100,

@@ -166,7 +166,7 @@ def _check_step_counts(class_name: str, args: Mapping[str, Any]) -> None:
       continue
     value = args[name]
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-        or not math.isfinite(value) or value != int(value)):
+        or not abs(value) < math.inf or value != int(value)):
       raise errors.ConfigTypeError(
           f"{class_name} {name} must be a whole number of steps, got "
           f"{value!r}. Fix: write e.g. {name}: 1000.", path=name)
@@ -245,7 +245,12 @@ def parse_learning_rate(value, schedules: Mapping[str, Schedule]):
         f"learning_rate must be a number or a schedule, got {value!r}.",
         path="learning_rate")
   if isinstance(value, numbers.Real):
-    return float(value)
+    try:
+      return float(value)
+    except OverflowError:  # An integer beyond float64 (a 400-digit literal).
+      raise errors.ConfigError(
+          f"learning_rate {str(value)[:20]}... is beyond any float. Fix: write "
+          "a rate such as 0.01.", path="learning_rate") from None
   if isinstance(value, Schedule):
     return value
   if isinstance(value, str):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import sys
 from typing import Any, Callable, ClassVar, Mapping, Optional, Tuple, Union
 
 from tpu_embed_ext import errors
@@ -35,6 +36,15 @@ __all__ = [
 
 def _is_number(x) -> bool:
   return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _isfinite(x) -> bool:
+  # abs() first: math.isfinite raises OverflowError on an int beyond float64.
+  return abs(x) <= sys.float_info.max and math.isfinite(x)
+
+
+def _isnan(x) -> bool:
+  return isinstance(x, float) and math.isnan(x)
 
 
 def _fail(name: str, value, requirement: str, fix: str) -> errors.ConfigError:
@@ -119,7 +129,7 @@ class OptimizerSpec:
           "clip_gradient_min / clip_gradient_max.", path="clip_gradient_min"
           if lo is not None else "clip_gradient_max")
     for name, value in (("clip_gradient_min", lo), ("clip_gradient_max", hi)):
-      if value is not None and (not _is_number(value) or math.isnan(value)):
+      if value is not None and (not _is_number(value) or _isnan(value)):
         raise errors.ConfigTypeError(
             f"{name} must be a number or None, got {type(value).__name__} "
             f"{value!r}. Fix: write a number such as 1.0.", path=name)
@@ -128,7 +138,7 @@ class OptimizerSpec:
   def _check_learning_rate(self):
     lr = self.learning_rate
     if _is_number(lr):
-      if not math.isfinite(lr) or lr < 0:
+      if not _isfinite(lr) or lr < 0:
         raise _fail("learning_rate", lr, "must be a finite number >= 0",
                     "use a positive rate such as 0.01, or a schedule")
     elif not callable(lr):
@@ -147,7 +157,7 @@ class OptimizerSpec:
 
   def _check_number(self, name: str) -> float:
     value = getattr(self, name)
-    if not _is_number(value) or not math.isfinite(value):
+    if not _is_number(value) or not _isfinite(value):
       raise errors.ConfigTypeError(
           f"{name} must be a finite number, got {type(value).__name__} "
           f"{value!r}. Fix: write a number.", path=name)
@@ -161,13 +171,15 @@ class OptimizerSpec:
     if c is None:
       return
     if _is_number(c):
-      if not c > 0 or not math.isfinite(c):
+      if not c > 0 or not _isfinite(c):
         raise _fail("clipvalue", c, "must be a positive number",
                     "use e.g. 1.0 to clip gradients to [-1, 1], or a (min, max) pair")
       # One canonical form, so specs built from TF objects compare equal.
       object.__setattr__(self, "clipvalue", (-float(c), float(c)))
     elif isinstance(c, (tuple, list)) and len(c) == 2 and all(
-        x is None or (_is_number(x) and not math.isnan(x)) for x in c):
+        x is None or (_is_number(x) and not _isnan(x)
+                      and (isinstance(x, float) or abs(x) <= sys.float_info.max))
+        for x in c):
       if c[0] is not None and c[1] is not None and c[0] > c[1]:
         raise _fail("clipvalue", tuple(c), "must be (min, max) with min <= max",
                     "swap the two bounds")

@@ -97,14 +97,17 @@ def positive_int(value, path, name):
 
 def number(value, path, name):
   """A number finite in float32 (the TPU's precision: larger is Inf there)."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise errors.ConfigTypeError(
         f"{name} must be a finite number, got {value!r}.", path=path)
-  if abs(value) > _F32_MAX:
+  if abs(value) > _F32_MAX:  # Before math.isfinite: a huge int overflows it.
     raise errors.ConfigError(
         f"{name}={value!r} is beyond float32's range (+-{_F32_MAX:.4g}): the "
         "TPU would store Inf. Fix: use a value of the usual magnitude.",
         path=path)
+  if not math.isfinite(value):
+    raise errors.ConfigTypeError(
+        f"{name} must be a finite number, got {value!r}.", path=path)
   return value
 
 
