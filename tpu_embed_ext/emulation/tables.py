@@ -21,7 +21,7 @@ from typing import Any, Dict, List, NamedTuple, Tuple
 import tensorflow as tf
 from tensorflow.python.util import nest
 
-from tpu_embed_ext import errors, optimizers
+from tpu_embed_ext import derived_names, errors, optimizers
 from tpu_embed_ext.emulation import validation
 
 __all__ = ["Table", "Feature", "resolve_all", "resolve", "slot_names", "check_trainable", "name_of",
@@ -72,6 +72,7 @@ def resolve_all(feature_config, optimizer, engine: str
   if duplicates:
     raise ValueError(f"Tables must have unique names; found {duplicates} "
                      "more than once. Fix: name each TableConfig uniquely.")
+  derived_names.check_table_names({t.name: slot_names(t) for t in tables})
   return tables, features
 
 
