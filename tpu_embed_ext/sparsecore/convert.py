@@ -23,7 +23,8 @@ from tensorflow.python.util import nest
 from tpu_embed_ext import errors, optimizers
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.checkpoint import (LAYOUTS_NAME, BundleWriter, ObjectGraph,
-                                                 read_rows, slice_spec, variable_key)
+                                                 find_embedding, read_rows, slice_spec,
+                                                 variable_key)
 from tpu_embed_ext.sparsecore.topology import parse_topology
 from tpu_embed_ext.text_table import human_bytes
 
@@ -243,7 +244,7 @@ def _check_memory(tables, layouts) -> None:
 
 
 def convert_checkpoint(src: str, dst: str, config, topology=None, *,
-                       optimizer=None, prefix: str = "embedding"
+                       optimizer=None, prefix: Optional[str] = None
                        ) -> Optional[List[sc_layout.TableLayout]]:
   """Converts checkpoint ``src`` into ``dst``, table by table.
 
@@ -257,12 +258,16 @@ def convert_checkpoint(src: str, dst: str, config, topology=None, *,
       for a stacked output, the optimizer groups that decide the stacking.
     topology: None writes per-table keys; a ``Topology`` (or "v5p:4") writes
       ``TPUEmbeddingV2``'s stacked layout for it.
-    prefix: the embedding's path in the checkpoint's object graph.
+    prefix: the embedding's path in the checkpoint's object graph; None finds
+      it (the one object holding the config's tables, ``embedding_paths``),
+      and an error lists the candidates when there are several.
 
   Returns:
     The layouts written, or None for a per-table output.
   """
   feature_config, tables = _feature_config(config, optimizer)
+  if prefix is None:
+    prefix = find_embedding(src, [t.name for t in tables])
   graph = ObjectGraph(src, prefix)
   children = graph.children()
   shapes = tf.train.load_checkpoint(src).get_variable_to_shape_map()
