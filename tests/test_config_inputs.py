@@ -224,3 +224,18 @@ def test_a_stack_named_like_another_stacks_slot_is_refused():
       "SparseCore stack 'a_b/momenta' (table 'a_b/momenta') has the name of stack "
       "'a_b''s momenta slot variable (table 'b')")):
     sc_layout.compute_layouts(inputs, Topology(2, 4), use_tensorflow=False)
+
+
+def test_convert_checks_memory_before_allocating(monkeypatch):
+  from tpu_embed_ext.sparsecore import convert
+  monkeypatch.setattr(convert, "_available_memory", lambda: 50_000)
+  table = convert._Table(name="big", rows=1000, dim=8, slots=(), initial=())
+  (layout,) = sc_layout.compute_layouts(
+      [sc_layout.StackingInput("big", 1000, 8, "g")], Topology(8, 4),
+      use_tensorflow=False)
+  assert layout.padded_rows == 1024  # a multiple of 8 * 32 SparseCores
+  convert._check_memory([table], None)  # per table: 1000 * 8 * 4 = 32,000 bytes
+  with pytest.raises(tee.ConfigError, match=re.escape(
+      "table 'big' needs 63.2 KiB in memory to convert (1,000 x 8, padded for the "
+      "topology), this machine has 48.8 KiB available. Fix:")):
+    convert._check_memory([table], {"big": layout})  # 32,000 + 32,768 bytes

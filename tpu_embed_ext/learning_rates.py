@@ -145,6 +145,16 @@ class Schedule:
       object.__setattr__(self, "_keras", cached)
     return cached
 
+  def samples(self) -> Tuple[Tuple[int, float], ...]:
+    """``((step, rate), ...)`` at ``check_steps``: computed once per object
+    (the range check and numeric_traps.py both read them)."""
+    cached = self.__dict__.get("_samples")
+    if cached is None:
+      keras_schedule = self._cached_keras()
+      cached = tuple((t, float(keras_schedule(t))) for t in check_steps(self))
+      object.__setattr__(self, "_samples", cached)
+    return cached
+
   def to_config(self) -> Dict[str, Any]:
     return {"class": self.class_name, **{k: _thaw(v) for k, v in self.config}}
 
@@ -197,9 +207,8 @@ def _check_range(schedule: "Schedule", keras_schedule) -> None:
           f"boundaries={boundaries} (boundaries[{i}]={boundaries[i]} is not after "
           f"{boundaries[i - 1]}). Fix: sort them, and their values with them.",
           path="boundaries")
-  steps = check_steps(schedule)
-  for t in steps:
-    value = float(keras_schedule(t))
+  del keras_schedule  # The cached one of ``schedule`` computes the samples.
+  for t, value in schedule.samples():
     if not math.isfinite(value) or value < 0:
       raise errors.ConfigError(
           f"{schedule.class_name} gives the learning rate {value:g} at step {t}; "

@@ -109,10 +109,7 @@ def _bias_factor(t: int, beta_1: float, beta_2: float) -> float:
 
 @functools.lru_cache(maxsize=256)
 def _schedule_samples(schedule) -> Tuple[Tuple[int, float], ...]:
-  from tpu_embed_ext import learning_rates  # pylint: disable=g-import-not-at-top
-  keras_schedule = schedule.keras()
-  return tuple((t, float(keras_schedule(t)))
-               for t in learning_rates.check_steps(schedule))
+  return schedule.samples()  # Cached by value here, per object there.
 
 
 def rate_samples(learning_rate, betas=None) -> Optional[List[Tuple[int, float]]]:

@@ -26,6 +26,7 @@ from tpu_embed_ext.sparsecore.checkpoint import (LAYOUTS_NAME, BundleWriter, Obj
                                                  find_embedding, read_rows, slice_spec,
                                                  variable_key)
 from tpu_embed_ext.sparsecore.topology import parse_topology
+from tpu_embed_ext.text_table import human_bytes
 
 __all__ = ["convert_checkpoint", "checkpoint_layouts"]
 
@@ -234,10 +235,10 @@ def _check_memory(tables, layouts) -> None:
   available = _available_memory()
   if need(big) > available:
     raise errors.ConfigError(
-        f"table '{big.name}' needs {need(big) / 2 ** 30:,.1f} GiB in memory to "
+        f"table '{big.name}' needs {human_bytes(need(big))} in memory to "
         f"convert ({big.rows:,} x {big.dim}"
         + (", padded for the topology" if layouts is not None else "")
-        + f"), this machine has {available / 2 ** 30:,.1f} GiB available. Fix: "
+        + f"), this machine has {human_bytes(available)} available. Fix: "
         "convert on a machine with more memory, or check the topology's chip "
         "count.")
 
