@@ -149,6 +149,31 @@ rows += [
   ("quantization step Inf or 0 in float32", "ConfigError", "quantization step q = (upper - lower) / (num_buckets - 1) = (3e+38 - -3e+38) / 255 is inf in float32: ...", T + "test_quantization_step_that_overflows_or_underflows"),
   ("initializer value beyond float32", "ConfigError", "tables.t.initializer.value: value=1e+39 is beyond float32's range (+-3.403e+38): the TPU would store Inf.", T + "test_initializer_beyond_float32"),
 ]
+# The engine's protocol, weights and optimizer=None (issues 21 and 22).
+import tests.test_engine as te
+for name in sorted(te.PROTOCOL_MISUSE):
+  rows.append((f"protocol: {name.replace('_', ' ')}", "InputError (nothing changed)",
+               te.PROTOCOL_MISUSE[name][1],
+               f"tests/test_engine.py::test_protocol_misuse_is_named_and_changes_nothing[{name}-eager/tf_function]"))
+for name in sorted(te.WEIGHT_MISMATCHES):
+  rows.append((f"weights: {name.replace('_', ' ')}",
+               "InputError eagerly; InvalidArgumentError in tf.function; under XLA NaN activations, nothing written, InputError at the next eager call",
+               "eagerly: " + te.WEIGHT_MISMATCHES[name][2].replace("\\", "") +
+               "; otherwise: feature 'f' (table 't'): weights do not match the ids (other row lengths, other indices, or another number of weights). Fix: ...",
+               f"tests/test_engine.py::test_weights_that_do_not_match_their_ids_raise_in_every_mode[{name}-eager/tf_function/xla]"))
+for name in sorted(tp.STRUCTURE_FIRST):
+  _, cls, msg = tp.STRUCTURE_FIRST[name]
+  error = "InputTypeError (TypeError)" if cls is TypeError else "InputError (ValueError)"
+  rows.append((f"apply_gradients before any enqueue: {name.replace('_', ' ')}", error, msg,
+               f"tests/test_parity.py::test_apply_gradients_checks_the_structure_before_the_batch[{name}-eager/tf_function]"))
+rows += [
+  ("a rejected apply_gradients (wrong shape, structure, non-tensor, NaN), then a corrected retry", "(the batch stays pending; the retry applies it)", "feature 'f' (table 't'): gradient shape [3, 2] does not match its activation shape [2, 2]. ...", "tests/test_engine.py::test_rejected_apply_gradients_keeps_the_batch_for_a_corrected_retry"),
+  ("dequeue() in a tf.function of a batch enqueued eagerly", "InputError", "dequeue() called before enqueue() in this tf.function (a batch enqueued eagerly or in another tf.function cannot be used here).", "tests/test_engine.py::test_a_batch_enqueued_eagerly_is_not_used_by_a_tf_function"),
+  ("training with optimizer=None (a table without an optimizer)", "InputError (ValueError)", tp.LOOKUP_ONLY.format(call="enqueue(training=True)", tables="['user']"), "tests/test_parity.py::test_optimizer_none_with_per_table_optimizers"),
+  ("enqueue(device=...) naming no replica's device", "InputError", "enqueue(device='/cpu:5') names no replica of MirroredStrategy: its replicas' devices are [...]. Fix: pass strategy.extended.worker_devices[i] for replica i's batch, or distributed values without device=.", "tests/test_replicas.py::test_per_device_enqueue_errors_name_the_device"),
+  ("enqueue(device=...) with distributed values", "InputError", "enqueue(device='/cpu:1') was given distributed values. Fix: pass one replica's values with device= (strategy.experimental_local_results(x)[i]), or distributed values without device=.", "tests/test_replicas.py::test_per_device_enqueue_errors_name_the_device"),
+  ("enqueue twice under MirroredStrategy(2); a rejected apply_gradients on both replicas", "InputError (the retry applies the pending batch)", "enqueue() was called again (replica 0) before the batch enqueued before it was dequeued ...", "tests/test_replicas.py::test_protocol_misuse_and_retry_under_two_replicas"),
+]
 esc = lambda t: str(t).replace("|", "\\|").replace("\n", " ")
 out = ["# Bad inputs and their errors", "",
        "Every row is pinned by the test it names (the message is asserted). Errors name the",
