@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import keras
 import tensorflow as tf
 
-from tpu_embed_ext import errors
+from tpu_embed_ext import atomic, errors
 
 __all__ = ["CheckpointError", "ModelDirError", "lock", "check_writable",
            "checkpoint_steps", "resume_point", "check_checkpoint",
@@ -107,8 +107,10 @@ def _unreadable(prefix: str) -> Optional[str]:
     reader = tf.train.load_checkpoint(prefix)
     for name in reader.get_variable_to_shape_map():
       reader.get_tensor(name)
-  except (tf.errors.OpError, ValueError) as e:
-    return (getattr(e, "message", None) or str(e)).strip().splitlines()[0]
+  except (tf.errors.OpError, ValueError, IndexError) as e:
+    # IndexError: a truncated .data file ("Read less bytes than requested").
+    return (getattr(e, "message", None) or str(e) or type(e).__name__
+            ).strip().splitlines()[0]
   return None
 
 
@@ -223,8 +225,6 @@ def write_run_record(model_dir: str, runs: List[Dict[str, Any]]) -> None:
 
 
 def write_json(path: str, value) -> None:
-  """Writes whole or not at all (a temporary file, then a rename)."""
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
+  """Writes whole or not at all (``atomic.write_file``)."""
+  with atomic.write_file(path) as f:
     json.dump(value, f, indent=2)
-  os.replace(tmp, path)
