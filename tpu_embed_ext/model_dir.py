@@ -10,8 +10,10 @@ logs. The rules, each because a run once lost work without them:
   SIGKILL), so a stale lock file never blocks a later run.
 - The state file is a hint, never the truth: ``resume_point`` scans the
   ``ckpt-*.index`` files, newest first, and returns the newest checkpoint
-  whose every tensor reads back (TensorFlow checks each tensor's CRC), then
-  rewrites the state file to list only readable checkpoints. A checkpoint
+  whose every tensor reads back (TensorFlow checks each tensor's CRC; a
+  truncated ``.data`` file counts as damaged too), then rewrites the state
+  file to list only readable checkpoints, with their timestamps, so that
+  ``CheckpointManager`` keeps ``max_to_keep`` of them across resumes. A checkpoint
   that cannot be read is reported by file and left on disk; it is replaced
   only when training writes a good checkpoint of the same step.
 - A restore is checked first (``check_checkpoint``): every variable the model
@@ -26,6 +28,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 from typing import Any, Dict, List, Optional, Tuple
 
 import keras
@@ -124,6 +127,8 @@ def resume_point(directory: str, log=print, *, repair: bool = True
   step 0 would overwrite them.
   """
   steps = checkpoint_steps(directory)
+  if repair:
+    _clean_leftovers(directory)
   bad = []
   for i, step in enumerate(steps):
     prefix = os.path.join(directory, f"ckpt-{step}")
@@ -134,10 +139,8 @@ def resume_point(directory: str, log=print, *, repair: bool = True
             f"{'s' if len(bad) > 1 else ''} {', '.join(bad)} could not be read.")
       if not repair:
         return prefix, step
-      # The state file TensorFlow's CheckpointManager trusts: readable ones only.
-      tf.compat.v1.train.update_checkpoint_state(
-          directory, prefix, all_model_checkpoint_paths=[
-              os.path.join(directory, f"ckpt-{s}") for s in reversed(steps[i:])])
+      _write_state(directory, prefix, [os.path.join(directory, f"ckpt-{s}")
+                                       for s in reversed(steps[i:])])
       return prefix, step
     log(f"Checkpoint {prefix}.index is damaged and cannot be restored: {why}")
     bad.append(f"{prefix}.index")
@@ -147,6 +150,37 @@ def resume_point(directory: str, log=print, *, repair: bool = True
         "them away to train from step 0, or restore a copy; nothing was "
         "overwritten.")
   return None, 0
+
+
+def _clean_leftovers(directory: str) -> None:
+  """Deletes what a killed save leaves: TensorFlow's ``ckpt-N_temp`` shard
+  directories and data files without their index (the ``.index`` is written
+  last, so those never were a checkpoint). Runs under the model_dir lock."""
+  if not os.path.isdir(directory):
+    return
+  for name in os.listdir(directory):
+    path = os.path.join(directory, name)
+    data = re.match(r"^(ckpt-\d+)\.data-\d{5}-of-\d{5}$", name)
+    if re.match(r"^ckpt-\d+_temp$", name) and os.path.isdir(path):
+      shutil.rmtree(path, ignore_errors=True)
+    elif data and not os.path.exists(os.path.join(directory, data.group(1) + ".index")):
+      os.remove(path)
+  atomic.clean(os.path.join(directory, "checkpoint"))
+
+
+def _write_state(directory: str, newest: str, paths: List[str]) -> None:
+  """The state file TensorFlow's CheckpointManager trusts: readable ones only.
+
+  With their timestamps (the ``.index`` files' mtimes) and a last-preserved
+  time before them all: without timestamps, ``CheckpointManager`` takes
+  every listed checkpoint as preserved (kept forever, outside
+  ``max_to_keep``), so each resume left its checkpoints behind for good.
+  """
+  stamps = [os.path.getmtime(p + ".index") for p in paths]
+  tf.compat.v1.train.update_checkpoint_state(
+      directory, newest, all_model_checkpoint_paths=paths,
+      all_model_checkpoint_timestamps=stamps,
+      last_preserved_timestamp=min(stamps) - 1.0)
 
 
 def _variable_paths(root) -> Dict[int, Tuple[Any, str]]:
