@@ -40,6 +40,7 @@ import errno
 import glob
 import itertools
 import os
+import re
 import shutil
 from typing import IO, Iterable, Iterator, List, Optional, Sequence
 
@@ -61,7 +62,8 @@ def io_error(e: BaseException, what: str, path: str) -> OutputError:
   """The one-line error for an ``OSError`` (or TensorFlow I/O error) writing ``path``."""
   code = getattr(e, "errno", None)
   text = (getattr(e, "strerror", None) or getattr(e, "message", None) or str(e))
-  text = " ".join(str(text).split())
+  # TensorFlow's: "{{function_node ...}} <file>; No space left on device [Op:SaveV2]"
+  text = re.sub(r"\{\{.*?\}\}|\[Op:\w+\]", "", " ".join(str(text).split())).strip()
   if code == errno.ENOSPC or "No space left" in text:
     fix = "free space on that disk, or write elsewhere"
   elif code in (errno.EROFS, errno.EACCES, errno.EPERM) or any(
