@@ -46,9 +46,9 @@ from typing import IO, Iterable, Iterator, List, Optional, Sequence
 
 from tpu_embed_ext import errors
 
-__all__ = ["OutputError", "write_file", "write_text", "write_dir", "write_prefix",
+__all__ = ["OutputError", "temporary_name", "write_file", "write_text", "write_dir", "write_prefix",
            "prefix_files", "recover", "clean", "check_no_overlap", "check_writable",
-           "io_error"]
+           "io_error", "is_write_error"]
 
 _counter = itertools.count()
 _RENAME_EXCHANGE = 2
@@ -58,7 +58,19 @@ class OutputError(errors.Error, OSError):
   """An output that cannot be written: it overlaps an input, or the disk refuses it."""
 
 
-def io_error(e: BaseException, what: str, path: str) -> OutputError:
+def is_write_error(e: BaseException) -> bool:
+  """Whether an OSError or TensorFlow error is the disk refusing a write."""
+  if getattr(e, "errno", None) in (errno.ENOSPC, errno.EROFS, errno.EACCES,
+                                   errno.EPERM, errno.EDQUOT):
+    return True
+  text = str(getattr(e, "message", e))
+  return any(s in text for s in ("No space left", "Read-only file system",
+                                 "Permission denied", "Disk quota"))
+
+
+def io_error(e: BaseException, what: str, path: str, *,
+             note: str = "Nothing was replaced; the previous output, if any, is "
+             "intact.") -> OutputError:
   """The one-line error for an ``OSError`` (or TensorFlow I/O error) writing ``path``."""
   code = getattr(e, "errno", None)
   text = (getattr(e, "strerror", None) or getattr(e, "message", None) or str(e))
@@ -71,8 +83,12 @@ def io_error(e: BaseException, what: str, path: str) -> OutputError:
     fix = "make it writable, or write elsewhere"
   else:
     fix = "check the path and the disk"
-  return OutputError(f"cannot write {what} {path}: {text}. Nothing was replaced; "
-                     f"the previous output, if any, is intact. Fix: {fix}.")
+  return OutputError(f"cannot write {what} {path}: {text}. {note} Fix: {fix}.")
+
+
+def temporary_name(path: str) -> str:
+  """A hidden sibling name for ``path`` that ``clean`` removes once this process dies."""
+  return _tmp_name(path)
 
 
 def _tmp_name(path: str, kind: str = "tmp") -> str:

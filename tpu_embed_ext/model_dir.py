@@ -82,8 +82,12 @@ class lock:
     return False
 
 
-def check_writable(model_dir: str) -> None:
-  """ModelDirError unless files can be created in ``model_dir`` (made if absent)."""
+def check_writable(model_dir: str, what: str = "model_dir") -> None:
+  """ModelDirError unless files can be created in ``model_dir`` (made if absent).
+
+  A probe file, not ``os.access``: root passes ``os.access`` on a read-only
+  mount or an immutable directory.
+  """
   probe = os.path.join(model_dir, f".write_probe_{os.getpid()}")
   try:
     os.makedirs(model_dir, exist_ok=True)
@@ -92,7 +96,7 @@ def check_writable(model_dir: str) -> None:
     os.remove(probe)
   except OSError as e:
     raise ModelDirError(
-        f"cannot write to model_dir {model_dir}: {e.strerror or e}. Fix: pass a "
+        f"cannot write to {what} {model_dir}: {e.strerror or e}. Fix: pass a "
         "writable --model_dir.") from None
 
 

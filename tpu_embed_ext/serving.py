@@ -214,7 +214,7 @@ def export_for_serving(model: keras.Model, export_dir: str, input_signature: Any
   return concrete
 
 
-def save(module, export_dir: str, *, what: str = "the SavedModel", **kwargs) -> None:
+def save(module, export_dir: str, *, what: str = "the SavedModel directory", **kwargs) -> None:
   """``tf.saved_model.save`` whole or not at all (``atomic.write_dir``).
 
   The previous SavedModel in ``export_dir`` serves until the new one is

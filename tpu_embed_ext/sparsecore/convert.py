@@ -288,7 +288,7 @@ def convert_checkpoint(src: str, dst: str, config, topology=None, *,
       return _convert(src, staging, config, topology, optimizer, prefix)
   except (tf.errors.OpError, IndexError) as e:
     if isinstance(e, (tf.errors.ResourceExhaustedError,
-                      tf.errors.PermissionDeniedError)) or _is_write_error(e):
+                      tf.errors.PermissionDeniedError)) or atomic.is_write_error(e):
       raise atomic.io_error(e, "--out", dst) from None
     why = (getattr(e, "message", None) or str(e)).strip().splitlines()[0]
     raise model_dir_lib.CheckpointError(
@@ -298,12 +298,6 @@ def convert_checkpoint(src: str, dst: str, config, topology=None, *,
     if isinstance(e, errors.Error):
       raise
     raise atomic.io_error(e, "--out", dst) from None
-
-
-def _is_write_error(e) -> bool:
-  text = str(getattr(e, "message", e))
-  return any(s in text for s in ("No space left", "Read-only file system",
-                                 "Permission denied", "Disk quota"))
 
 
 def _convert(src, dst, config, topology, optimizer, prefix):
