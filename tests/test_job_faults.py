@@ -319,7 +319,7 @@ def test_exported_model_takes_single_hot_as_batch_or_batch_by_one(exported):
   assert flat.shape == (4, 1) and np.isfinite(flat).all()
 
 
-@pytest.mark.parametrize("name,value,message", [
+SERVING_CASES = [
     ("two_ids_for_single_hot", {"c5": tf.constant([[1, 2]] * 4, tf.int64)},
      r"input c5: a single-hot feature takes one id per example, int64 \[batch\] or "
      r"\[batch, 1\]; got shape\] \[4 2\] \[\(no id is ever dropped\). Fix: send one id "
@@ -337,7 +337,11 @@ def test_exported_model_takes_single_hot_as_batch_or_batch_by_one(exported):
      r"input"),
     ("out_of_vocabulary", {"c5": tf.constant([0, 1, 24, 2], tf.int64)},
      r"feature c5: ids must be in \[0, 24\); out-of-vocabulary ids are refused"),
-], ids=lambda x: x if isinstance(x, str) and " " not in x else "")
+]
+
+
+@pytest.mark.parametrize("name,value,message", SERVING_CASES,
+                         ids=[c[0] for c in SERVING_CASES])
 def test_exported_model_checks_every_input(exported, name, value, message):
   with pytest.raises(tf.errors.InvalidArgumentError, match=message):
     exported(**{**_inputs(), **value})
