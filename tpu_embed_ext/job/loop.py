@@ -169,6 +169,8 @@ def _train(spec, cfg, model_dir, total, tpu, verbose, log):
   log(f"Training on {where}.")
   tf.config.experimental.enable_op_determinism()
   checkpoints = os.path.join(model_dir, "checkpoints")
+  for name in ("metrics.json", "history.csv", "learning_curve.png", "run.json"):
+    atomic.clean(os.path.join(model_dir, name))  # leftovers of killed writes
   resume, named = model_dir_lib.resume_point(checkpoints, log=log)
   scope = strategy.scope() if strategy else contextlib.nullcontext()
   with scope:

@@ -126,6 +126,9 @@ def purge_summaries(log_dir: str, step: int) -> int:
   dropped = 0
   if not os.path.isdir(log_dir):
     return 0
+  # The temporary file is named without "tfevents" (TensorBoard reads every
+  # file whose name has it); a killed purge's leftover is deleted here.
+  atomic.clean(os.path.join(log_dir, "purge"))
   for name in sorted(os.listdir(log_dir)):
     if not name.startswith("events.out.tfevents."):
       continue
@@ -141,7 +144,7 @@ def purge_summaries(log_dir: str, step: int) -> int:
     if len(keep) == len(kept) and not torn:
       continue
     dropped += len(kept) - len(keep)
-    tmp = atomic.temporary_name(path)
+    tmp = atomic.temporary_name(os.path.join(log_dir, "purge"))
     try:
       with tf.io.TFRecordWriter(tmp) as writer:
         for record in keep:
