@@ -37,7 +37,7 @@ import tensorflow as tf
 from tpu_embed_ext import atomic, errors
 
 __all__ = ["CheckpointError", "ModelDirError", "lock", "check_writable",
-           "checkpoint_steps", "resume_point", "check_checkpoint",
+           "checkpoint_steps", "resume_point", "repair_state", "check_checkpoint",
            "read_run_record", "write_run_record", "write_json"]
 
 _CKPT = re.compile(r"^ckpt-(\d+)\.index$")
@@ -131,8 +131,6 @@ def resume_point(directory: str, log=print, *, repair: bool = True
   step 0 would overwrite them.
   """
   steps = checkpoint_steps(directory)
-  if repair:
-    _clean_leftovers(directory)
   bad = []
   for i, step in enumerate(steps):
     prefix = os.path.join(directory, f"ckpt-{step}")
@@ -141,10 +139,8 @@ def resume_point(directory: str, log=print, *, repair: bool = True
       if bad:
         log(f"Falling back to {prefix} (step {step}): the newer checkpoint"
             f"{'s' if len(bad) > 1 else ''} {', '.join(bad)} could not be read.")
-      if not repair:
-        return prefix, step
-      _write_state(directory, prefix, [os.path.join(directory, f"ckpt-{s}")
-                                       for s in reversed(steps[i:])])
+      if repair:
+        repair_state(directory, prefix)
       return prefix, step
     log(f"Checkpoint {prefix}.index is damaged and cannot be restored: {why}")
     bad.append(f"{prefix}.index")
@@ -154,6 +150,21 @@ def resume_point(directory: str, log=print, *, repair: bool = True
         "them away to train from step 0, or restore a copy; nothing was "
         "overwritten.")
   return None, 0
+
+
+def repair_state(directory: str, prefix: Optional[str]) -> None:
+  """Deletes leftovers of killed saves and rewrites the state file to list
+  ``prefix`` (the checkpoint resumed from) and the older checkpoints.
+
+  ``train`` calls it once the restore was checked, so that a refused
+  checkpoint leaves the model_dir exactly as it was.
+  """
+  _clean_leftovers(directory)
+  if prefix is None:
+    return
+  step = int(prefix.rsplit("-", 1)[1])
+  _write_state(directory, prefix, [os.path.join(directory, f"ckpt-{s}") for s in
+                                   reversed(checkpoint_steps(directory)) if s <= step])
 
 
 def _clean_leftovers(directory: str) -> None:

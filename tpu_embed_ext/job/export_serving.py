@@ -34,12 +34,12 @@ def export(config_path: str, *, model_dir: str, out: str,
   """
   from tpu_embed_ext import serving
   checkpoints = os.path.join(model_dir, "checkpoints")
-  atomic.check_no_overlap("--out", out, [("the checkpoints of --model_dir",
-                                          checkpoints),
-                                         ("the config", config_path)])
-  atomic.check_writable("--out", out, directory=True)
   with in_file(config_path):
     spec, cfg = load(config_path, overrides)
+    atomic.check_no_overlap("--out", out, [("the checkpoints of --model_dir",
+                                            checkpoints),
+                                           ("the config", config_path)])
+    atomic.check_writable("--out", out, directory=True)
     model = build_model(spec, cfg)
     _, eval_ds = input_datasets(spec, cfg)
     batch = first_batch(eval_ds, cfg)

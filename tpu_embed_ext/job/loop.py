@@ -115,9 +115,11 @@ def train(config_path: str, *, model_dir: str, steps: Optional[int] = None,
     model_dir_lib.check_writable(model_dir)
     with model_dir_lib.lock(model_dir), _io_errors(model_dir):
       # A checkpoints directory that cannot be written (a read-only mount)
-      # is found before anything is trained.
-      model_dir_lib.check_writable(os.path.join(model_dir, "checkpoints"),
-                                   what="the checkpoints directory")
+      # is found before anything is trained. (An absent one is created by
+      # the first save, in the model_dir found writable above.)
+      if os.path.isdir(os.path.join(model_dir, "checkpoints")):
+        model_dir_lib.check_writable(os.path.join(model_dir, "checkpoints"),
+                                     what="the checkpoints directory")
       return _train(spec, cfg, model_dir, total, tpu, verbose, log)
 
 
@@ -171,7 +173,9 @@ def _train(spec, cfg, model_dir, total, tpu, verbose, log):
   checkpoints = os.path.join(model_dir, "checkpoints")
   for name in ("metrics.json", "history.csv", "learning_curve.png", "run.json"):
     atomic.clean(os.path.join(model_dir, name))  # leftovers of killed writes
-  resume, named = model_dir_lib.resume_point(checkpoints, log=log)
+  # The state file is repaired once the restore is checked (repair_state):
+  # a refused checkpoint leaves the model_dir as it was.
+  resume, named = model_dir_lib.resume_point(checkpoints, log=log, repair=False)
   scope = strategy.scope() if strategy else contextlib.nullcontext()
   with scope:
     model = build_model(spec, cfg)
@@ -185,6 +189,7 @@ def _train(spec, cfg, model_dir, total, tpu, verbose, log):
       log(f"Resumed from {resume} (step {done}).")
       if done != named:
         log(f"{resume} holds table step {done}; continuing from step {done}.")
+    model_dir_lib.repair_state(checkpoints, resume)
 
     settings = {k: getattr(cfg, k) for k in
                 ("batch_size", "steps_per_checkpoint", "seed", "dataset")}
