@@ -123,10 +123,19 @@ def check_output_shape(where: str, stored: tf.TensorShape,
 def check_fully_defined(where: str, shape: tf.TensorShape):
   """``tpu_embedding_v2.py`` ``_check_output_shapes_fully_defined``."""
   if not shape.is_fully_defined():
+    # Under MultiWorkerMirroredStrategy, drop_remainder=True is not enough:
+    # for a dataset that is not infinite, tf.distribute turns on its
+    # partial-batch handling in multi-worker mode even for static shapes
+    # (input_lib._enable_get_next_as_optional), handing a worker whose data
+    # ran out empty batches, so every batch's size becomes unknown.
     raise errors.InputError(
         f"{where}: output shape {listed(shape)} is not fully defined; the TPU "
-        "compiles every activation shape. Fix: give static shapes (batch with "
-        "drop_remainder=True), FeatureConfig.output_shape, or fully defined "
+        "compiles every activation shape. Fix: give static shapes: batch with "
+        "drop_remainder=True, and under MultiWorkerMirroredStrategy also repeat "
+        "the dataset (dataset.repeat(), bounding the loop by steps): on a finite "
+        "dataset it gives batches of unknown size even with drop_remainder=True "
+        "(a worker whose data runs out gets empty batches); or set "
+        "FeatureConfig.output_shape, or fully defined "
         "build(per_replica_input_shapes=...).")
 
 

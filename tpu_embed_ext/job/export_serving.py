@@ -11,7 +11,8 @@ from tpu_embed_ext import atomic
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext.job.building import build_model, build_variables, restore
 from tpu_embed_ext.job.config import in_file, load
-from tpu_embed_ext.job.data import first_batch, input_datasets
+from tpu_embed_ext.job.data import example_batch
+from tpu_embed_ext.job.memory import check_memory
 
 __all__ = ["export", "serving_inputs"]
 
@@ -33,23 +34,25 @@ def export(config_path: str, *, model_dir: str, out: str,
   checkpoint (table step) was exported.
   """
   from tpu_embed_ext import serving
+  # Everything that can be checked is checked before the model is built:
+  # the config, where the SavedModel goes, and a checkpoint to restore.
   checkpoints = os.path.join(model_dir, "checkpoints")
   with in_file(config_path):
     spec, cfg = load(config_path, overrides)
-    atomic.check_no_overlap("--out", out, [("the checkpoints of --model_dir",
-                                            checkpoints),
-                                           ("the config", config_path)])
-    atomic.check_writable("--out", out, directory=True)
-    model = build_model(spec, cfg)
-    _, eval_ds = input_datasets(spec, cfg)
-    batch = first_batch(eval_ds, cfg)
-  build_variables(model, batch)
-  checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    check_memory(spec)
+    batch = example_batch(spec, cfg)  # From the spec: no dataset is built.
+  atomic.check_no_overlap("--out", out, [("the checkpoints of --model_dir",
+                                          checkpoints),
+                                         ("the config", config_path)])
+  atomic.check_writable("--out", out, directory=True)
   path, _ = model_dir_lib.resume_point(checkpoints, log=log, repair=False)
   if path is None:
     raise model_dir_lib.CheckpointError(
         f"no checkpoint in {model_dir}/checkpoints. Fix: run `train` with "
         f"--model_dir={model_dir} first.")
+  model = build_model(spec, cfg)
+  build_variables(model, batch)
+  checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
   restore(model, checkpoint, path)
   log(f"Exporting {path} (table step {int(model.embedding.step.numpy())}).")
   features, _ = batch

@@ -32,7 +32,8 @@ from tpu_embed_ext import atomic, errors, optimizers
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.checkpoint import (LAYOUTS_NAME, BundleWriter, ObjectGraph,
-                                                 read_rows, slice_spec, variable_key)
+                                                 find_embedding, read_rows, slice_spec,
+                                                 variable_key)
 from tpu_embed_ext.sparsecore.topology import parse_topology
 
 __all__ = ["convert_checkpoint", "checkpoint_layouts", "resolve_checkpoint"]
@@ -258,7 +259,7 @@ def resolve_checkpoint(path: str, log=print) -> str:
 
 
 def convert_checkpoint(src: str, dst: str, config, topology=None, *,
-                       optimizer=None, prefix: str = "embedding", log=print,
+                       optimizer=None, prefix: Optional[str] = None, log=print,
                        ) -> Optional[List[sc_layout.TableLayout]]:
   """Converts checkpoint ``src`` into ``dst``, table by table.
 
@@ -274,7 +275,9 @@ def convert_checkpoint(src: str, dst: str, config, topology=None, *,
       for a stacked output, the optimizer groups that decide the stacking.
     topology: None writes per-table keys; a ``Topology`` (or "v5p:4") writes
       ``TPUEmbeddingV2``'s stacked layout for it.
-    prefix: the embedding's path in the checkpoint's object graph.
+    prefix: the embedding's path in the checkpoint's object graph; None finds
+      it (the one object holding the config's tables, ``embedding_paths``),
+      and an error lists the candidates when there are several.
     log: prints which checkpoint a directory resolved to.
 
   Returns:
@@ -302,6 +305,8 @@ def convert_checkpoint(src: str, dst: str, config, topology=None, *,
 
 def _convert(src, dst, config, topology, optimizer, prefix):
   feature_config, tables = _feature_config(config, optimizer)
+  if prefix is None:
+    prefix = find_embedding(src, [t.name for t in tables])
   graph = ObjectGraph(src, prefix)
   children = graph.children()
   shapes = tf.train.load_checkpoint(src).get_variable_to_shape_map()
