@@ -35,6 +35,7 @@ from tpu_embed_ext.sparsecore.checkpoint import (LAYOUTS_NAME, BundleWriter, Obj
                                                  find_embedding, read_rows, slice_spec,
                                                  variable_key)
 from tpu_embed_ext.sparsecore.topology import parse_topology
+from tpu_embed_ext.text_table import human_bytes
 
 __all__ = ["convert_checkpoint", "checkpoint_layouts", "resolve_checkpoint"]
 
@@ -258,6 +259,40 @@ def resolve_checkpoint(path: str, log=print) -> str:
   return path
 
 
+def _available_memory() -> int:
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_memory(tables, layouts) -> None:
+  """ConfigError before anything is allocated if one table (read whole) and
+  its padded stacked form (written whole) do not fit into memory."""
+  def need(t):
+    padded = 0
+    if layouts is not None:
+      l = layouts[t.name]
+      padded = l.padded_rows * l.padded_dim
+    return 4 * (t.rows * t.dim + padded)
+  if not tables:
+    return
+  big = max(tables, key=need)
+  available = _available_memory()
+  if need(big) > available:
+    raise errors.ConfigError(
+        f"table '{big.name}' needs {human_bytes(need(big))} in memory to "
+        f"convert ({big.rows:,} x {big.dim}"
+        + (", padded for the topology" if layouts is not None else "")
+        + f"), this machine has {human_bytes(available)} available. Fix: "
+        "convert on a machine with more memory, or check the topology's chip "
+        "count.")
+
+
 def convert_checkpoint(src: str, dst: str, config, topology=None, *,
                        optimizer=None, prefix: Optional[str] = None, log=print,
                        ) -> Optional[List[sc_layout.TableLayout]]:
@@ -324,6 +359,7 @@ def _convert(src, dst, config, topology, optimizer, prefix):
         for s in (_PARAMETERS,) + by_name[ls[0].table].slots]
   else:
     added = [_local(t.name, s) for t in tables for s in (_PARAMETERS,) + t.slots]
+  _check_memory(tables, layouts)
   dropped = graph.replace(source.names(tables), added)
   writer = BundleWriter(dst)
   _copy_others(writer, src, set(dropped))
