@@ -119,6 +119,37 @@ rows += [
   ('engine="v2": ragged rows that cannot fill output_shape', "InputError (ValueError)", "feature 'f' (table 'video'): 2 rows of ragged ids cannot fill the activation shape [4] (4 rows).", "tests/test_parity.py::test_v2_shapes_come_from_output_shape"),
   ("serving signature whose lookups change the model's output shapes", "ConfigError", "serving output 'outputs' has shape [None, 1, 2], but the model computes [None, 2]", "tests/test_parity.py::test_serving_export_keeps_training_shapes"),
 ]
+# Faults and outputs (issue 22): kills, damaged checkpoints, full and
+# read-only disks, outputs over inputs, the exported model's inputs.
+import tests.test_job_faults as tj
+for p in tj.test_exported_model_checks_every_input.pytestmark:
+  if p.name == "parametrize":
+    for name, _, msg in p.args[1]:
+      rows.append((f"exported model input: {name.replace('_', ' ')}",
+                   "InvalidArgumentError (at serving, naming the input)",
+                   msg.replace("\\", ""),
+                   f"tests/test_job_faults.py::test_exported_model_checks_every_input[{name}]"))
+J, A = "tests/test_job_faults.py::", "tests/test_atomic_outputs.py::"
+rows += [
+  ("single-hot serving input as [batch] or [batch, 1]", "(valid, same outputs)", "both shapes are accepted by the export command's signature", J + "test_exported_model_takes_single_hot_as_batch_or_batch_by_one"),
+  ("`convert-checkpoint --out P --checkpoint P` (also `./P`, a symlink to P's directory)", "OutputError (CLI: one line, exit 2; nothing written)", "--out P would overwrite the input checkpoint P (the output equals, contains or lies inside it); nothing was written. Fix: pass another --out, outside the input.", A + "test_convert_onto_its_input_is_refused_before_writing, " + A + "test_convert_command_errors_are_one_line"),
+  ("`convert-checkpoint` from a missing checkpoint / a directory without checkpoints / to an `--out` that is a directory", "CheckpointError / OutputError (one line)", "--checkpoint <p>: no such checkpoint (<p>.index does not exist). Fix: pass a checkpoint prefix ... / --out <dir> is a directory; the output is a checkpoint prefix ... Fix: pass e.g. <dir>/ckpt.", A + "test_convert_errors_name_the_checkpoint"),
+  ("`convert-checkpoint` from a prefix with a truncated `.data` / from a model_dir whose newest checkpoint is truncated", "CheckpointError (one line) / (falls back, saying so)", "checkpoint <p> cannot be read: Read less bytes than requested. Nothing was written to <out>. ... / Converting <dir>/ckpt-10 (step 10), the newest readable checkpoint in <dir>.", A + "test_convert_from_a_directory_falls_back_past_a_truncated_data_file"),
+  ("`convert-checkpoint` from a checkpoint missing a slot tensor", "CheckpointError (one line)", "checkpoint <p> is damaged: its object graph lists the slot 'accumulators' of 't_c0' but it holds no tensor embedding/t_c0.Saccumulators/.ATTRIBUTES/VARIABLE_VALUE. Fix: convert an undamaged checkpoint (an earlier one, or a copy).", A + "test_convert_with_a_missing_slot_tensor_is_a_checkpoint_error"),
+  ("`convert-checkpoint` to a full disk (simulated ENOSPC; and a real 48 KiB tmpfs)", "OutputError (one line; the previous --out intact, no leftovers)", "cannot write --out <p>: <file>; No space left on device. Nothing was replaced; the previous output, if any, is intact. Fix: free space on that disk, or write elsewhere.", A + "test_convert_enospc_in_process_keeps_the_previous_output, " + A + "test_convert_to_a_full_disk_is_one_line_and_leaves_nothing"),
+  ("`convert-checkpoint` to a read-only disk (a real read-only tmpfs)", "OutputError (one line, before converting)", "cannot write --out <p>: Read-only file system. Nothing was replaced; ... Fix: make it writable, or write elsewhere.", A + "test_convert_to_a_read_only_disk_is_refused_before_converting"),
+  ("a kill at any moment of a SavedModel / checkpoint / file write (after every rename of the swap)", "(old complete output or new complete one)", "outputs are written beside, flushed and renamed; leftovers of dead processes are cleaned", A + "test_checkpoint_prefix_killed_after_every_rename_is_old_or_new, " + A + "test_directory_killed_after_every_rename_is_old_or_new"),
+  ("SIGKILL of train / export / convert-checkpoint at random moments", "(resume bit-identical; --out old or new, complete)", "tests/fault_injection.py (one round each in make test; --rounds N)", "tests/test_fault_injection.py::test_killed_commands_leave_old_or_new_complete_outputs"),
+  ("truncated `.data` of the newest checkpoint (train, export)", "(falls back, saying so)", "Checkpoint <dir>/ckpt-10.index is damaged and cannot be restored: Read less bytes than requested ... Exporting <dir>/ckpt-5 (table step 5).", J + "test_truncated_data_file_falls_back_in_train_and_export"),
+  ("repeated resumes", "(valid: max_to_keep kept)", "three resumes keep ckpt-15, ckpt-20, ckpt-25 (the state file keeps its timestamps)", J + "test_checkpoints_keep_max_to_keep_across_resumes"),
+  ("torn last row of history.csv", "(valid: dropped, the block redone)", "the resumed history equals the uninterrupted one byte for byte", J + "test_torn_last_history_row_does_not_block_resume"),
+  ("finished job killed before learning_curve.png", "(valid: completed)", "learning_curve.png was missing: drawn from history.csv.", J + "test_finished_job_completes_missing_outputs"),
+  ("kill mid-block after its TensorBoard points", "(valid: no duplicates)", "points after the resumed step are purged; each tag's steps equal the uninterrupted run's", J + "test_no_duplicate_tensorboard_points_after_a_kill_mid_block"),
+  ("full disk during a checkpoint save (simulated ENOSPC; and a real 300 KiB tmpfs model_dir)", "OutputError (CLI: one line, exit 2)", "cannot write checkpoint <dir>/checkpoints/ckpt-10: ...; No space left on device. The checkpoints before it are intact; run the same command again to resume from the newest one. Fix: free space on that disk, or write elsewhere.", J + "test_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoints, " + J + "test_real_full_disk_during_training_is_one_line"),
+  ("read-only checkpoints directory (a real read-only tmpfs)", "ModelDirError (CLI: one line, before training)", "cannot write to the checkpoints directory <dir>/checkpoints: Read-only file system. Fix: pass a writable --model_dir.", J + "test_read_only_checkpoints_directory_is_found_before_training"),
+  ("a feature whose column the dataset does not have", "ConfigError (CLI: one line, exit 2)", "train.features.c3.column: feature 'c3' reads column 'c33', which the dataset does not have. Did you mean \"c3\"? Its columns: ... Fix: map the feature to a column ...", J + "test_feature_without_a_dataset_column_is_one_line"),
+  ("`export --out` equal to / inside / containing the checkpoints; a file; read-only", "OutputError (CLI: one line, exit 2; nothing written)", "--out <p> would overwrite the checkpoints of --model_dir <dir>/checkpoints ... / --out <p> is a file; the output is a directory. ... / cannot write --out <p>: Read-only file system. ...", J + "test_export_refuses_an_out_that_overlaps_or_cannot_be_written"),
+]
 # Config and spec inputs (issue 22) and numeric traps (issue 21).
 import tests.test_config_inputs as tci
 for name in sorted(tci.CASES):

@@ -247,5 +247,7 @@ def test_train_ends_with_where_everything_went_and_the_export_command_works(
   assert export[:3] == ["python", "-m", "tpu_embed_ext"]
   status, out, err = _cli(capsys, *export[3:])
   assert status == 0, err
-  assert out.strip() == f"SavedModel written to {join(model_dir, 'serving')}"
+  assert out.strip().splitlines() == [
+      f"Exporting {join(model_dir, 'checkpoints', 'ckpt-10')} (table step 10).",
+      f"SavedModel written to {join(model_dir, 'serving')}"]
   assert os.path.exists(join(model_dir, "serving", "saved_model.pb"))

@@ -10,8 +10,10 @@ logs. The rules, each because a run once lost work without them:
   SIGKILL), so a stale lock file never blocks a later run.
 - The state file is a hint, never the truth: ``resume_point`` scans the
   ``ckpt-*.index`` files, newest first, and returns the newest checkpoint
-  whose every tensor reads back (TensorFlow checks each tensor's CRC), then
-  rewrites the state file to list only readable checkpoints. A checkpoint
+  whose every tensor reads back (TensorFlow checks each tensor's CRC; a
+  truncated ``.data`` file counts as damaged too), then rewrites the state
+  file to list only readable checkpoints, with their timestamps, so that
+  ``CheckpointManager`` keeps ``max_to_keep`` of them across resumes. A checkpoint
   that cannot be read is reported by file and left on disk; it is replaced
   only when training writes a good checkpoint of the same step.
 - A restore is checked first (``check_checkpoint``): every variable the model
@@ -26,15 +28,16 @@ import fcntl
 import json
 import os
 import re
+import shutil
 from typing import Any, Dict, List, Optional, Tuple
 
 import keras
 import tensorflow as tf
 
-from tpu_embed_ext import errors
+from tpu_embed_ext import atomic, errors
 
 __all__ = ["CheckpointError", "ModelDirError", "lock", "check_writable",
-           "checkpoint_steps", "resume_point", "check_checkpoint",
+           "checkpoint_steps", "resume_point", "repair_state", "check_checkpoint",
            "read_run_record", "write_run_record", "write_json"]
 
 _CKPT = re.compile(r"^ckpt-(\d+)\.index$")
@@ -79,8 +82,12 @@ class lock:
     return False
 
 
-def check_writable(model_dir: str) -> None:
-  """ModelDirError unless files can be created in ``model_dir`` (made if absent)."""
+def check_writable(model_dir: str, what: str = "model_dir") -> None:
+  """ModelDirError unless files can be created in ``model_dir`` (made if absent).
+
+  A probe file, not ``os.access``: root passes ``os.access`` on a read-only
+  mount or an immutable directory.
+  """
   probe = os.path.join(model_dir, f".write_probe_{os.getpid()}")
   try:
     os.makedirs(model_dir, exist_ok=True)
@@ -89,7 +96,7 @@ def check_writable(model_dir: str) -> None:
     os.remove(probe)
   except OSError as e:
     raise ModelDirError(
-        f"cannot write to model_dir {model_dir}: {e.strerror or e}. Fix: pass a "
+        f"cannot write to {what} {model_dir}: {e.strerror or e}. Fix: pass a "
         "writable --model_dir.") from None
 
 
@@ -107,8 +114,10 @@ def _unreadable(prefix: str) -> Optional[str]:
     reader = tf.train.load_checkpoint(prefix)
     for name in reader.get_variable_to_shape_map():
       reader.get_tensor(name)
-  except (tf.errors.OpError, ValueError) as e:
-    return (getattr(e, "message", None) or str(e)).strip().splitlines()[0]
+  except (tf.errors.OpError, ValueError, IndexError) as e:
+    # IndexError: a truncated .data file ("Read less bytes than requested").
+    return (getattr(e, "message", None) or str(e) or type(e).__name__
+            ).strip().splitlines()[0]
   return None
 
 
@@ -130,12 +139,8 @@ def resume_point(directory: str, log=print, *, repair: bool = True
       if bad:
         log(f"Falling back to {prefix} (step {step}): the newer checkpoint"
             f"{'s' if len(bad) > 1 else ''} {', '.join(bad)} could not be read.")
-      if not repair:
-        return prefix, step
-      # The state file TensorFlow's CheckpointManager trusts: readable ones only.
-      tf.compat.v1.train.update_checkpoint_state(
-          directory, prefix, all_model_checkpoint_paths=[
-              os.path.join(directory, f"ckpt-{s}") for s in reversed(steps[i:])])
+      if repair:
+        repair_state(directory, prefix)
       return prefix, step
     log(f"Checkpoint {prefix}.index is damaged and cannot be restored: {why}")
     bad.append(f"{prefix}.index")
@@ -145,6 +150,52 @@ def resume_point(directory: str, log=print, *, repair: bool = True
         "them away to train from step 0, or restore a copy; nothing was "
         "overwritten.")
   return None, 0
+
+
+def repair_state(directory: str, prefix: Optional[str]) -> None:
+  """Deletes leftovers of killed saves and rewrites the state file to list
+  ``prefix`` (the checkpoint resumed from) and the older checkpoints.
+
+  ``train`` calls it once the restore was checked, so that a refused
+  checkpoint leaves the model_dir exactly as it was.
+  """
+  _clean_leftovers(directory)
+  if prefix is None:
+    return
+  step = int(prefix.rsplit("-", 1)[1])
+  _write_state(directory, prefix, [os.path.join(directory, f"ckpt-{s}") for s in
+                                   reversed(checkpoint_steps(directory)) if s <= step])
+
+
+def _clean_leftovers(directory: str) -> None:
+  """Deletes what a killed save leaves: TensorFlow's ``ckpt-N_temp`` shard
+  directories and data files without their index (the ``.index`` is written
+  last, so those never were a checkpoint). Runs under the model_dir lock."""
+  if not os.path.isdir(directory):
+    return
+  for name in os.listdir(directory):
+    path = os.path.join(directory, name)
+    data = re.match(r"^(ckpt-\d+)\.data-\d{5}-of-\d{5}$", name)
+    if re.match(r"^ckpt-\d+_temp$", name) and os.path.isdir(path):
+      shutil.rmtree(path, ignore_errors=True)
+    elif data and not os.path.exists(os.path.join(directory, data.group(1) + ".index")):
+      os.remove(path)
+  atomic.clean(os.path.join(directory, "checkpoint"))
+
+
+def _write_state(directory: str, newest: str, paths: List[str]) -> None:
+  """The state file TensorFlow's CheckpointManager trusts: readable ones only.
+
+  With their timestamps (the ``.index`` files' mtimes) and a last-preserved
+  time before them all: without timestamps, ``CheckpointManager`` takes
+  every listed checkpoint as preserved (kept forever, outside
+  ``max_to_keep``), so each resume left its checkpoints behind for good.
+  """
+  stamps = [os.path.getmtime(p + ".index") for p in paths]
+  tf.compat.v1.train.update_checkpoint_state(
+      directory, newest, all_model_checkpoint_paths=paths,
+      all_model_checkpoint_timestamps=stamps,
+      last_preserved_timestamp=min(stamps) - 1.0)
 
 
 def _variable_paths(root) -> Dict[int, Tuple[Any, str]]:
@@ -223,8 +274,6 @@ def write_run_record(model_dir: str, runs: List[Dict[str, Any]]) -> None:
 
 
 def write_json(path: str, value) -> None:
-  """Writes whole or not at all (a temporary file, then a rename)."""
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
+  """Writes whole or not at all (``atomic.write_file``)."""
+  with atomic.write_file(path) as f:
     json.dump(value, f, indent=2)
-  os.replace(tmp, path)

@@ -8,6 +8,14 @@ matrix whose padding is ``PAD_ID`` (-1). The embedding lookups inside are
 tables: plain gathers and segment reductions, no TPU ops, so the SavedModel
 serves on any CPU.
 
+``serving_signature`` and ``checked_inputs`` give a signature whose every
+input is checked inside the call (what the ``export`` command writes): an
+error names the input and the fix for a wrong rank or shape ([batch, 2] for
+a single-hot feature is refused, never cut to its first id), batches of
+different sizes, NaN or Inf floats, and out-of-vocabulary ids. The dtype is
+the signature's (int64 ids, float32 floats); TensorFlow refuses another one
+before the call, naming the input.
+
 Out-of-vocabulary ids: the policy is to refuse them. ``check_ids`` makes the
 call fail with an ``InvalidArgumentError`` naming the feature, the vocabulary
 and the offending ids (a gather would fail at an anonymous node, or on some
@@ -18,16 +26,17 @@ reserved row) before calling.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import keras
 import tensorflow as tf
 
-from tpu_embed_ext import errors
+from tpu_embed_ext import atomic, errors
 from tpu_embed_ext.emulation.engine import CPUEmbedding
 from tpu_embed_ext.layer import PAD_ID, EmbeddingLayer
 
-__all__ = ["PAD_ID", "export_for_serving", "ragged_from_padded", "check_ids"]
+__all__ = ["PAD_ID", "export_for_serving", "ragged_from_padded", "check_ids",
+           "serving_signature", "checked_inputs"]
 
 
 def ragged_from_padded(structure):
@@ -63,6 +72,88 @@ def check_ids(feature: str, ids, vocabulary_size: int, *, padded: bool = True):
     return tf.identity(ids)
 
 
+def serving_signature(single_hot, multi_hot, floats) -> Dict[str, tf.TensorSpec]:
+  """The signature of ``checked_inputs``: ``{name: tf.TensorSpec}``.
+
+  ``single_hot``/``multi_hot``: feature names (int64 ids); ``floats``:
+  ``{name: width}`` (float32). A single-hot input has no fixed rank, so
+  that it takes [batch] and [batch, 1] alike; ``checked_inputs`` checks it.
+  """
+  spec = {name: tf.TensorSpec([None, width], tf.float32, name=name)
+          for name, width in floats.items()}
+  spec.update({name: tf.TensorSpec(None, tf.int64, name=name) for name in single_hot})
+  spec.update({name: tf.TensorSpec([None, None], tf.int64, name=name)
+               for name in multi_hot})
+  return spec
+
+
+def _assert(condition, message: str, *data):
+  return tf.debugging.Assert(condition, [message, *data], summarize=5)
+
+
+def checked_inputs(inputs, *, single_hot: Mapping[str, int],
+                   multi_hot: Mapping[str, int], floats: Mapping[str, int]
+                   ) -> Dict[str, tf.Tensor]:
+  """``inputs`` checked and shaped: single-hot ids [batch], multi-hot ids
+  [batch, n] (padded), floats [batch, width].
+
+  ``single_hot``/``multi_hot``: ``{feature: vocabulary_size}``;
+  ``floats``: ``{name: width}``. Every check fails the call with an
+  ``InvalidArgumentError`` naming the input and the fix.
+  """
+  out, checks = {}, []
+  first = next(iter(inputs))
+  # -1 for a scalar first input, which then fails its own check below.
+  batch = tf.concat([tf.shape(inputs[first], out_type=tf.int64)[:1],
+                     tf.constant([-1], tf.int64)], 0)[0]
+  for name, x in inputs.items():
+    size = tf.shape(x, out_type=tf.int64)
+    checks.append(_assert(
+        tf.logical_and(tf.size(size) >= 1,
+                       tf.reduce_all(tf.equal(size[:1], batch))),
+        f"input {name}: batch size (shape", size,
+        f") differs from the batch size of input {first}", batch[None],
+        "; every input has one row per example. Fix: send the same number of "
+        "rows in every input."))
+  for name, width in floats.items():
+    x = inputs[name]
+    shape = tf.shape(x, out_type=tf.int64)
+    checks.append(_assert(
+        tf.logical_and(tf.equal(tf.size(shape), 2), tf.reduce_all(
+            tf.equal(shape[1:], width))),
+        f"input {name}: float32 [batch, {width}] expected, got shape", shape,
+        f"Fix: send {width} values per example."))
+    bad = tf.logical_not(tf.math.is_finite(x))
+    checks.append(_assert(
+        tf.logical_not(tf.reduce_any(bad)),
+        f"input {name}: float values must be finite; NaN or Inf at [row, column]:",
+        tf.where(bad)[:5], "Fix: replace missing or overflowing values (e.g. "
+        "by 0) before serving."))
+    out[name] = x
+  for name, vocabulary in single_hot.items():
+    x = inputs[name]
+    shape = tf.shape(x, out_type=tf.int64)
+    rank_ok = tf.logical_or(tf.equal(tf.size(shape), 1), tf.logical_and(
+        tf.equal(tf.size(shape), 2), tf.equal(tf.reduce_prod(shape[1:]), 1)))
+    checks.append(_assert(
+        rank_ok, f"input {name}: a single-hot feature takes one id per example, "
+        "int64 [batch] or [batch, 1]; got shape", shape,
+        "(no id is ever dropped). Fix: send one id per example; a feature with "
+        "several ids per example is multi-hot in the config."))
+    with tf.control_dependencies(checks):
+      ids = tf.reshape(x, [-1])
+    out[name] = check_ids(name, ids, vocabulary, padded=False)
+  for name, vocabulary in multi_hot.items():
+    shape = tf.shape(inputs[name], out_type=tf.int64)
+    checks.append(_assert(
+        tf.equal(tf.size(shape), 2), f"input {name}: a multi-hot feature takes "
+        f"int64 [batch, n] ids padded with {PAD_ID}; got shape", shape,
+        f"Fix: send one row of ids per example, padded with {PAD_ID}."))
+    out[name] = check_ids(name, inputs[name], vocabulary, padded=True)
+  with tf.control_dependencies(checks):
+    return {name: tf.identity(x) for name, x in out.items()}
+
+
 def _embedding_layers(model: keras.Model):
   return [l for l in model._flatten_layers() if isinstance(l, EmbeddingLayer)]
 
@@ -90,7 +181,9 @@ def export_for_serving(model: keras.Model, export_dir: str, input_signature: Any
 
   Args:
     model: a built Keras model whose embeddings come from ``EmbeddingLayer``s.
-    export_dir: where to write the SavedModel.
+    export_dir: where to write the SavedModel. It replaces the directory
+      there only once complete (``atomic.write_dir``), so a previous export
+      stays loadable if this one is killed or fails.
     input_signature: nested ``tf.TensorSpec``s, what clients send (a dict, so
       that the signature's inputs are named).
     preprocess: maps the signature's inputs to the model's inputs; by default
@@ -117,9 +210,24 @@ def export_for_serving(model: keras.Model, export_dir: str, input_signature: Any
   with _serving_lookups(model):
     concrete = serve.get_concrete_function()
   _check_training_shapes(model, preprocess, input_signature, concrete)
-  tf.saved_model.save(module, export_dir,
-                      signatures={"serving_default": concrete})
+  save(module, export_dir, signatures={"serving_default": concrete})
   return concrete
+
+
+def save(module, export_dir: str, *, what: str = "the SavedModel directory", **kwargs) -> None:
+  """``tf.saved_model.save`` whole or not at all (``atomic.write_dir``).
+
+  The previous SavedModel in ``export_dir`` serves until the new one is
+  complete; a full or read-only disk is an ``atomic.OutputError``.
+  """
+  atomic.check_writable(what, export_dir, directory=True)
+  try:
+    with atomic.write_dir(export_dir) as tmp:
+      tf.saved_model.save(module, tmp, **kwargs)
+  except (OSError, tf.errors.OpError) as e:
+    if isinstance(e, errors.Error):
+      raise
+    raise atomic.io_error(e, what, export_dir) from None
 
 
 def _check_training_shapes(model, preprocess, input_signature, concrete):

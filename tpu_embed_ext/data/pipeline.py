@@ -59,6 +59,7 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
   def select(example):
     if preprocess is not None:
       example = preprocess(example)
+    _check_columns(example, features, label_column, dense_column)
     return {k: example[k] for k in keep}
 
   if parse_batch is None:
@@ -108,6 +109,24 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
   if num_batches is not None:
     ds = ds.take(num_batches)
   return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def _check_columns(example, features, label_column, dense_column) -> None:
+  """ConfigError naming the feature (or field) whose column the data lacks."""
+  from tpu_embed_ext import errors
+  have = sorted(example)
+  wanted = [(f"train.features.{name}.column", f"feature '{name}' reads column "
+             f"'{column}'", column) for name, (column, _) in features.items()]
+  wanted += [("train.label", f"label column '{label_column}'", label_column)]
+  if dense_column:
+    wanted += [("train.dense_column", f"dense column '{dense_column}'", dense_column)]
+  for path, what, column in wanted:
+    if column not in example:
+      raise errors.ConfigError(
+          f"{what}, which the dataset does not have.{errors.did_you_mean(column, have)}"
+          f" Its columns: {', '.join(have)}. Fix: map the feature to a column "
+          f"(train.features: {{<feature>: {{column: <column>}}}}), or correct "
+          "the name.", path=path)
 
 
 def _with_batch(ids, batch_size: int):

@@ -7,6 +7,7 @@ from typing import Any, Dict, Mapping, Optional
 
 import tensorflow as tf
 
+from tpu_embed_ext import atomic
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext.job.building import build_model, build_variables, restore
 from tpu_embed_ext.job.config import in_file, load
@@ -17,25 +18,34 @@ __all__ = ["export", "serving_inputs"]
 
 
 def export(config_path: str, *, model_dir: str, out: str,
-           overrides: Optional[Mapping[str, Any]] = None) -> str:
+           overrides: Optional[Mapping[str, Any]] = None, log=print) -> str:
   """Restores the newest readable checkpoint and writes a serving SavedModel.
 
   The signature (``serving.py``) takes ``dense`` float32 [batch, 13] and, per
-  categorical feature, an int64 id matrix: [batch, 1] for single-hot
+  categorical feature, int64 ids: [batch] or [batch, 1] for single-hot
   features, [batch, n] padded with -1 for multi-hot ones; it returns
-  ``outputs``, the click logit [batch, 1]. An id outside a feature's
-  vocabulary fails the call with an error naming the feature.
+  ``outputs``, the click logit [batch, 1]. Every input is checked inside the
+  call (``serving.checked_inputs``): a wrong shape, batch size, a NaN or Inf
+  float or an id outside the feature's vocabulary fails it, naming the input.
+
+  ``out`` is replaced only once the new SavedModel is complete; an ``out``
+  that overlaps the checkpoints or the config, is a file, or cannot be
+  written is refused before anything is built. ``log`` says which
+  checkpoint (table step) was exported.
   """
   from tpu_embed_ext import serving
   # Everything that can be checked is checked before the model is built:
   # the config, where the SavedModel goes, and a checkpoint to restore.
+  checkpoints = os.path.join(model_dir, "checkpoints")
   with in_file(config_path):
     spec, cfg = load(config_path, overrides)
     check_memory(spec)
     batch = example_batch(spec, cfg)  # From the spec: no dataset is built.
-  _check_out(out)
-  path, _ = model_dir_lib.resume_point(os.path.join(model_dir, "checkpoints"),
-                                       repair=False)
+  atomic.check_no_overlap("--out", out, [("the checkpoints of --model_dir",
+                                          checkpoints),
+                                         ("the config", config_path)])
+  atomic.check_writable("--out", out, directory=True)
+  path, _ = model_dir_lib.resume_point(checkpoints, log=log, repair=False)
   if path is None:
     raise model_dir_lib.CheckpointError(
         f"no checkpoint in {model_dir}/checkpoints. Fix: run `train` with "
@@ -44,42 +54,28 @@ def export(config_path: str, *, model_dir: str, out: str,
   build_variables(model, batch)
   checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
   restore(model, checkpoint, path)
+  log(f"Exporting {path} (table step {int(model.embedding.step.numpy())}).")
   features, _ = batch
-  signature = {"dense": tf.TensorSpec([None, features["dense"].shape[1]],
-                                      tf.float32, name="dense")}
-  for name, ids in features["categorical"].items():
-    width = 1 if isinstance(ids, tf.Tensor) and ids.shape.rank == 1 else None
-    signature[name] = tf.TensorSpec([None, width], tf.int64, name=name)
   vocabulary = {f.name: spec.table(f.table).vocabulary_size for f in spec.features}
+  single = {name: vocabulary[name] for name, ids in features["categorical"].items()
+            if isinstance(ids, tf.Tensor) and ids.shape.rank == 1}
+  multi = {name: vocabulary[name] for name in features["categorical"]
+           if name not in single}
+  floats = {"dense": features["dense"].shape[1]}
+  signature = serving.serving_signature(single, multi, floats)
 
   def preprocess(inputs):
+    checked = serving.checked_inputs(inputs, single_hot=single, multi_hot=multi,
+                                     floats=floats)
     categorical = {}
     for name, ids in features["categorical"].items():
-      single = isinstance(ids, tf.Tensor) and ids.shape.rank == 1
-      x = serving.check_ids(name, inputs[name], vocabulary[name], padded=not single)
-      if single:
-        categorical[name] = tf.cast(x[:, 0], ids.dtype)
-      else:
-        categorical[name] = tf.cast(serving.ragged_from_padded(x), ids.dtype)
-    return {"dense": inputs["dense"], "categorical": categorical}
+      x = checked[name]
+      categorical[name] = tf.cast(
+          x if name in single else serving.ragged_from_padded(x), ids.dtype)
+    return {"dense": checked["dense"], "categorical": categorical}
 
   serving.export_for_serving(model, out, signature, preprocess=preprocess)
   return out
-
-
-def _check_out(out: str) -> None:
-  """ModelDirError unless the SavedModel can be written at ``out``."""
-  parent = os.path.dirname(os.path.abspath(out))
-  try:
-    os.makedirs(parent, exist_ok=True)
-    if os.path.exists(out) and not os.path.isdir(out):
-      raise NotADirectoryError(f"{out} is a file")
-    if not os.access(out if os.path.isdir(out) else parent, os.W_OK):
-      raise PermissionError("permission denied")
-  except OSError as e:
-    raise model_dir_lib.ModelDirError(
-        f"cannot write the SavedModel to {out}: {e.strerror or e}. Fix: pass a "
-        "writable --out.") from None
 
 
 def serving_inputs(features) -> Dict[str, tf.Tensor]:

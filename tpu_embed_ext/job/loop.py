@@ -14,6 +14,7 @@ from typing import Any, Dict, Mapping, Optional
 import keras
 import tensorflow as tf
 
+from tpu_embed_ext import atomic, errors
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext.job.building import build_model, build_variables, restore
 from tpu_embed_ext.job.config import check_steps, in_file, load
@@ -21,7 +22,8 @@ from tpu_embed_ext.job.data import first_batch, input_datasets
 from tpu_embed_ext.job.evaluation import evaluate, planted_auc
 from tpu_embed_ext.job.memory import check_memory
 from tpu_embed_ext.job.outputs import (append_history, learning_rate_series,
-                                       plot_learning_curve, trim_history)
+                                       plot_learning_curve, purge_summaries,
+                                       trim_history)
 from tpu_embed_ext.job.strategy import resolve_strategy
 
 __all__ = ["train"]
@@ -65,7 +67,12 @@ class _Blocks(keras.callbacks.Callback):
     # the two redoes the block, and the resume drops the row after its step).
     append_history(self.model_dir, row)
     self._summaries(row)
-    self.manager.save(checkpoint_number=step)
+    try:
+      self.manager.save(checkpoint_number=step)
+    except (OSError, tf.errors.OpError) as e:
+      raise atomic.io_error(
+          e, "checkpoint", f"{self.manager.directory}/ckpt-{step}",
+          note=_RESUME_NOTE) from None
     self.log(f"step {step}/{self.total}: loss {row['loss']:.4f}, AUC "
              f"{row['auc']:.4f}; held-out loss {row['eval_loss']:.4f}, AUC "
              f"{row['eval_auc']:.4f}; "
@@ -106,8 +113,33 @@ def train(config_path: str, *, model_dir: str, steps: Optional[int] = None,
     spec, cfg = load(config_path, overrides)
     total = check_steps(steps, cfg.steps)
     model_dir_lib.check_writable(model_dir)
-    with model_dir_lib.lock(model_dir):
+    with model_dir_lib.lock(model_dir), _io_errors(model_dir):
+      # A checkpoints directory that cannot be written (a read-only mount)
+      # is found before anything is trained. (An absent one is created by
+      # the first save, in the model_dir found writable above.)
+      if os.path.isdir(os.path.join(model_dir, "checkpoints")):
+        model_dir_lib.check_writable(os.path.join(model_dir, "checkpoints"),
+                                     what="the checkpoints directory")
       return _train(spec, cfg, model_dir, total, tpu, verbose, log)
+
+
+_RESUME_NOTE = ("The checkpoints before it are intact; run the same command again "
+                "to resume from the newest one.")
+
+
+def _io_errors(model_dir: str):
+  """A write refused by the disk (full, read-only) as one ModelDirError line."""
+  @contextlib.contextmanager
+  def scope():
+    try:
+      yield
+    except errors.Error:
+      raise
+    except (OSError, tf.errors.OpError) as e:
+      if not atomic.is_write_error(e):
+        raise
+      raise atomic.io_error(e, "to model_dir", model_dir, note=_RESUME_NOTE) from None
+  return scope()
 
 
 def _run_changes(previous: Mapping[str, Any], now: Mapping[str, Any]) -> str:
@@ -123,6 +155,15 @@ def _run_changes(previous: Mapping[str, Any], now: Mapping[str, Any]) -> str:
   return note
 
 
+def _finished(metrics_path: str) -> Optional[Dict[str, Any]]:
+  """metrics.json of a finished run, or None (absent, or not whole JSON)."""
+  try:
+    with open(metrics_path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
 def _train(spec, cfg, model_dir, total, tpu, verbose, log):
   strategy, where = resolve_strategy(tpu)
   if strategy is None:
@@ -130,7 +171,11 @@ def _train(spec, cfg, model_dir, total, tpu, verbose, log):
   log(f"Training on {where}.")
   tf.config.experimental.enable_op_determinism()
   checkpoints = os.path.join(model_dir, "checkpoints")
-  resume, named = model_dir_lib.resume_point(checkpoints, log=log)
+  for name in ("metrics.json", "history.csv", "learning_curve.png", "run.json"):
+    atomic.clean(os.path.join(model_dir, name))  # leftovers of killed writes
+  # The state file is repaired once the restore is checked (repair_state):
+  # a refused checkpoint leaves the model_dir as it was.
+  resume, named = model_dir_lib.resume_point(checkpoints, log=log, repair=False)
   scope = strategy.scope() if strategy else contextlib.nullcontext()
   with scope:
     model = build_model(spec, cfg)
@@ -144,6 +189,7 @@ def _train(spec, cfg, model_dir, total, tpu, verbose, log):
       log(f"Resumed from {resume} (step {done}).")
       if done != named:
         log(f"{resume} holds table step {done}; continuing from step {done}.")
+    model_dir_lib.repair_state(checkpoints, resume)
 
     settings = {k: getattr(cfg, k) for k in
                 ("batch_size", "steps_per_checkpoint", "seed", "dataset")}
@@ -152,14 +198,21 @@ def _train(spec, cfg, model_dir, total, tpu, verbose, log):
     if note:
       log(note)
     metrics_path = os.path.join(model_dir, "metrics.json")
-    if done >= total and os.path.exists(metrics_path):
+    metrics = _finished(metrics_path) if done >= total else None
+    if metrics is not None:
       log(f"Already trained to step {done} (asked for {total}): nothing to do; "
           f"metrics.json left as it was.")
-      with open(metrics_path) as f:
-        return json.load(f)
+      if not os.path.exists(os.path.join(model_dir, "learning_curve.png")):
+        # Killed after metrics.json, before the plot: complete the outputs.
+        plot_learning_curve(model_dir)
+        log("learning_curve.png was missing: drawn from history.csv.")
+      return metrics
     model_dir_lib.write_run_record(
         model_dir, runs + [{**settings, "from_step": done, "to_step": total}])
     trim_history(model_dir, done)
+    # Points after the resumed step are from a run killed mid-block; this
+    # run writes them again.
+    purge_summaries(os.path.join(model_dir, "logs"), done)
 
     evaluate_fn = functools.partial(evaluate, model, eval_ds)
     blocks = _Blocks(

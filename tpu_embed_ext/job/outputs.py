@@ -1,20 +1,29 @@
 """What a run leaves in model_dir besides checkpoints: history.csv, the
-learning-rate series for TensorBoard, learning_curve.png."""
+learning-rate series for TensorBoard, learning_curve.png.
+
+Files are replaced whole (``atomic.write_file``), never appended in place: a
+kill leaves the previous complete history.csv or the new one. A torn last
+row (a history.csv written by an older version, or cut by a full disk) is
+dropped when read, never an error. ``purge_summaries`` drops TensorBoard
+points after the resumed step, which the resumed run writes again.
+"""
 
 from __future__ import annotations
 
 import csv
 import functools
+import io
 import os
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Optional
 
 import keras
 import tensorflow as tf
 
+from tpu_embed_ext import atomic
 from tpu_embed_ext.spec import EmbeddingSpec
 
 __all__ = ["HISTORY", "learning_rate_series", "append_history", "read_history",
-           "trim_history", "plot_learning_curve"]
+           "trim_history", "plot_learning_curve", "purge_summaries"]
 
 
 HISTORY = ("step", "loss", "auc", "eval_loss", "eval_auc")
@@ -53,29 +62,44 @@ def learning_rate_series(spec: EmbeddingSpec, dense_optimizer=None
   return out
 
 
-def append_history(model_dir: str, row: Mapping[str, float]) -> None:
-  path = os.path.join(model_dir, "history.csv")
-  new = not os.path.exists(path)
-  with open(path, "a", newline="") as f:
+def _write_history(path: str, rows) -> None:
+  with atomic.write_file(path, newline="") as f:
     writer = csv.DictWriter(f, fieldnames=HISTORY)
-    if new:
-      writer.writeheader()
-    writer.writerow(row)
+    writer.writeheader()
+    writer.writerows({**r, "step": int(r["step"])} for r in rows)
+
+
+def append_history(model_dir: str, row: Mapping[str, float]) -> None:
+  """Adds ``row``: the whole file is rewritten beside and renamed (it is small)."""
+  path = os.path.join(model_dir, "history.csv")
+  _write_history(path, read_history(model_dir) + [dict(row)])
+
+
+def _row(r) -> Optional[Dict[str, float]]:
+  try:
+    values = {k: float(r[k]) for k in HISTORY}
+  except (TypeError, ValueError, KeyError):
+    return None  # A torn row: missing or cut fields.
+  return values if None not in r else None  # None: extra fields
 
 
 def read_history(model_dir: str):
+  """The complete rows of history.csv; a torn row is skipped."""
   path = os.path.join(model_dir, "history.csv")
   if not os.path.exists(path):
     return []
   with open(path, newline="") as f:
-    reader = csv.DictReader(f)
-    if tuple(reader.fieldnames or ()) != HISTORY:
-      return []
-    return [{k: float(v) for k, v in r.items()} for r in reader]
+    text = f.read()
+  if not text.endswith("\n"):  # A torn last row, even one whose cut value parses.
+    text = text[:text.rfind("\n") + 1]
+  reader = csv.DictReader(io.StringIO(text, newline=""))
+  if tuple(reader.fieldnames or ()) != HISTORY:
+    return []
+  return [row for row in map(_row, reader) if row is not None]
 
 
 def trim_history(model_dir: str, step: int) -> None:
-  """Drops rows after ``step``: a resumed run redoes them (no duplicates).
+  """Drops rows after ``step`` (a resumed run redoes them) and torn rows.
 
   A history of another format (an older version's) is kept as history.csv.old.
   """
@@ -87,13 +111,49 @@ def trim_history(model_dir: str, step: int) -> None:
   if header != HISTORY:
     os.replace(path, path + ".old")
     return
-  rows = [r for r in read_history(model_dir) if r["step"] <= step]
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w", newline="") as f:  # Whole or not at all.
-    writer = csv.DictWriter(f, fieldnames=HISTORY)
-    writer.writeheader()
-    writer.writerows({**r, "step": int(r["step"])} for r in rows)
-  os.replace(tmp, path)
+  _write_history(path, [r for r in read_history(model_dir) if r["step"] <= step])
+
+
+def purge_summaries(log_dir: str, step: int) -> int:
+  """Drops TensorBoard events after ``step`` from every events file in ``log_dir``.
+
+  A run killed mid-block wrote that block's points, and the resumed run
+  writes them again: without this TensorBoard would show both. Each file is
+  rewritten beside and renamed; a torn last record (a kill mid-write) ends
+  the file. Returns the number of events dropped.
+  """
+  from tensorflow.core.util import event_pb2
+  dropped = 0
+  if not os.path.isdir(log_dir):
+    return 0
+  # The temporary file is named without "tfevents" (TensorBoard reads every
+  # file whose name has it); a killed purge's leftover is deleted here.
+  atomic.clean(os.path.join(log_dir, "purge"))
+  for name in sorted(os.listdir(log_dir)):
+    if not name.startswith("events.out.tfevents."):
+      continue
+    path = os.path.join(log_dir, name)
+    kept, torn = [], False
+    try:
+      for record in tf.data.TFRecordDataset(path).as_numpy_iterator():
+        kept.append(record)
+    except tf.errors.OpError:
+      torn = True  # Keep the complete records before the torn one.
+    events = [(r, event_pb2.Event.FromString(r)) for r in kept]
+    keep = [r for r, e in events if not (e.step > step and e.HasField("summary"))]
+    if len(keep) == len(kept) and not torn:
+      continue
+    dropped += len(kept) - len(keep)
+    tmp = atomic.temporary_name(os.path.join(log_dir, "purge"))
+    try:
+      with tf.io.TFRecordWriter(tmp) as writer:
+        for record in keep:
+          writer.write(record)
+      os.replace(tmp, path)
+    finally:
+      if os.path.exists(tmp):
+        os.remove(tmp)
+  return dropped
 
 
 def plot_learning_curve(model_dir: str):
@@ -115,5 +175,6 @@ def plot_learning_curve(model_dir: str):
     ax.legend()
     ax.grid(alpha=0.3)
   fig.tight_layout()
-  fig.savefig(os.path.join(model_dir, "learning_curve.png"), dpi=100)
+  with atomic.write_file(os.path.join(model_dir, "learning_curve.png"), "wb") as f:
+    fig.savefig(f, format="png", dpi=100)
   plt.close(fig)

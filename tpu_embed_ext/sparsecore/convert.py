@@ -7,6 +7,14 @@ topology. Padding rows and columns are dropped on the way out; on the way in
 they are zero in the parameters and the slot's initial value in each slot, so
 a padded row looks like a row never trained. Values are copied, never
 computed, so a round trip is bit-identical.
+
+The output appears under its name only when complete (``atomic.write_prefix``:
+staged in a hidden sibling directory, then renamed into place, index last),
+so a conversion killed at any moment leaves the previous ``--out`` (or none)
+whole. An output that would overwrite the input is refused before anything
+is written, and so is an output that cannot be written (a directory, a
+read-only disk). A damaged input (truncated or corrupted files, a missing
+tensor) is a ``CheckpointError`` naming it.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ import tensorflow as tf
 from tensorflow.python.trackable import constants
 from tensorflow.python.util import nest
 
-from tpu_embed_ext import errors, optimizers
+from tpu_embed_ext import atomic, errors, optimizers
+from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.checkpoint import (LAYOUTS_NAME, BundleWriter, ObjectGraph,
                                                  find_embedding, read_rows, slice_spec,
@@ -28,7 +37,7 @@ from tpu_embed_ext.sparsecore.checkpoint import (LAYOUTS_NAME, BundleWriter, Obj
 from tpu_embed_ext.sparsecore.topology import parse_topology
 from tpu_embed_ext.text_table import human_bytes
 
-__all__ = ["convert_checkpoint", "checkpoint_layouts"]
+__all__ = ["convert_checkpoint", "checkpoint_layouts", "resolve_checkpoint"]
 
 _PARAMETERS = "parameters"
 _FIX = "Fix: convert with the config the checkpoint was trained with"
@@ -97,8 +106,7 @@ class _PerTableSource:
             f"{variable_key(prefix, t.name)}). {_FIX}, or pass its --prefix.")
       _check_slots(t, _slots_under(children, t.name), path)
       for slot in (_PARAMETERS,) + t.slots:
-        _check_shape(t, slot, list(shapes[variable_key(prefix, _local(t.name, slot))]),
-                     path)
+        _check_shape(t, slot, _stored_shape(shapes, prefix, t.name, slot, path), path)
 
   def names(self, tables):
     return [_local(t.name, s) for t in tables for s in (_PARAMETERS,) + t.slots]
@@ -130,7 +138,7 @@ class _StackedSource:
             f"stack '{l.stack}'), the config has {t.shape}. {_FIX}.")
       _check_slots(t, _slots_under(children, l.stack), path)
       for slot in (_PARAMETERS,) + t.slots:
-        stored = list(shapes[variable_key(prefix, _local(l.stack, slot))])
+        stored = _stored_shape(shapes, prefix, l.stack, slot, path)
         if stored != [l.stacked_rows, l.padded_dim]:
           raise errors.ConfigError(
               f"stack '{l.stack}' ({_PARAMETERS if slot == _PARAMETERS else slot}): "
@@ -154,6 +162,18 @@ class _StackedSource:
                            [(k * l.rows_per_shard + l.row_offset, l.rows_in_shard)])
       out[l.shard_block(k)] = block[:len(rows), :l.dim]
     return out
+
+
+def _stored_shape(shapes, prefix, name, slot, path) -> List[int]:
+  """The stored shape of ``name``'s ``slot``; CheckpointError if the tensor is missing."""
+  key = variable_key(prefix, _local(name, slot))
+  if key not in shapes:
+    what = "parameters" if slot == _PARAMETERS else f"slot '{slot}'"
+    raise model_dir_lib.CheckpointError(
+        f"checkpoint {path} is damaged: its object graph lists the {what} of "
+        f"'{name}' but it holds no tensor {key}. Fix: convert an undamaged "
+        "checkpoint (an earlier one, or a copy).")
+  return list(shapes[key])
 
 
 def _check_slots(t: _Table, have, path):
@@ -209,6 +229,36 @@ def _copy_others(writer: BundleWriter, path: str, skip) -> None:
     writer.write([k for k, _ in chunk], [""] * len(chunk), [v for _, v in chunk])
 
 
+def resolve_checkpoint(path: str, log=print) -> str:
+  """The checkpoint prefix ``path`` names, checked before anything is read.
+
+  A directory (a ``checkpoints`` directory, or a model_dir holding one)
+  means its newest readable checkpoint, falling back past damaged ones as
+  ``train`` does. A prefix must have its ``.index`` file.
+  """
+  if os.path.isdir(path):
+    directory = path
+    if not model_dir_lib.checkpoint_steps(path) and os.path.isdir(
+        os.path.join(path, "checkpoints")):
+      directory = os.path.join(path, "checkpoints")
+    prefix, step = model_dir_lib.resume_point(directory, log=log, repair=False)
+    if prefix is None:
+      raise model_dir_lib.CheckpointError(
+          f"--checkpoint {path} is a directory without checkpoints (no "
+          "ckpt-<step>.index in it). Fix: pass a checkpoint prefix, e.g. "
+          "<model_dir>/checkpoints/ckpt-60, or its directory.")
+    log(f"Converting {prefix} (step {step}), the newest readable checkpoint in "
+        f"{directory}.")
+    return prefix
+  atomic.recover(path)
+  if not os.path.exists(path + ".index"):
+    raise model_dir_lib.CheckpointError(
+        f"--checkpoint {path}: no such checkpoint ({path}.index does not exist). "
+        "Fix: pass a checkpoint prefix (the path without .index), e.g. "
+        "<model_dir>/checkpoints/ckpt-60, or a checkpoints directory.")
+  return path
+
+
 def _available_memory() -> int:
   try:
     with open("/proc/meminfo") as f:
@@ -244,14 +294,16 @@ def _check_memory(tables, layouts) -> None:
 
 
 def convert_checkpoint(src: str, dst: str, config, topology=None, *,
-                       optimizer=None, prefix: Optional[str] = None
+                       optimizer=None, prefix: Optional[str] = None, log=print,
                        ) -> Optional[List[sc_layout.TableLayout]]:
   """Converts checkpoint ``src`` into ``dst``, table by table.
 
   Args:
     src: a checkpoint prefix, per-table or SparseCore-stacked (detected from
-      its ``_sparse_core_table_layouts`` key).
-    dst: the prefix to write.
+      its ``_sparse_core_table_layouts`` key), or a directory (its newest
+      readable checkpoint).
+    dst: the prefix to write; it must not overlap ``src``. It is replaced
+      whole when the conversion is complete, never partly.
     config: the tables it was trained with: an ``EmbeddingSpec`` or a nested
       ``FeatureConfig`` (with ``optimizer`` for tables that have none). It
       gives the shapes to check, the slots' initial values for padding and,
@@ -261,10 +313,32 @@ def convert_checkpoint(src: str, dst: str, config, topology=None, *,
     prefix: the embedding's path in the checkpoint's object graph; None finds
       it (the one object holding the config's tables, ``embedding_paths``),
       and an error lists the candidates when there are several.
+    log: prints which checkpoint a directory resolved to.
 
   Returns:
     The layouts written, or None for a per-table output.
   """
+  src = resolve_checkpoint(src, log=log)
+  atomic.check_no_overlap("--out", dst, [("the input checkpoint", src)], prefix=True)
+  atomic.check_writable("--out", dst)
+  try:
+    with atomic.write_prefix(dst) as staging:
+      return _convert(src, staging, config, topology, optimizer, prefix)
+  except (tf.errors.OpError, IndexError) as e:
+    if isinstance(e, (tf.errors.ResourceExhaustedError,
+                      tf.errors.PermissionDeniedError)) or atomic.is_write_error(e):
+      raise atomic.io_error(e, "--out", dst) from None
+    why = (getattr(e, "message", None) or str(e)).strip().splitlines()[0]
+    raise model_dir_lib.CheckpointError(
+        f"checkpoint {src} cannot be read: {why}. Nothing was written to {dst}. "
+        "Fix: convert an undamaged checkpoint (an earlier one, or a copy).") from None
+  except OSError as e:
+    if isinstance(e, errors.Error):
+      raise
+    raise atomic.io_error(e, "--out", dst) from None
+
+
+def _convert(src, dst, config, topology, optimizer, prefix):
   feature_config, tables = _feature_config(config, optimizer)
   if prefix is None:
     prefix = find_embedding(src, [t.name for t in tables])
