@@ -5,8 +5,19 @@ one physical CPU into logical devices happens here, before any test runs.
 Tests that need no replicas keep using the first device.
 """
 
+import os
+
 import pytest
 import tensorflow as tf
+
+# --- native kernels (docs/native_kernels.md) ---------------------------------
+# The kernel cache is repo-local (filled by `make install` / `make test`, or
+# by the first test that needs it), never the user's ~/.cache.
+os.environ.setdefault(
+    "TPU_EMBED_EXT_CACHE_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                 ".cache"))
+# --- end of native kernels ---------------------------------------------------
 
 LOGICAL_CPUS = 8
 

@@ -29,8 +29,8 @@ from tensorflow.python.trackable import autotrackable
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors, optimizers
-from tpu_embed_ext.emulation import (lookups, replicas, shapes, updates,
-                                      validation)
+from tpu_embed_ext.emulation import (lookups, native, replicas, shapes,
+                                      updates, validation)
 
 __all__ = ["CPUEmbedding"]
 
@@ -90,6 +90,10 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       ``variables`` stay per table.
     sparse_core_config: the ``SparseCoreEmbeddingConfig`` of those limits
       (None: TPUEmbeddingV2's defaults).
+    kernels: ``"auto"`` (default: the native C++ kernels when they load,
+      else TensorFlow ops; the ``TPU_EMBED_EXT_KERNELS`` environment variable
+      can force either), ``"native"`` or ``"tf"``. Both paths give the same
+      results; XLA always uses TensorFlow ops (docs/native_kernels.md).
 
   Replicas: under ``MirroredStrategy`` (or ``MultiWorkerMirroredStrategy``)
   the protocol is ``TPUEmbedding``'s: ``enqueue`` takes distributed values
@@ -115,14 +119,14 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   def __init__(self, feature_config, optimizer=None,
                pipeline_execution_with_tensor_core: bool = False, *,
                engine: str = "v1", validate: bool = True, topology=None,
-               sparse_core_config=None):
+               sparse_core_config=None, kernels: str = "auto"):
     del pipeline_execution_with_tensor_core
     if engine not in _ENGINES:
       raise ValueError(f'engine must be "v1" or "v2", got engine={engine!r}.')
     # Internal state is set with _untracked: a tracked attribute would add
     # checkpoint keys that TPUEmbedding does not have.
     _untracked(self, _engine=engine, _validate=validate,
-               _replicas=replicas.Replicas())
+               _replicas=replicas.Replicas(), _kernels=native.choose(kernels))
     with tf.init_scope(), self._replicas.single_copy_variables():
       _untracked(self, step=tf.Variable(0, dtype=tf.int64, trainable=False,
                                         name="step"),
@@ -286,6 +290,16 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   def engine(self) -> str:
     return self._engine
 
+  @property
+  def kernels(self) -> str:
+    """``"native"`` or ``"tf"``: the path this engine's steps run (outside
+    XLA, which always runs TensorFlow ops)."""
+    return self._kernels
+
+  def _native_step(self) -> bool:
+    """Whether ops built now use the native kernels (never under XLA)."""
+    return self._kernels == "native" and not validation.in_xla_context()
+
   def raise_if_failed(self):
     """Raises the InputError of a step that XLA could not stop (see class doc).
 
@@ -423,10 +437,12 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     verdict = pending.verdict
     gate = verdict.assertion if verdict is not None else None
     outputs = []
+    activation = (native.lookup.activation if self._native_step()
+                  else lookups.activation)
     for i, (feature, occ) in enumerate(zip(self._features, pending.occurrences)):
       table = self._tables[feature.table]
-      out = lookups.activation(self._variables[table.name]["parameters"], occ,
-                               table.config, gate)
+      out = activation(self._variables[table.name]["parameters"], occ,
+                       table.config, gate)
       if verdict is not None and verdict.assertion is None:
         # XLA: a bad feature's activations are NaN, so the loss shows it.
         out = tf.where(verdict.per_item_ok[i], out, tf.fill(tf.shape(out), float("nan")))
