@@ -471,13 +471,21 @@ class CPUEmbedding(autotrackable.AutoTrackable):
         "pass one gradient per feature, shaped like its activation (None "
         "means a zero gradient).")
     per_table = [[] for _ in self._tables]
+    segments = []  # the native update's inputs, one per feature
     for feature, occ, grad in zip(self._features, pending.occurrences,
                                   tf.nest.flatten(gradients)):
       dim = self._tables[feature.table].config.dim
       if grad is not None:
         validation.check_gradient(feature.where, grad, list(occ.shape) + [dim])
+      if self._native_step():
+        segments.append(native.update.segment(occ, grad, dim))
+        continue
       per_table[feature.table].append(
           lookups.occurrence_gradients(occ, grad, dim))
+    if self._native_step():
+      self._replicas.merge(self._apply_all_replicas, {
+          "status": _status(pending.verdict), "segments": segments})
+      return
     payload = {
         "status": _status(pending.verdict),
         "ids": [tf.concat([ids for ids, _ in parts], 0) for parts in per_table],
@@ -486,6 +494,15 @@ class CPUEmbedding(autotrackable.AutoTrackable):
 
   def _apply_all_replicas(self, payloads):
     """The step, once, from the payloads of every replica."""
+    if "segments" in payloads[0]:
+      return native.update.apply_step(
+          payloads, [native.update.Table(
+              t.name, t.optimizer,
+              [self._variables[t.name][s]
+               for s in ("parameters", *t.optimizer.slot_names)],
+              t.config.vocabulary_size) for t in self._tables],
+          [f.table for f in self._features], [f.where for f in self._features],
+          engine=self._engine, validate=self._validate, step=self.step)
     status = tf.concat([p["status"] for p in payloads], 0)
     rates = {}
     planned = []
