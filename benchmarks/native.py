@@ -280,7 +280,7 @@ def main():
   parser.add_argument("--out", default=os.path.join(HERE, "results"))
   args = parser.parse_args()
   quick = args.quick
-  runs, repeats, warmup = (1, 3, 1) if quick else (3, 40, 5)
+  runs, repeats, warmup = (1, 3, 1) if quick else (3, 30, 5)
   workloads_ = ({"W1-1e3": "workloads.w1(1000)", "W2": "workloads.w2(2000)"} if quick
                 else {"W1-1e5": "workloads.w1(10**5)", "W1-1e7": "workloads.w1(10**7)",
                       "W2": "workloads.w2(500_000)"})

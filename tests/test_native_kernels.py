@@ -212,6 +212,39 @@ def test_xla_always_runs_tensorflow_ops():
   assert {"GatherV2", "ResourceGather"} & ops, sorted(ops)
 
 
+@needs_native
+def test_exported_savedmodel_needs_no_custom_op(tmp_path, monkeypatch):
+  from tests import test_layer  # pylint: disable=import-outside-toplevel
+  from tpu_embed_ext import serving  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv(native.ENV, "native")
+  model = test_layer.FixedHead(test_layer._feature_config())
+  batches = test_layer._batches(4)
+  test_layer._fit(model, batches, "sgd")
+  assert model.embedding.embedding.kernels == "native"
+  signature = {"user": tf.TensorSpec([None], tf.int64, name="user"),
+               "item": tf.TensorSpec([None, None], tf.int64, name="item")}
+  serving.export_for_serving(model, str(tmp_path / "m"), signature)
+  saved = (tmp_path / "m" / "saved_model.pb").read_bytes()
+  assert b"TpuEmbedExt" not in saved
+  # It loads and serves where the library was never loaded: a fresh process
+  # that cannot build it.
+  env = dict(os.environ, CXX=str(tmp_path / "no-g++"), TF_CPP_MIN_LOG_LEVEL="3",
+             TPU_EMBED_EXT_CACHE_DIR=str(tmp_path / "c"))
+  features, _ = batches[0]
+  ids = features["item"].to_tensor(default_value=serving.PAD_ID).numpy().tolist()
+  done = _run(f"""
+      import tensorflow as tf
+      m = tf.saved_model.load({str(tmp_path / "m")!r})
+      out = m.signatures["serving_default"](
+          user=tf.constant({features["user"].numpy().tolist()}, tf.int64),
+          item=tf.constant({ids}, tf.int64))
+      print("OUT", out["outputs"].numpy().ravel().tolist())
+      """, env)
+  served = json.loads(done.stdout.split("OUT ", 1)[1].replace("'", '"'))
+  np.testing.assert_allclose(served, model.predict(features, verbose=0).ravel(),
+                             rtol=1e-6, atol=1e-6)
+
+
 def test_bad_kernels_values_are_refused(monkeypatch):
   with pytest.raises(errors.ConfigError,
                      match=r"kernels='fast' is not one of \['auto', 'native', 'tf'\]"):
