@@ -39,6 +39,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 
 bench: $(VENV)/.bench-installed
 	$(PY) -m benchmarks.run_all
+	$(PY) -m benchmarks.native
 	$(PY) -m benchmarks.replicas
 	$(PY) -m benchmarks.convert_checkpoint
 

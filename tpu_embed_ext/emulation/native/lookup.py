@@ -38,5 +38,5 @@ def activation(params, occ, table_config, check=None):
   with tf.control_dependencies([check] if check is not None else []):
     out = ops.tpu_embed_ext_lookup(
         params.handle, tf.cast(occ.ids, tf.int64), rows, gains, num_rows,
-        dim=table_config.dim, **attrs)
+        dim=table_config.dim, segmented=occ.rows is not None, **attrs)
   return tf.reshape(out, list(occ.shape) + [table_config.dim])

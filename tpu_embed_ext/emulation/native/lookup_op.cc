@@ -9,8 +9,8 @@
 //
 // with the same float32 operations in the same order as the TF-op path
 // (gather, quantize, multiply, unsorted_segment_sum), so results are
-// bit-identical. Empty `rows` is the identity (out[i] = Q(E[ids[i]]),
-// single-hot and sequence lookups); empty `gains` means all ones.
+// bit-identical. `segmented` false: `rows` is ignored and out[i] =
+// Q(E[ids[i]]) (dense ids: row i is id i); empty `gains` means all ones.
 //
 // The table is read in place (no copy of the variable) under a shared lock,
 // as TensorFlow's ResourceGather does. Output rows are split across the
@@ -43,6 +43,7 @@ REGISTER_OP("TpuEmbedExtLookup")
     .Input("num_rows: int64")
     .Output("activations: float")
     .Attr("dim: int >= 1")
+    .Attr("segmented: bool = true")
     .Attr("quantize: bool = false")
     .Attr("q_lower: float = 0")
     .Attr("q_upper: float = 0")
@@ -74,6 +75,7 @@ class LookupOp : public OpKernel {
  public:
   explicit LookupOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(c, c->GetAttr("segmented", &segmented_));
     OP_REQUIRES_OK(c, c->GetAttr("quantize", &quant_.on));
     OP_REQUIRES_OK(c, c->GetAttr("q_lower", &quant_.lower));
     OP_REQUIRES_OK(c, c->GetAttr("q_upper", &quant_.upper));
@@ -91,10 +93,10 @@ class LookupOp : public OpKernel {
     OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(num_rows_t.shape()),
                 errors::InvalidArgument("num_rows must be a scalar"));
     const int64_t n = ids_t.NumElements();
-    const bool identity = rows_t.NumElements() == 0;
+    const bool identity = !segmented_;
     const int64_t num_rows = num_rows_t.scalar<int64_t>()();
     OP_REQUIRES(ctx, identity || rows_t.NumElements() == n,
-                errors::InvalidArgument("rows must be empty or match ids: ",
+                errors::InvalidArgument("rows must match ids: ",
                                         rows_t.NumElements(), " vs ", n));
     OP_REQUIRES(ctx, gains_t.NumElements() == 0 || gains_t.NumElements() == n,
                 errors::InvalidArgument("gains must be empty or match ids: ",
@@ -189,6 +191,7 @@ class LookupOp : public OpKernel {
 
  private:
   int dim_;
+  bool segmented_;
   Quantizer quant_;
 };
 

@@ -598,8 +598,10 @@ class ApplyStepOp : public OpKernel {
       Table& t = tables[i];
       for (int j = 0; j < t.num_variables; ++j) {
         Var* var = vars[t.first_variable + j].get();
-        OP_REQUIRES_OK(ctx, (PrepareToUpdateVariable<CPUDevice, float>(
-                                ctx, var->tensor(), var->copy_on_read_mode.load())));
+        // In place, as TensorFlow's sparse-apply kernels write: the variable
+        // is in copy-on-read mode (EnsureSparseVariableAccess above), so
+        // readers copy and this buffer is ours under the exclusive lock.
+        // PrepareToUpdateVariable would copy the whole table every step.
         float* dst = var->tensor()->flat<float>().data();
         const float* src = t.rows[j].data();
         if (t.mode == kEveryRow) {
