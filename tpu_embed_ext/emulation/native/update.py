@@ -36,6 +36,7 @@ _SUMS, _ROUNDS, _EVERY_ROW = 0, 1, 2
 _CLIP_LOW, _CLIP_HIGH, _DECAY, _DECAY_TIMES_LR = 1, 2, 4, 8
 _WEIGHT_MIN, _WEIGHT_MAX, _BETA2_IS_ONE, _NESTEROV = 16, 32, 64, 128
 _SUM_INSIDE_SQRT, _LINEAR_TIMES_LR, _L1 = 256, 512, 1024
+_GRAPH_POW, _RSQRT_MUL, _RECIPROCAL_LR = 2048, 4096, 8192
 _NUM_PARAMS = 11
 
 
@@ -73,10 +74,29 @@ def segment(occ, grad, dim: int):
   return ids, rows, gains, grad
 
 
-def _describe(spec, engine: str):
+def _grappler():
+  """``(arithmetic, constant_folding)``: whether Grappler rewrites the TF-op
+  path's graph before it runs (inside ``tf.function``; never eagerly).
+
+  Its arithmetic optimizer turns ``x / sqrt(y)`` into ``x * rsqrt(y)`` and
+  ``pow(x, c)`` for c in (2, 3, 0.5, -0.5, -1) into Square, ..., Reciprocal;
+  constant folding turns ``x / c`` into ``x * (1 / c)``. The kernel
+  computes what the rewritten graph computes, so both paths stay identical.
+  """
+  if tf.executing_eagerly():
+    return False, False
+  options = tf.config.optimizer.get_experimental_options()
+  if options.get("disable_meta_optimizer", False):
+    return False, False
+  return (options.get("arithmetic_optimization", True),
+          options.get("constant_folding", True))
+
+
+def _describe(spec, engine: str, grappler=(False, False), constant_lr=False):
   """``(kind, mode, flags, params)`` of one table; every float is what
   TensorFlow's ops see: the Python expression of update_rules.py, then
-  float32."""
+  float32. ``grappler``: see ``_grappler``; ``constant_lr``: this step's
+  rate is a constant of the graph (constant folding applies to it)."""
   kind = _KINDS[type(spec)]
   if engine == "v1" and isinstance(spec, optimizers.Adam) and not spec.lazy_adam:
     mode = _EVERY_ROW
@@ -105,6 +125,9 @@ def _describe(spec, engine: str):
     if spec.clip_weight_max is not None:
       flags |= _WEIGHT_MAX
       params[4] = float(spec.clip_weight_max)
+  arithmetic, folding = grappler
+  flags |= (_GRAPH_POW | _RSQRT_MUL) if arithmetic else 0
+  flags |= _RECIPROCAL_LR if folding and constant_lr else 0
   extra: List[float] = []
   if isinstance(spec, optimizers.AdagradMomentum):
     extra = [spec.beta2, 1.0 - spec.beta2, spec.epsilon, -1.0 / spec.exponent,
@@ -124,14 +147,17 @@ def _describe(spec, engine: str):
   return kind, mode, flags, params
 
 
-def _learning_rates(tables: Sequence[Table]) -> tf.Tensor:
-  """This step's rate of every table (one evaluation per distinct callable,
-  as the TF-op path: ``updates.learning_rate``)."""
+def _learning_rates(tables: Sequence[Table]):
+  """This step's rate of every table as one tensor (one evaluation per
+  distinct callable, as the TF-op path: ``updates.learning_rate``), and
+  whether each is a constant of the graph."""
   specs = [t.optimizer for t in tables]
   if not any(callable(s.learning_rate) for s in specs):
-    return tf.constant([s.learning_rate for s in specs], tf.float32)
+    return (tf.constant([s.learning_rate for s in specs], tf.float32),
+            [True] * len(specs))
   cache = {}
-  return tf.stack([updates.learning_rate(s, cache) for s in specs])
+  rates = [updates.learning_rate(s, cache) for s in specs]
+  return tf.stack(rates), [tf.get_static_value(r) is not None for r in rates]
 
 
 def apply_step(payloads, tables: Sequence[Table], feature_tables: Sequence[int],
@@ -152,13 +178,16 @@ def apply_step(payloads, tables: Sequence[Table], feature_tables: Sequence[int],
       feature_wheres[i % len(feature_wheres)],
       tables[feature_tables[i % len(feature_tables)]].vocabulary_size, "{id}")
       for i in range(len(segments))]
-  described = [_describe(t.optimizer, engine) for t in tables]
+  rates, constant = _learning_rates(tables)
+  grappler = _grappler()
+  described = [_describe(t.optimizer, engine, grappler, c)
+               for t, c in zip(tables, constant)]
   variables = [v for t in tables for v in t.variables]
   accepted, gradient_ok, update_ok = loader.load().tpu_embed_ext_apply_step(
       variables=[v.handle for v in variables],
       ids=[s[0] for s in segments], rows=[s[1] for s in segments],
       gains=[s[2] for s in segments], grads=[s[3] for s in segments],
-      learning_rates=_learning_rates(tables), status=status,
+      learning_rates=rates, status=status,
       segment_table=segment_table, segment_message=messages,
       table_kind=[d[0] for d in described], table_mode=[d[1] for d in described],
       table_flags=[d[2] for d in described],

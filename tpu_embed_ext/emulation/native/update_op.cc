@@ -52,6 +52,11 @@ enum Flag {
   kClipLow = 1, kClipHigh = 2, kDecay = 4, kDecayTimesLr = 8,
   kWeightMin = 16, kWeightMax = 32, kBeta2IsOne = 64, kNesterov = 128,
   kSumInsideSqrt = 256, kLinearTimesLr = 512, kL1 = 1024,
+  // Inside tf.function, Grappler rewrites the TF-op path's arithmetic
+  // before it runs; update.py sets these when it would (see GraphPow).
+  kGraphPow = 2048,       // arithmetic optimizer: pow(x, c) for some c
+  kRsqrtMul = 4096,       // arithmetic optimizer: x / sqrt(y) -> x * rsqrt(y)
+  kReciprocalLr = 8192,   // constant folding: x / lr -> x * (1 / lr)
 };
 // Per-table float parameters (update.py computes each as TensorFlow rounds
 // it: a Python expression first, then float32).
@@ -213,26 +218,63 @@ using Packet = Eigen::internal::packet_traits<float>::type;
 constexpr int64_t kLanes = Eigen::internal::unpacket_traits<Packet>::size;
 static_assert(kTfPacket % kLanes == 0, "packet width must divide TensorFlow's");
 
-// out[k] = rsqrt(x[k]) (pow(x[k], e) when pow) as TensorFlow computes it;
+enum Op { kRsqrt, kPow, kReciprocal };
+
+// out[k] = rsqrt(x[k]) / pow(x[k], e) / 1 / x[k] as TensorFlow computes it;
 // elements from `exact_from` on are in TensorFlow's scalar tail.
-template <bool kPow>
+template <Op kOp>
 void LikeTf(const float* x, float e, float* out, int64_t dim, int64_t exact_from) {
   using namespace Eigen::internal;  // NOLINT
   const Packet pe = pset1<Packet>(e);
+  auto packet = [&pe](const Packet& px) -> Packet {
+    if (kOp == kPow) return generic_pow(px, pe);
+    if (kOp == kRsqrt) return prsqrt(px);
+#if defined(__x86_64__) || defined(_M_X64)
+    // TensorFlow's AVX build: rcp refined by one Newton step (EIGEN_FAST_MATH).
+    return generic_reciprocal_newton_step<Packet, 1>::run(px, _mm_rcp_ps(px));
+#else
+    return preciprocal(px);
+#endif
+  };
   int64_t k = 0;
   for (; k + kLanes <= exact_from; k += kLanes) {
-    const Packet px = ploadu<Packet>(x + k);
-    pstoreu(out + k, kPow ? generic_pow(px, pe) : prsqrt(px));
+    pstoreu(out + k, packet(ploadu<Packet>(x + k)));
   }
   if (k < exact_from) {  // a partial packet: pad, compute, keep the prefix
     alignas(64) float in[kLanes], res[kLanes];
     for (int64_t j = 0; j < kLanes; ++j) in[j] = k + j < exact_from ? x[k + j] : 1.0f;
-    const Packet px = ploadu<Packet>(in);
-    pstoreu(res, kPow ? generic_pow(px, pe) : prsqrt(px));
+    pstoreu(res, packet(ploadu<Packet>(in)));
     for (; k < exact_from; ++k) out[k] = res[k % kLanes];
   }
-  for (; k < dim; ++k) out[k] = kPow ? Eigen::numext::pow(x[k], e)
-                                     : 1.0f / Eigen::numext::sqrt(x[k]);
+  for (; k < dim; ++k) {
+    out[k] = kOp == kPow ? Eigen::numext::pow(x[k], e)
+                         : (kOp == kRsqrt ? 1.0f / Eigen::numext::sqrt(x[k])
+                                          : 1.0f / x[k]);
+  }
+}
+
+// tf.pow(x, e): eagerly Eigen's pow; inside tf.function (kGraphPow) after
+// Grappler's ConvertPow stage, which replaces a constant exponent of 2, 3,
+// 0.5, -0.5 or -1 by Square, x * Square, Sqrt, Rsqrt or Reciprocal.
+void PowLikeTf(const float* x, float e, float* out, int64_t dim, int64_t exact_from,
+               bool graph) {
+  if (graph) {
+    if (e == 2.0f) {
+      for (int64_t k = 0; k < dim; ++k) out[k] = x[k] * x[k];
+      return;
+    }
+    if (e == 3.0f) {
+      for (int64_t k = 0; k < dim; ++k) out[k] = x[k] * (x[k] * x[k]);
+      return;
+    }
+    if (e == 0.5f) {
+      for (int64_t k = 0; k < dim; ++k) out[k] = std::sqrt(x[k]);
+      return;
+    }
+    if (e == -0.5f) return LikeTf<kRsqrt>(x, e, out, dim, exact_from);
+    if (e == -1.0f) return LikeTf<kReciprocal>(x, e, out, dim, exact_from);
+  }
+  LikeTf<kPow>(x, e, out, dim, exact_from);
 }
 
 // Where a row's elements leave TensorFlow's packets: row r of an [n, dim]
@@ -278,7 +320,7 @@ void ApplyRow(const Table& t, float* __restrict g, float* __restrict w,
     case kAdagrad: {
       float* __restrict r = Buffer(0, dim).data();
       for (int64_t k = 0; k < dim; ++k) s0[k] = s0[k] + g[k] * g[k];
-      LikeTf<false>(s0, 0.0f, r, dim, exact_from);
+      LikeTf<kRsqrt>(s0, 0.0f, r, dim, exact_from);
       for (int64_t k = 0; k < dim; ++k) w[k] = w[k] - lr * g[k] * r[k];
       break;
     }
@@ -294,7 +336,7 @@ void ApplyRow(const Table& t, float* __restrict g, float* __restrict w,
           s0[k] = beta2 * s0[k] + one_minus_beta2 * g[k] * g[k];
       }
       for (int64_t k = 0; k < dim; ++k) x[k] = s0[k] + eps;
-      LikeTf<true>(x, power, scaled, dim, exact_from);
+      PowLikeTf(x, power, scaled, dim, exact_from, f & kGraphPow);
       for (int64_t k = 0; k < dim; ++k) scaled[k] = scaled[k] * g[k];
       for (int64_t k = 0; k < dim; ++k) s1[k] = momentum * s1[k] + scaled[k];
       if (f & kNesterov) {
@@ -310,13 +352,21 @@ void ApplyRow(const Table& t, float* __restrict g, float* __restrict w,
       const float one_minus_b2 = p[kD], eps_squared = p[kE], eps = p[kF];
       const bool inside = f & kSumInsideSqrt;
       for (int64_t k = 0; k < dim; ++k) {
-        const float m = b1 * s0[k] + one_minus_b1 * g[k];
-        const float v = b2 * s1[k] + one_minus_b2 * g[k] * g[k];
-        s0[k] = m;
-        s1[k] = v;
-        const float denominator =
-            inside ? std::sqrt(v + eps_squared) : std::sqrt(v) + eps;
-        w[k] = w[k] - lr * m / denominator;
+        s0[k] = b1 * s0[k] + one_minus_b1 * g[k];
+        s1[k] = b2 * s1[k] + one_minus_b2 * g[k] * g[k];
+      }
+      if (inside && (f & kRsqrtMul)) {  // lr * m * rsqrt(v + eps^2)
+        float* __restrict x = Buffer(0, dim).data();
+        float* __restrict r = Buffer(1, dim).data();
+        for (int64_t k = 0; k < dim; ++k) x[k] = s1[k] + eps_squared;
+        LikeTf<kRsqrt>(x, 0.0f, r, dim, exact_from);
+        for (int64_t k = 0; k < dim; ++k) w[k] = w[k] - lr * s0[k] * r[k];
+      } else {
+        for (int64_t k = 0; k < dim; ++k) {
+          const float denominator =
+              inside ? std::sqrt(s1[k] + eps_squared) : std::sqrt(s1[k]) + eps;
+          w[k] = w[k] - lr * s0[k] / denominator;
+        }
       }
       break;
     }
@@ -331,8 +381,10 @@ void ApplyRow(const Table& t, float* __restrict g, float* __restrict w,
       float* __restrict pow_new = Buffer(1, dim).data();
       float* __restrict pow_old = Buffer(2, dim).data();
       for (int64_t k = 0; k < dim; ++k) acc_new[k] = s0[k] + g[k] * g[k];
-      LikeTf<true>(acc_new, power, pow_new, dim, exact_from);
-      LikeTf<true>(s0, power, pow_old, dim, exact_from);
+      PowLikeTf(acc_new, power, pow_new, dim, exact_from, f & kGraphPow);
+      PowLikeTf(s0, power, pow_old, dim, exact_from, f & kGraphPow);
+      const float inverse_lr = 1.0f / lr;  // Grappler's Reciprocal(lr)
+      const bool reciprocal = f & kReciprocalLr;
       for (int64_t k = 0; k < dim; ++k) {
         const float dp = pow_new[k] - pow_old[k];
         float lin, denominator;
@@ -340,8 +392,13 @@ void ApplyRow(const Table& t, float* __restrict g, float* __restrict w,
           lin = s1[k] + lr * g[k] - dp * w[k];
           denominator = pow_new[k] + two_lr_l2 + beta;
         } else {
-          lin = s1[k] + g[k] - (dp / lr) * w[k];
-          denominator = (pow_new[k] + beta) / lr + two_l2;
+          if (reciprocal) {
+            lin = s1[k] + g[k] - (dp * inverse_lr) * w[k];
+            denominator = (pow_new[k] + beta) * inverse_lr + two_l2;
+          } else {
+            lin = s1[k] + g[k] - (dp / lr) * w[k];
+            denominator = (pow_new[k] + beta) / lr + two_l2;
+          }
         }
         float numerator;
         if (has_l1) {  // tf.clip_by_value: minimum first, then maximum
