@@ -10,6 +10,10 @@ CONFIG ?= configs/ranking.yaml
 TF_FLAVOUR ?= cpu
 # TF_CPP_MIN_LOG_LEVEL hides TensorFlow's C++ start-up chatter; errors still show.
 export TF_CPP_MIN_LOG_LEVEL ?= 2
+# Native kernels (docs/native_kernels.md): built against the installed
+# TensorFlow into this repo-local cache, by `make install` and on first use;
+# `make test` uses the same cache (tests never read ~/.cache).
+export TPU_EMBED_EXT_CACHE_DIR ?= $(CURDIR)/.cache
 
 .PHONY: run test bench docs install clean
 
@@ -17,6 +21,7 @@ $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -e '.[$(TF_FLAVOUR),test]' 2>&1 | sed '/is ignored: it is neither/d'
 	$(PY) -c "import tensorflow, tpu_embed_ext"
+	$(PY) -m tpu_embed_ext.emulation.native build
 	touch $@
 
 install: $(VENV)/.installed
@@ -25,6 +30,7 @@ run: install
 	$(PY) -m tpu_embed_ext train --config $(CONFIG)
 
 test: install
+	$(PY) -m tpu_embed_ext.emulation.native build
 	$(PY) -m pytest -q tests
 
 $(VENV)/.bench-installed: $(VENV)/.installed
@@ -33,6 +39,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 
 bench: $(VENV)/.bench-installed
 	$(PY) -m benchmarks.run_all
+	$(PY) -m benchmarks.native
 	$(PY) -m benchmarks.replicas
 	$(PY) -m benchmarks.convert_checkpoint
 
@@ -42,4 +49,4 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache site
+	rm -rf $(VENV) *.egg-info .pytest_cache site .cache

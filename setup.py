@@ -27,6 +27,9 @@ setuptools.setup(
     ),
     python_requires=">=3.10",
     packages=setuptools.find_packages(include=["tpu_embed_ext", "tpu_embed_ext.*"]),
+    # The native kernels' sources, compiled on first use against the
+    # installed TensorFlow (tpu_embed_ext/emulation/native/loader.py).
+    package_data={"tpu_embed_ext.emulation.native": ["*.cc"]},
     install_requires=[
         "absl-py>=1.0",
         "numpy>=1.23",

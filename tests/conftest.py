@@ -36,6 +36,41 @@ def pytest_unconfigure(config):
   del config
   shutil.rmtree(_HOME, ignore_errors=True)
 
+# --- native kernels (docs/native_kernels.md) ---------------------------------
+# The kernel cache is repo-local (filled by `make install` / `make test`, or
+# by the first test that needs it), never the user's ~/.cache.
+os.environ.setdefault(
+    "TPU_EMBED_EXT_CACHE_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                 ".cache"))
+# The engine's test modules run twice: kernels forced native, then forced to
+# TensorFlow ops ("[native]" / "[tf]" in test ids). Without the library (no
+# compiler) the native runs are skipped, saying why.
+KERNEL_PATH_MODULES = {"test_engine", "test_engine_contract", "test_replicas",
+                       "test_parity", "test_layer", "test_sparsecore_engine"}
+
+
+def pytest_generate_tests(metafunc):
+  if metafunc.module.__name__.rsplit(".", 1)[-1] in KERNEL_PATH_MODULES:
+    metafunc.fixturenames.append("kernel_path")
+    metafunc.parametrize("kernel_path", ["native", "tf"])
+
+
+@pytest.fixture(autouse=True)
+def _force_kernel_path(request, monkeypatch):
+  """Sets TPU_EMBED_EXT_KERNELS for the tests parametrized above."""
+  callspec = getattr(request.node, "callspec", None)
+  path = callspec.params.get("kernel_path") if callspec else None
+  if path is None:
+    return
+  from tpu_embed_ext.emulation import native  # pylint: disable=g-import-not-at-top
+  if path == "native" and native.load() is None:
+    pytest.skip(f"native kernels unavailable: {native.why_not()}")
+  monkeypatch.setenv(native.ENV, path)
+
+
+# --- end of native kernels ---------------------------------------------------
+
 LOGICAL_CPUS = 8
 
 

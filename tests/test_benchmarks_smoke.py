@@ -70,3 +70,22 @@ def test_every_contender_takes_the_same_sgd_steps(name):
   for table in workload.tables:
     np.testing.assert_allclose(tables[table.name].numpy(), reference[table.name],
                                rtol=rtol, atol=1e-9, err_msg=f"{name} {table.name}")
+
+
+def test_quick_native_benchmark_writes_json_and_tables(tmp_path):
+  from benchmarks import native  # pylint: disable=import-outside-toplevel
+  subprocess.run([sys.executable, "-m", "benchmarks.native", "--quick",
+                  "--optimizers", "adagrad", "--out", str(tmp_path)],
+                 check=True, capture_output=True)
+  results = json.loads((tmp_path / "native_quick.json").read_text())
+  assert set(results["steps"]) == {"W1-1e3/adagrad", "W2/adagrad"}
+  for runs in results["steps"].values():
+    for run in runs:
+      assert {"native", "tf_ops", "sparse_floor", "native/floor"} <= set(run)
+      assert run["native/floor_p10"] <= run["native/floor"] <= run["native/floor_p90"]
+  breakdown = results["breakdown"]
+  assert breakdown["bytes_needed"] > 0 and breakdown["memory_bound_ms"] > 0
+  assert set(results["fit"]) >= {"embedding_layer_native", "embedding_layer_tf_ops",
+                                 "keras_embedding"}
+  text = native.markdown(results)
+  assert "| W2/adagrad |" in text and "Ranking model" in text

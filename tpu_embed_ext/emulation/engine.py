@@ -27,7 +27,8 @@ import tensorflow as tf
 from tensorflow.python.trackable import autotrackable
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.emulation import (lookups, protocol, replicas, shapes,
+from tpu_embed_ext.emulation import (lookups, native, protocol, replicas,
+                                      shapes,
                                       sparsecore_limits, tables as tables_lib,
                                       updates, validation)
 
@@ -70,6 +71,10 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       ``variables`` stay per table.
     sparse_core_config: the ``SparseCoreEmbeddingConfig`` of those limits
       (None: TPUEmbeddingV2's defaults).
+    kernels: ``"auto"`` (default: the native C++ kernels when they load,
+      else TensorFlow ops; the ``TPU_EMBED_EXT_KERNELS`` environment variable
+      can force either), ``"native"`` or ``"tf"``. Both paths give the same
+      results; XLA always uses TensorFlow ops (docs/native_kernels.md).
 
   Protocol: one pending batch per replica (``protocol.py``): a second
   ``enqueue`` before ``dequeue``, and a second ``dequeue`` of one batch, are
@@ -101,14 +106,14 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   def __init__(self, feature_config, optimizer=None,
                pipeline_execution_with_tensor_core: bool = False, *,
                engine: str = "v1", validate: bool = True, topology=None,
-               sparse_core_config=None):
+               sparse_core_config=None, kernels: str = "auto"):
     del pipeline_execution_with_tensor_core
     if engine not in _ENGINES:
       raise ValueError(f'engine must be "v1" or "v2", got engine={engine!r}.')
     # Internal state is set with _untracked: a tracked attribute would add
     # checkpoint keys that TPUEmbedding does not have.
     _untracked(self, _engine=engine, _validate=validate,
-               _replicas=replicas.Replicas())
+               _replicas=replicas.Replicas(), _kernels=native.choose(kernels))
     with tf.init_scope(), self._replicas.single_copy_variables():
       _untracked(self, step=tf.Variable(0, dtype=tf.int64, trainable=False,
                                         name="step"),
@@ -200,6 +205,16 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   @property
   def engine(self) -> str:
     return self._engine
+
+  @property
+  def kernels(self) -> str:
+    """``"native"`` or ``"tf"``: the path this engine's steps run (outside
+    XLA, which always runs TensorFlow ops)."""
+    return self._kernels
+
+  def _native_step(self) -> bool:
+    """Whether ops built now use the native kernels (never under XLA)."""
+    return self._kernels == "native" and not validation.in_xla_context()
 
   def raise_if_failed(self):
     """Raises the InputError of a step that XLA could not stop (see class doc).
@@ -331,10 +346,12 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     verdict = pending.verdict
     gate = verdict.assertion if verdict is not None else None
     outputs = []
+    activation = (native.lookup.activation if self._native_step()
+                  else lookups.activation)
     for i, (feature, occ) in enumerate(zip(self._features, pending.occurrences)):
       table = self._tables[feature.table]
-      out = lookups.activation(self._variables[table.name]["parameters"], occ,
-                               table.config, gate)
+      out = activation(self._variables[table.name]["parameters"], occ,
+                       table.config, gate)
       if verdict is not None and verdict.assertion is None:
         # XLA: a bad feature's activations are NaN, so the loss shows it.
         out = tf.where(verdict.per_item_ok[i], out, tf.fill(tf.shape(out), float("nan")))
@@ -374,23 +391,40 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           "call enqueue(features, training=True) and dequeue() first.")
     self._batches.deliver(replica)
     per_table = [[] for _ in self._tables]
+    segments = []  # the native update's inputs, one per feature
     for feature, occ, grad in zip(self._features, pending.occurrences,
                                   tf.nest.flatten(gradients)):
       dim = self._tables[feature.table].config.dim
       if grad is not None:
         validation.check_gradient(feature.where, grad, list(occ.shape) + [dim])
+      if self._native_step():
+        segments.append(native.update.segment(occ, grad, dim))
+        continue
       per_table[feature.table].append(
           lookups.occurrence_gradients(occ, grad, dim))
-    payload = {
-        "status": validation.status(pending.verdict),
-        "ids": [tf.concat([ids for ids, _ in parts], 0) for parts in per_table],
-        "grads": [tf.concat([g for _, g in parts], 0) for parts in per_table]}
+    if self._native_step():
+      payload = {"status": validation.status(pending.verdict),
+                 "segments": segments}
+    else:
+      payload = {
+          "status": validation.status(pending.verdict),
+          "ids": [tf.concat([ids for ids, _ in parts], 0) for parts in per_table],
+          "grads": [tf.concat([g for _, g in parts], 0) for parts in per_table]}
     self._replicas.merge(self._apply_all_replicas, payload)
     # Accepted (a rejected step raised above): the batch is used up.
     self._batches.consume(replica)
 
   def _apply_all_replicas(self, payloads):
     """The step, once, from the payloads of every replica."""
+    if "segments" in payloads[0]:
+      return native.update.apply_step(
+          payloads, [native.update.Table(
+              t.name, t.optimizer,
+              [self._variables[t.name][s]
+               for s in ("parameters", *t.optimizer.slot_names)],
+              t.config.vocabulary_size) for t in self._tables],
+          [f.table for f in self._features], [f.where for f in self._features],
+          engine=self._engine, validate=self._validate, step=self.step)
     status = tf.concat([p["status"] for p in payloads], 0)
     rates = {}
     planned = []
