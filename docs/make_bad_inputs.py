@@ -57,6 +57,10 @@ extra = [
 
   ("YAML duplicate key / syntax error / bad value in a file / missing file", "ConfigError",
    'bad.yaml: a: duplicate key "a" at line 3. ...', "tests/test_spec.py::test_file_errors_name_the_file_and_line"),
+  ("`CPUEmbedding(kernels=...)` not auto/native/tf", "ConfigError", "kernels='fast' is not one of ['auto', 'native', 'tf']. Fix: pass \"auto\" (native when the library loads), \"native\" or \"tf\".", "tests/test_native_kernels.py::test_bad_kernels_values_are_refused"),
+  ("`TPU_EMBED_EXT_KERNELS` not auto/native/tf", "ConfigError", "TPU_EMBED_EXT_KERNELS='gpu' is not one of ['auto', 'native', 'tf']. Fix: set it to \"auto\", \"native\" or \"tf\", or unset it.", "tests/test_native_kernels.py::test_bad_kernels_values_are_refused"),
+  ("`kernels=\"native\"` forced where the native kernels cannot load", "ConfigError", "kernels=\"native\" was asked for, but the native kernels cannot be loaded: <why>. Fix: install a C++ compiler (g++), or use kernels=\"auto\" / \"tf\" to run the TensorFlow-op path.", "tests/test_native_kernels.py::test_library_of_another_tensorflow_is_refused_with_one_log_line"),
+  ("no compiler, failed build, library of another TensorFlow (`auto`)", "(falls back, saying so)", "tpu_embed_ext: native kernels unavailable (<why>); using the TensorFlow-op path (same results, slower).", "tests/test_native_kernels.py::test_no_compiler_falls_back_with_one_line_and_identical_results"),
   ("schedule without a step variable", "ConfigError", "... needs a step variable. Fix: pass step=", "tests/test_spec.py::test_schedules_need_a_step"),
   ("id >= vocabulary", "InputError", "feature 'f' (table 't'): id 9 is out of range [0, 6). Fix: ...", "tests/test_engine.py::test_rejected_step_changes_nothing[too_large]"),
   ("negative id", "InputError", "feature 'f' (table 't'): id -1 is out of range [0, 6).", "tests/test_engine.py::test_rejected_step_changes_nothing[negative]"),

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tpu_embed_ext import train as train_lib
 from tpu_embed_ext.data import pipeline
+from tpu_embed_ext.spec import EmbeddingSpec
 
 CONFIG = "configs/tiny.yaml"
 
@@ -107,7 +108,7 @@ def test_export_serves_the_trained_model(tmp_path, data_dir):
       "dense", *(f"c{i}" for i in range(26))}
 
   # The trained model, restored independently, on one held-out batch.
-  spec = train_lib.EmbeddingSpec.from_file(CONFIG)
+  spec = EmbeddingSpec.from_file(CONFIG)
   cfg = train_lib.TrainConfig.from_dict({**spec.train, "data_dir": data_dir})
   model = train_lib.build_model(spec, cfg)
   features, _ = next(iter(train_lib.input_datasets(spec, cfg)[1]))

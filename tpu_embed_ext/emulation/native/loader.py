@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -72,21 +73,24 @@ def _sources() -> List[str]:
   return sorted(glob.glob(os.path.join(_HERE, "*.cc")))
 
 
-def compiler() -> Optional[str]:
-  """The C++ compiler's path, or None when there is none."""
+def compiler() -> Optional[List[str]]:
+  """The C++ compiler's command (``$CXX`` may be e.g. "ccache g++"), or None."""
   for name in ("CXX", "CC"):
     value = os.environ.get(name)
     if value:
-      return shutil.which(value.split()[0])  # None if it does not exist.
-  return shutil.which("g++") or shutil.which("c++")
+      command = shlex.split(value)
+      path = shutil.which(command[0]) if command else None
+      return [path, *command[1:]] if path else None
+  path = shutil.which("g++") or shutil.which("c++")
+  return [path] if path else None
 
 
-def _command(cxx: str, sources: List[str], output: str) -> List[str]:
-  return ([cxx, *_FLAGS, *tf.sysconfig.get_compile_flags(), *sources, "-o",
+def _command(cxx: List[str], sources: List[str], output: str) -> List[str]:
+  return ([*cxx, *_FLAGS, *tf.sysconfig.get_compile_flags(), *sources, "-o",
            output, *tf.sysconfig.get_link_flags()])
 
 
-def _digest(cxx: str) -> str:
+def _digest(cxx: List[str]) -> str:
   """Hash of what the library depends on: sources, flags, compiler."""
   h = hashlib.sha256()
   for path in _sources():
@@ -98,9 +102,9 @@ def _digest(cxx: str) -> str:
   return h.hexdigest()[:16]
 
 
-def library_dir(cxx: Optional[str] = None) -> str:
+def library_dir(cxx: Optional[List[str]] = None) -> str:
   """The cache directory of the library for this TensorFlow and these sources."""
-  cxx = cxx or compiler() or "none"
+  cxx = cxx or compiler() or ["none"]
   return os.path.join(cache_root(), f"tf-{tf.__version__}-{_digest(cxx)}")
 
 
@@ -149,7 +153,7 @@ def build(force: bool = False) -> str:
       raise BuildError(f"the C++ build failed (exit {result.returncode}); "
                        f"build log: {kept}")
     with open(os.path.join(tmp, _MANIFEST), "w") as f:
-      json.dump({"tensorflow": tf.__version__, "compiler": cxx,
+      json.dump({"tensorflow": tf.__version__, "compiler": " ".join(cxx),
                  "sources": [os.path.basename(s) for s in _sources()]}, f)
     if os.path.exists(final):  # A forced rebuild replaces the old one.
       shutil.rmtree(final)
