@@ -52,6 +52,9 @@ extra = [
   ("re-running a finished job", "(valid, no-op)", "Already trained to step 30 (asked for 30): nothing to do; metrics.json left as it was.", "tests/test_resume.py::test_rerunning_a_finished_job_keeps_its_metrics"),
   ("checkpoint of another Keras model (the call for EmbeddingLayer users: `tpu_embed_ext.model_dir.check_checkpoint`)", "CheckpointError", "variable model/...kernel: checkpoint <path> holds shape [2, 3], this model has [2, 4].", "tests/test_resume.py::test_check_checkpoint_is_a_call_for_any_keras_model"),
   ("out-of-vocabulary id sent to the exported model (single-hot, multi-hot, -1 in a single-hot input)", "InvalidArgumentError (at serving)", "feature c5: ids must be in [0, 24); out-of-vocabulary ids are refused. Fix: map unknown ids to a row of the vocabulary before serving. First bad ids: [24]", "tests/test_train.py::test_export_serves_the_trained_model"),
+  ("`convert-checkpoint` on a checkpoint with two embeddings holding the config's tables, no `--prefix`", "ConfigError (CLI: one line, exit 2)", "checkpoint <path> holds 2 embeddings with these tables: backup, embedding. Fix: pass --prefix with one of them.", "tests/test_sparsecore_convert.py::test_two_embeddings_need_a_prefix_and_the_error_lists_them"),
+  ("`convert-checkpoint` on a checkpoint without the config's tables", "ConfigError (CLI: one line, exit 2)", "checkpoint <path> has no object holding the tables t_c0, t_c1, ... (per-table) or SparseCore layouts. Fix: convert a checkpoint trained with this config, or pass --prefix with the embedding's path in the checkpoint.", "tests/test_sparsecore_convert.py::test_a_checkpoint_without_the_tables_is_named"),
+  ("`plan --data --hotness` with an unknown feature or a count <= 0", "ConfigError (CLI: one line, exit 2)", "--hotness: hotness must be a positive integer (ids per example), got 'cat_3=0'. Fix: write e.g. --hotness 1 or --hotness cat_1=3.", "tests/test_spec_ids.py::test_hotness_flag"),
   ("YAML `learning_rate: 1e-3`, merge keys `<<: *base`", "(valid)", "read as YAML 1.2 numbers; merged keys may be overridden; duplicates still refused", "tests/test_spec.py::test_yaml_reads_1_2_numbers_and_merge_keys"),
   ("a directory given to EmbeddingSpec.from_file", "ConfigError", "<dir>: is a directory, not a config file.", "tests/test_spec.py::test_directory_as_config_is_a_config_error"),
 
@@ -110,7 +113,7 @@ rows += [
   ("zero-padded multi-hot ids as a dense [B, L] tensor", "InputError (ValueError)", "feature 'history' (table 'video'): dense ids of shape [2, 3] have a last dimension of 3, ... Fix: for zero-padded multi-hot ids pass a RaggedTensor or SparseTensor (tf.RaggedTensor.from_tensor(ids, padding=0) or tf.sparse.from_dense(ids)); ...", "tests/test_parity.py::test_zero_padded_dense_multi_hot_ids_are_rejected_with_the_fix"),
   ("ids that cannot fill the recorded activation shape ([B, 1] after [B, 4, 1])", "InputError (ValueError)", "4 ids cannot fill the activation shape [4, 4] (16 rows).", "tests/test_parity.py::test_dense_values_drop_the_trailing_dimension"),
   ("a batch of another size than the first one", "InputError (ValueError)", "feature '0' (table 'video'): the input gives activations of shape [2], but the feature's output shape is [4]", "tests/test_parity.py::test_batch_shape_must_stay_the_one_the_feature_was_built_with"),
-  ("enqueue of a batch dimension unknown when traced", "InputError (ValueError)", "feature '0' (table 'video'): output shape [None] is not fully defined; the TPU compiles every activation shape.", "tests/test_parity.py::test_unknown_batch_dimension_is_rejected_by_enqueue_but_not_by_lookups"),
+  ("enqueue of a batch dimension unknown when traced (also: a finite dataset under MultiWorkerMirroredStrategy)", "InputError (ValueError)", "feature '0' (table 'video'): output shape [None] is not fully defined; the TPU compiles every activation shape. Fix: give static shapes: batch with drop_remainder=True, and under MultiWorkerMirroredStrategy also repeat the dataset (dataset.repeat(), bounding the loop by steps) ...", "tests/test_parity.py::test_unknown_batch_dimension_is_rejected_by_enqueue_but_not_by_lookups"),
   ("FeatureConfig.output_shape not fully defined", "InputError (ValueError)", "feature '0' (table 'video'): output shape [None, 4] is not fully defined", "tests/test_parity.py::test_partial_output_shape_in_feature_config_is_rejected_at_build"),
   ("an optimizer that is not a TPU embedding optimizer (v1 parameters, a string, a Keras optimizer)", "ConfigError (ValueError)", "table 'video': AdagradParameters is an unsupported optimizer class. Fix: pass one of tf.tpu.experimental.embedding's SGD, ...", "tests/test_parity.py::test_unsupported_optimizer_class_is_a_value_error"),
   ("a TableConfig of another engine to table_variables()", "InputTypeError (TypeError)", "TableConfig(...) is not a TableConfig of this engine's feature config.", "tests/test_parity.py::test_variables_of_an_unnamed_table_config"),
@@ -119,6 +122,61 @@ rows += [
   ('engine="v2" without a fully defined FeatureConfig.output_shape', "ConfigError (ValueError)", "feature 'f' (table 'video'): TPUEmbeddingV2 (SparseCore) needs a fully defined FeatureConfig.output_shape", "tests/test_parity.py::test_v2_needs_output_shape_at_construction"),
   ('engine="v2": ragged rows that cannot fill output_shape', "InputError (ValueError)", "feature 'f' (table 'video'): 2 rows of ragged ids cannot fill the activation shape [4] (4 rows).", "tests/test_parity.py::test_v2_shapes_come_from_output_shape"),
   ("serving signature whose lookups change the model's output shapes", "ConfigError", "serving output 'outputs' has shape [None, 1, 2], but the model computes [None, 2]", "tests/test_parity.py::test_serving_export_keeps_training_shapes"),
+]
+# Config and spec inputs (issue 22) and numeric traps (issue 21).
+import tests.test_config_inputs as tci
+for name in sorted(tci.CASES):
+  _, flags, msg = tci.CASES[name]
+  rows.append((f"config (plan{' ' + ' '.join(flags) if flags and len(' '.join(flags)) < 40 else ''}): "
+               f"{name.replace('_', ' ')}", "ConfigError (CLI: one line, exit 2)", msg,
+               f"tests/test_config_inputs.py::test_config_input_errors_are_one_line[{name}]"))
+T = "tests/test_numeric_traps.py::"
+rows += [
+  ("YAML of nested aliases (a 1.5 KB \"billion laughs\")", "ConfigError (CLI: one line, exit 2)", "the YAML expands to more than 1,000,000 values once its aliases (*name) are expanded (the node at line 7). Fix: use aliases for repeated settings only, not nested in each other.", "tests/test_config_inputs.py::test_billion_laughs_is_refused_before_it_is_expanded"),
+  ("recursive YAML alias; 150 levels of nesting; a config file over 16 MiB", "ConfigError", "the YAML alias at line 1 refers to a node that contains it ... / the YAML nests more than 100 levels ... / the config file is larger than 16 MiB.", "tests/test_config_inputs.py::test_recursive_alias_deep_nesting_and_size_are_refused"),
+  ("TableConfigs `x` and `x/accumulators` (Adagrad) given to CPUEmbedding", "ConfigError", "tables 'x' and 'x/accumulators' both give TensorFlow the variable name 'x/accumulators' ... Fix: rename table 'x/accumulators' (a name without '/' cannot collide).", "tests/test_config_inputs.py::test_table_and_slot_names_collide_at_engine_construction_from_tf_configs"),
+  ("two SparseCore stacks with one name (`a` + `b_c`, `a_b` + `c`)", "ConfigError (CLI: one line, exit 2)", "two SparseCore stacks are both named 'a_b_c' (TPUEmbeddingV2 names a stack after its tables joined by '_'): one holds table 'a', the other table 'a_b'. ...", "tests/test_config_inputs.py::test_two_sparsecore_stacks_with_one_name_are_refused"),
+  ("FTRL with learning_rate 0 (no multiply_linear_by_learning_rate)", "NumericTrapError (ConfigError)", "table 't': learning_rate=0.0, and FTRL without multiply_linear_by_learning_rate divides by it ... Fix: set multiply_linear_by_learning_rate: true ...", T + "test_ftrl_constant_learning_rate_zero"),
+  ("FTRL with a schedule that starts at 0 (criteo.yaml's C16, before its fix)", "NumericTrapError (ConfigError)", "table 't': the learning rate warm (CosineDecay(...)) is 0 at step 0, and FTRL without multiply_linear_by_learning_rate divides by it", T + "test_ftrl_schedule_that_starts_at_zero"),
+  ("FTRL with a schedule that decays to 0", "NumericTrapError (ConfigError)", "table 't': the learning rate decay (ExponentialDecay(...)) is 0 at step 121679, and FTRL ...", T + "test_ftrl_schedule_that_decays_to_zero"),
+  ("FTRL with learning_rate 1e-40", "NumericTrapError (ConfigError)", "table 't': learning_rate=1e-40, and FTRL without multiply_linear_by_learning_rate divides by it", T + "test_ftrl_learning_rate_so_small_the_denominator_overflows"),
+  ("Adagrad / FTRL initial_accumulator_value 0 in float32 (1e-46)", "NumericTrapError (ConfigError)", "table 't': initial_accumulator_value=1e-46 is 0 in float32 (the TPU flushes values below 1.2e-38 to 0): the accumulator starts at 0 ...", T + "test_adagrad_initial_accumulator_that_is_zero_in_float32"),
+  ("FTRL learning_rate_power -50 (0.1^50 is 0 in float32)", "NumericTrapError (ConfigError)", "table 't': initial_accumulator_value^(-learning_rate_power) = 0.1^50.0 is 0 in float32: ... w = N / D = 0 / 0 = NaN on the first step", T + "test_ftrl_power_that_flushes_the_accumulator_to_zero"),
+  ("FTRL learning_rate_power below -1", "NumericTrapWarning", "learning_rate_power=-20.0: acc^20 overflows float32 once the accumulator (a sum of squared gradients) passes 84.4, and the row becomes NaN.", T + "test_ftrl_power_below_minus_one_warns_and_overflows_with_large_accumulators"),
+  ("AdagradMomentum exponent 0.2 (epsilon^-5 overflows); epsilon 1e-46", "NumericTrapError (ConfigError)", "table 't': epsilon=1e-10 with exponent=0.2: the accumulator starts at 0, so the first step scales the gradient by (0 + epsilon)^(-1/exponent) = inf in float32 ...", T + "test_adagrad_momentum_epsilon_to_a_power_that_overflows"),
+  ("AdagradMomentum momentum 1.5 (1.0 warns)", "NumericTrapError (ConfigError)", "table 't': momentum=1.5 > 1: m <- momentum * m + s grows as momentum^t and overflows float32 (Inf) within about 220 steps of a row", T + "test_adagrad_momentum_above_one_grows_to_inf"),
+  ("AdagradMomentum beta2 0.99999999 (1.0 in float32)", "NumericTrapError (ConfigError)", "table 't': beta2=0.99999999 is 1.0 in float32, the TPU's precision: the TPU then sums squares ...", T + "test_adagrad_momentum_beta2_that_is_one_in_float32"),
+  ("Adam epsilon 1e-30 (epsilon^2 is 0 in float32)", "NumericTrapError (ConfigError)", "table 't': epsilon=1e-30: the denominator sqrt(v + epsilon^2) is 0 in float32 ...", T + "test_adam_epsilon_whose_square_is_zero_in_float32"),
+  ("Adam beta_1 / beta_2 that are 1.0 in float32", "NumericTrapError (ConfigError)", "table 't': beta_2=0.99999999 is 1.0 in float32, the TPU's precision: the second moment v <- 1 * v + 0 * g^2 stays 0 ...", T + "test_adam_betas_that_are_one_in_float32"),
+  ("a hyperparameter beyond float32 (1e39)", "NumericTrapError (ConfigError)", "table 't': learning_rate=1e+39 is beyond float32's range (+-3.403e+38): the TPU stores it as Inf ...", T + "test_hyperparameter_beyond_float32"),
+  ("weight decay >= 2 (or wd x lr >= 2 at some step; 1 to 2 warns)", "NumericTrapError (ConfigError)", "table 't': weight_decay_factor=3.0: decay is w <- (1 - wd) w, so |w| grows by 2 on every touched step and float32 overflows to Inf", T + "test_weight_decay_of_two_or_more_grows_to_inf"),
+  ("quantization step Inf or 0 in float32", "ConfigError", "quantization step q = (upper - lower) / (num_buckets - 1) = (3e+38 - -3e+38) / 255 is inf in float32: ...", T + "test_quantization_step_that_overflows_or_underflows"),
+  ("initializer value beyond float32", "ConfigError", "tables.t.initializer.value: value=1e+39 is beyond float32's range (+-3.403e+38): the TPU would store Inf.", T + "test_initializer_beyond_float32"),
+]
+# The engine's protocol, weights and optimizer=None (issues 21 and 22).
+import tests.test_engine as te
+for name in sorted(te.PROTOCOL_MISUSE):
+  rows.append((f"protocol: {name.replace('_', ' ')}", "InputError (nothing changed)",
+               te.PROTOCOL_MISUSE[name][1],
+               f"tests/test_engine.py::test_protocol_misuse_is_named_and_changes_nothing[{name}-eager/tf_function]"))
+for name in sorted(te.WEIGHT_MISMATCHES):
+  rows.append((f"weights: {name.replace('_', ' ')}",
+               "InputError eagerly; InvalidArgumentError in tf.function; under XLA NaN activations, nothing written, InputError at the next eager call",
+               "eagerly: " + te.WEIGHT_MISMATCHES[name][2].replace("\\", "") +
+               "; otherwise: feature 'f' (table 't'): weights do not match the ids (other row lengths, other indices, or another number of weights). Fix: ...",
+               f"tests/test_engine.py::test_weights_that_do_not_match_their_ids_raise_in_every_mode[{name}-eager/tf_function/xla]"))
+for name in sorted(tp.STRUCTURE_FIRST):
+  _, cls, msg = tp.STRUCTURE_FIRST[name]
+  error = "InputTypeError (TypeError)" if cls is TypeError else "InputError (ValueError)"
+  rows.append((f"apply_gradients before any enqueue: {name.replace('_', ' ')}", error, msg,
+               f"tests/test_parity.py::test_apply_gradients_checks_the_structure_before_the_batch[{name}-eager/tf_function]"))
+rows += [
+  ("a rejected apply_gradients (wrong shape, structure, non-tensor, NaN), then a corrected retry", "(the batch stays pending; the retry applies it)", "feature 'f' (table 't'): gradient shape [3, 2] does not match its activation shape [2, 2]. ...", "tests/test_engine.py::test_rejected_apply_gradients_keeps_the_batch_for_a_corrected_retry"),
+  ("dequeue() in a tf.function of a batch enqueued eagerly", "InputError", "dequeue() called before enqueue() in this tf.function (a batch enqueued eagerly or in another tf.function cannot be used here).", "tests/test_engine.py::test_a_batch_enqueued_eagerly_is_not_used_by_a_tf_function"),
+  ("training with optimizer=None (a table without an optimizer)", "InputError (ValueError)", tp.LOOKUP_ONLY.format(call="enqueue(training=True)", tables="['user']"), "tests/test_parity.py::test_optimizer_none_with_per_table_optimizers"),
+  ("enqueue(device=...) naming no replica's device", "InputError", "enqueue(device='/cpu:5') names no replica of MirroredStrategy: its replicas' devices are [...]. Fix: pass strategy.extended.worker_devices[i] for replica i's batch, or distributed values without device=.", "tests/test_replicas.py::test_per_device_enqueue_errors_name_the_device"),
+  ("enqueue(device=...) with distributed values", "InputError", "enqueue(device='/cpu:1') was given distributed values. Fix: pass one replica's values with device= (strategy.experimental_local_results(x)[i]), or distributed values without device=.", "tests/test_replicas.py::test_per_device_enqueue_errors_name_the_device"),
+  ("enqueue twice under MirroredStrategy(2); a rejected apply_gradients on both replicas", "InputError (the retry applies the pending batch)", "enqueue() was called again (replica 0) before the batch enqueued before it was dequeued ...", "tests/test_replicas.py::test_protocol_misuse_and_retry_under_two_replicas"),
 ]
 esc = lambda t: str(t).replace("|", "\\|").replace("\n", " ")
 out = ["# Bad inputs and their errors", "",

@@ -1,4 +1,12 @@
-"""Test-session set-up: logical CPU devices for the replica tests.
+"""Test-session set-up: a private HOME, and logical CPU devices for the replica tests.
+
+Hermetic: before TensorFlow, tfds, Keras or matplotlib is imported, HOME and
+every cache or data directory they honour point into one temporary directory
+of this session (removed at its end). No test reads or writes the user's
+``~/tensorflow_datasets``, ``~/.keras``, ``~/.cache`` or ``~/.config``; a test
+that needs a dataset builds it there (or in its own tmp_path), so no test
+depends on another having run first, or on what a previous session left.
+Subprocesses started by tests inherit these variables.
 
 TensorFlow fixes its devices when it first initialises, so the split of the
 one physical CPU into logical devices happens here, before any test runs.
@@ -6,9 +14,27 @@ Tests that need no replicas keep using the first device.
 """
 
 import os
+import shutil
+import tempfile
 
-import pytest
-import tensorflow as tf
+_HOME = tempfile.mkdtemp(prefix="tpu_embed_ext-tests-home-")
+HERMETIC_ENV = {
+    "HOME": _HOME,
+    "TFDS_DATA_DIR": os.path.join(_HOME, "tensorflow_datasets"),  # tfds's data_dir
+    "KERAS_HOME": os.path.join(_HOME, ".keras"),                  # Keras's config/cache
+    "MPLCONFIGDIR": os.path.join(_HOME, ".config", "matplotlib"),  # matplotlib's cache
+    "XDG_CACHE_HOME": os.path.join(_HOME, ".cache"),
+    "XDG_CONFIG_HOME": os.path.join(_HOME, ".config"),
+}
+os.environ.update(HERMETIC_ENV)
+
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def pytest_unconfigure(config):
+  del config
+  shutil.rmtree(_HOME, ignore_errors=True)
 
 # --- native kernels (docs/native_kernels.md) ---------------------------------
 # The kernel cache is repo-local (filled by `make install` / `make test`, or
@@ -58,6 +84,17 @@ def _split_cpu():
 
 
 _split_cpu()
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir():
+  """A tfds data_dir holding ``synthetic_clicks/tiny``, built once per session."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  from tpu_embed_ext import data  # pylint: disable=g-import-not-at-top  # Registers it.
+  del data
+  path = HERMETIC_ENV["TFDS_DATA_DIR"]
+  tfds.builder("synthetic_clicks/tiny", data_dir=path).download_and_prepare()
+  return path
 
 
 @pytest.fixture

@@ -5,7 +5,8 @@
   breaking a copy of the site on purpose), and the API page covers every
   public name.
 * Every ```python block of docs/guides/*.md runs: the blocks of one page in
-  order, in one namespace, in a fresh working directory. A block that needs a
+  order, in one namespace, in a fresh working directory; each block of the
+  README in a fresh process. (Commands: tests/test_doc_commands.py.) A block that needs a
   TPU is skipped only under an explicit marker with a reason,
   ``<!-- docs-test: skip (reason) -->`` on the line before it.
 * No file refers to a markdown document that is not in the repository, and
@@ -108,6 +109,20 @@ def test_guide_code_runs(page, tmp_path, monkeypatch):
       exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec"), namespace)  # pylint: disable=exec-used
       ran += 1
   assert ran or not code_blocks(page.read_text()), f"{page.name}: every block is skipped"
+
+
+README_BLOCKS = [(line, code) for line, code, skip in code_blocks(
+    (ROOT / "README.md").read_text()) if skip is None]
+
+
+@pytest.mark.parametrize("line,code", README_BLOCKS, ids=[f"README.md:{l}" for l, _ in README_BLOCKS])
+def test_readme_code_runs(line, code):
+  """Each ```python block of the README in a fresh process (they are independent
+  snippets; one splits the CPU into devices, which only a fresh process can)."""
+  import textwrap
+  out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, f"README.md:{line}\n{out.stdout}\n{out.stderr}"
 
 
 def test_a_skipped_block_needs_a_reason():
@@ -222,3 +237,36 @@ def test_config_page_lists_every_key_with_its_default():
     assert set(rows) == set(fields), name
     for key, default in fields.items():
       assert yaml.safe_load(rows[key].strip("`")) == default, (name, key)
+
+
+# --- figures quoted from runs ----------------------------------------------------
+
+def test_quoted_figures_are_those_measured():
+  """Every ``<!-- figure:NAME -->`` span equals docs/figures.json (docs/make_figures.py)."""
+  import json
+  spec = importlib.util.spec_from_file_location("make_figures", DOCS / "make_figures.py")
+  make_figures = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(make_figures)
+  figures = json.loads((DOCS / "figures.json").read_text())["figures"]
+  quoted = [(page.relative_to(ROOT), m.group("name"), m.group("text"))
+            for page in make_figures.PAGES
+            for m in make_figures.SPAN.finditer(page.read_text())]
+  assert quoted
+  stale = [q for q in quoted if figures.get(q[1]) != q[2]]
+  assert not stale, ("run `python docs/make_figures.py --spans` (or measure again "
+                     f"without --spans): {stale}")
+
+
+def test_readme_quotes_no_auc_outside_a_figure_span():
+  text = re.sub(r"<!-- figure:[\w.]+ -->.*?<!-- /figure -->", "",
+                (ROOT / "README.md").read_text(), flags=re.S)
+  assert not re.findall(r"AUC \*{0,2}0\.\d{3,}", text)
+
+
+def test_criteo_header_states_what_plan_computes():
+  import tpu_embed_ext as tee
+  header = (ROOT / "configs" / "criteo.yaml").read_text().split("\noptimizer:")[0]
+  rows, gib = re.search(r"([\d,]+) rows; ([\d.]+) GiB", header).groups()
+  tables = tee.plan(tee.EmbeddingSpec.from_file(str(ROOT / "configs" / "criteo.yaml"))).tables
+  assert int(rows.replace(",", "")) == sum(t.rows for t in tables)
+  assert gib == f"{sum(t.total_bytes for t in tables) / 2**30:.1f}"

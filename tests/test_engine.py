@@ -1,5 +1,7 @@
 """CPUEmbedding: TF's TPU goldens, lookup parity, checkpoints, engines, errors."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -562,3 +564,269 @@ def test_update_that_would_write_inf_changes_nothing(name, mode):
   for key in before:
     np.testing.assert_array_equal(after[key], before[key], err_msg=key)
   assert int(emb.step.numpy()) == 0
+
+
+# --- the protocol: one pending batch per replica (issue 22) ------------------------
+
+IDS = [[1, 2], [3]]
+
+
+def _ids():
+  return {"f": tf.ragged.constant(IDS, tf.int64)}
+
+
+def _ones():
+  return {"f": tf.ones([2, 2])}
+
+
+PROTOCOL_MISUSE = {
+    "enqueue_twice": (
+        lambda emb: (emb.enqueue(_ids()), emb.enqueue(_ids())),
+        "enqueue() was called again before the batch enqueued before it was "
+        "dequeued: a TPU queues batches, the emulator holds one per replica and "
+        "would lose the first. Fix: call dequeue() (and apply_gradients() when "
+        "training=True) after each enqueue()."),
+    "dequeue_twice": (
+        lambda emb: (emb.enqueue(_ids()), emb.dequeue(), emb.dequeue()),
+        "dequeue() was called twice for one enqueued batch: on a TPU the second "
+        "call waits for the next enqueue(). Fix: enqueue a batch before each "
+        "dequeue(), or reuse the activations of the first call."),
+    "dequeue_first": (
+        lambda emb: emb.dequeue(),
+        "dequeue() called before enqueue(). Fix: call enqueue(features) first, "
+        "once per step, in the same function as dequeue()."),
+    "apply_twice": (
+        lambda emb: (emb.enqueue(_ids()), emb.dequeue(),
+                     emb.apply_gradients(_ones()), emb.apply_gradients(_ones())),
+        "apply_gradients() called before enqueue(). Fix: call enqueue(features) "
+        "first, once per step, in the same function as apply_gradients()."),
+    "apply_after_inference_batch": (
+        lambda emb: (emb.enqueue(_ids(), training=False), emb.dequeue(),
+                     emb.apply_gradients(_ones())),
+        "apply_gradients() needs a batch enqueued with training=True. Fix: call "
+        "enqueue(features, training=True) and dequeue() first."),
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+@pytest.mark.parametrize("case", sorted(PROTOCOL_MISUSE))
+def test_protocol_misuse_is_named_and_changes_nothing(case, mode):
+  calls, message = PROTOCOL_MISUSE[case]
+  emb = _single_table(api.Adagrad(0.1))
+  before = _snapshot(emb)
+  run = (lambda: calls(emb)) if mode == "eager" else tf.function(lambda: calls(emb))
+  with pytest.raises(tee.InputError) as info:
+    run()
+  assert str(info.value) == message, str(info.value)
+  after = _snapshot(emb)
+  # Eagerly the first apply_gradients of "apply_twice" was a good step; a
+  # trace that raised ran nothing.
+  applied = case == "apply_twice" and mode == "eager"
+  assert after["step"] == int(applied)
+  if not applied:
+    for key in before:
+      np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+
+
+def _adagrad_reference(table, acc, ids, grad_rows, lr=0.1):
+  """numpy: per-id sums of the rows' gradients (sum combiner), one update each."""
+  sums = {}
+  for row, sample in enumerate(ids):
+    for i in sample:
+      sums[i] = sums.get(i, 0) + np.asarray(grad_rows[row], np.float64)
+  for i, g in sums.items():
+    acc[i] += g * g
+    table[i] -= lr * g / np.sqrt(acc[i])
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+def test_rejected_apply_gradients_keeps_the_batch_for_a_corrected_retry(mode):
+  """Wrong shape, wrong structure, non-tensor and NaN gradients are rejected with
+  tables, slots, step and the pending batch as they were; the retry applies the
+  batch. Three steps against numpy Adagrad."""
+  emb = _single_table(api.Adagrad(0.1))
+  table = np.arange(12.).reshape(6, 2) / 10
+  acc = np.full((6, 2), 0.1)
+  wrap = (lambda f: f) if mode == "eager" else tf.function
+  bad = [({"f": tf.ones([3, 2])}, tee.InputError,
+          "feature 'f' (table 't'): gradient shape [3, 2] does not match its "
+          "activation shape [2, 2]."),
+         ([tf.ones([2, 2])], tee.InputTypeError,
+          "gradients do not match the feature config's structure"),
+         ({"f": 1.0}, tee.InputError,
+          "feature 'f' (table 't'): gradient is a float, not a tf.Tensor.")]
+  if mode == "eager":  # in a graph a NaN gradient fails when the step runs
+    bad.append(({"f": tf.constant([[np.nan, 1.0], [1.0, 1.0]])}, tee.InputError,
+                "table 't': gradient has NaN or Inf values; no table, slot or "
+                "step was changed."))
+  for step in range(3):
+    ids = [[step % 6, (step + 1) % 6], [(step + 3) % 6]]
+    grad = [[1.0 + step, -0.5], [0.25, 2.0 - step]]
+    enqueue = wrap(lambda ids=ids: emb.enqueue(
+        {"f": tf.ragged.constant(ids, tf.int64)}, training=True) or emb.dequeue())
+    apply = wrap(lambda g: emb.apply_gradients(g))
+    if mode == "eager":
+      enqueue()
+      for gradients, cls, message in bad:
+        before = _snapshot(emb)
+        with pytest.raises(cls) as info:
+          apply(gradients)
+        assert str(info.value).startswith(message), str(info.value)
+        after = _snapshot(emb)
+        for key in before:
+          np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+      apply({"f": tf.constant(grad)})
+    else:
+      # A tf.function holds its own batches: the whole step is one function.
+      def full(gradients, ids=ids):
+        emb.enqueue({"f": tf.ragged.constant(ids, tf.int64)}, training=True)
+        emb.dequeue()
+        for g, cls, _ in bad:
+          with pytest.raises(cls):
+            emb.apply_gradients(g)
+        emb.apply_gradients(gradients)
+      tf.function(full)({"f": tf.constant(grad)})
+    _adagrad_reference(table, acc, ids, grad)
+    np.testing.assert_allclose(emb.variables["t"]["parameters"].numpy(), table,
+                               rtol=1e-6)
+    np.testing.assert_allclose(emb.variables["t"]["accumulators"].numpy(), acc,
+                               rtol=1e-6)
+    assert int(emb.step.numpy()) == step + 1
+
+
+def test_a_dequeued_batch_may_be_replaced_and_its_step_is_skipped():
+  """A training batch dequeued but never applied is dropped by the next enqueue
+  (documented in emulation/protocol.py): the step does not advance."""
+  emb = _single_table(api.SGD(0.1))
+  emb.enqueue(_ids(), training=True)
+  emb.dequeue()
+  before = _snapshot(emb)
+  emb.enqueue({"f": tf.ragged.constant([[0], [5]], tf.int64)}, training=True)
+  acts = emb.dequeue()
+  table = np.arange(12.).reshape(6, 2) / 10
+  np.testing.assert_allclose(acts["f"], table[[0, 5]], rtol=1e-6)
+  for key in before:
+    np.testing.assert_array_equal(_snapshot(emb)[key], before[key], err_msg=key)
+  emb.apply_gradients(_ones())
+  table[[0, 5]] -= 0.1
+  np.testing.assert_allclose(emb.variables["t"]["parameters"].numpy(), table,
+                             rtol=1e-6)
+  assert int(emb.step.numpy()) == 1
+
+
+def test_a_batch_enqueued_eagerly_is_not_used_by_a_tf_function():
+  emb = _single_table(api.SGD(0.1))
+  emb.enqueue(_ids(), training=True)
+  with pytest.raises(tee.InputError, match=re.escape(
+      "dequeue() called before enqueue() in this tf.function (a batch enqueued "
+      "eagerly or in another tf.function cannot be used here).")):
+    tf.function(emb.dequeue)()
+  np.testing.assert_allclose(emb.dequeue()["f"], [[0.6, 0.8], [0.6, 0.7]], rtol=1e-6)
+
+
+# --- weights that do not match their ids, in every mode (issue 22) ------------------
+
+WEIGHT_MISMATCHES = {
+    # ids [[1, 2], [3]] (ragged) or their sparse form
+    "ragged_other_row_lengths": (
+        "ragged", lambda: tf.ragged.constant([[1.0], [2.0, 3.0]]),
+        r"weights have row lengths \[1, 2\] but ids \[2, 1\]"),
+    "ragged_fewer_weights": (
+        "ragged", lambda: tf.ragged.constant([[1.0], [2.0]]),
+        r"weights have row lengths \[1, 1\] but ids \[2, 1\]"),
+    "sparse_other_indices": (
+        "sparse", lambda: tf.SparseTensor([[0, 0], [1, 0], [1, 1]], [1.0, 2.0, 3.0],
+                                          [2, 2]),
+        r"weights' indices do not match the ids' indices"),
+    "sparse_more_weights": (
+        "sparse", lambda: tf.SparseTensor([[0, 0], [0, 1], [1, 0], [1, 1]],
+                                          [1.0, 2.0, 3.0, 4.0], [2, 2]),
+        r"weights' indices do not match the ids' indices"),
+}
+_WEIGHTS_REST = re.escape(
+    "weights do not match the ids (other row lengths, other indices, or another "
+    "number of weights). Fix: give one weight per id, in the same rows (ragged) or "
+    "at the same indices (sparse).")
+WEIGHTS_MESSAGE = re.escape("feature 'f' (table 't'): ") + _WEIGHTS_REST
+# tf.debugging.Assert prints its strings with quotes escaped.
+GRAPH_WEIGHTS_MESSAGE = r"feature \\'f\\' \(table \\'t\\'\): " + _WEIGHTS_REST
+
+
+def _weighted_ids(layout):
+  ids = tf.ragged.constant(IDS, tf.int64)
+  return ids if layout == "ragged" else ids.to_sparse()
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function", "xla"])
+@pytest.mark.parametrize("case", sorted(WEIGHT_MISMATCHES))
+def test_weights_that_do_not_match_their_ids_raise_in_every_mode(case, mode):
+  layout, make_weights, eager_message = WEIGHT_MISMATCHES[case]
+  emb = _single_table(api.Adagrad(0.1))
+  before = _snapshot(emb)
+
+  def step(ids, weights):
+    emb.enqueue({"f": ids}, {"f": weights}, training=True)
+    acts = emb.dequeue()
+    emb.apply_gradients({"f": tf.ones_like(acts["f"])})
+    return acts["f"]
+
+  ids, weights = _weighted_ids(layout), make_weights()
+  if mode == "eager":
+    with pytest.raises(tee.InputError, match=eager_message):
+      step(ids, weights)
+    with pytest.raises(tee.InputError, match=eager_message):
+      emb(dict(f=ids), dict(f=weights))
+  elif mode == "tf_function":
+    # Not TensorFlow's "Incompatible shapes": the feature is named.
+    with pytest.raises(tf.errors.InvalidArgumentError, match=GRAPH_WEIGHTS_MESSAGE):
+      tf.function(step)(ids, weights)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=GRAPH_WEIGHTS_MESSAGE):
+      tf.function(lambda i, w: emb({"f": i}, {"f": w}))(ids, weights)
+  else:
+    acts = tf.function(step, jit_compile=True)(ids, weights)
+    assert np.isnan(acts.numpy()).all()
+    after = {k: v.numpy() for k, v in emb._variables["t"].items()}
+    for key in ("parameters", "accumulators"):
+      np.testing.assert_array_equal(after[key], before[f"t/{key}"], err_msg=key)
+    with pytest.raises(tee.InputError, match="a step compiled with XLA was rejected "
+                       "and changed nothing: " + WEIGHTS_MESSAGE):
+      emb.variables  # pylint: disable=pointless-statement
+  after = _snapshot(emb)
+  for key in before:
+    np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+
+
+def test_static_weight_count_mismatch_is_named_when_traced():
+  emb = _single_table(api.SGD(0.1))
+  ids = tf.ragged.constant(IDS, tf.int64).to_sparse()
+  weights = tf.SparseTensor([[0, 0], [0, 1]], [1.0, 2.0], [2, 2])
+  with pytest.raises(tee.InputError, match=WEIGHTS_MESSAGE[:-2] + ".*found "
+                     r"when the function was traced: indices of shape \[2, 2\] for "
+                     r"ids of shape \[3, 2\]"):
+    tf.function(lambda: emb({"f": ids}, {"f": weights}))()
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function", "xla"])
+def test_matching_weights_train_as_numpy_over_steps(mode):
+  """The graph and XLA checks pass good weights through unchanged: 3 SGD steps."""
+  emb = _single_table(api.SGD(0.1))
+  table = np.arange(12.).reshape(6, 2) / 10
+
+  def step(ids, weights):
+    emb.enqueue({"f": ids}, {"f": weights}, training=True)
+    acts = emb.dequeue()
+    emb.apply_gradients({"f": tf.ones_like(acts["f"])})
+    return acts["f"]
+
+  run = {"eager": step, "tf_function": tf.function(step),
+         "xla": tf.function(step, jit_compile=True)}[mode]
+  for t in range(3):
+    w = [[0.5 + t, 2.0], [1.5]]
+    acts = run(tf.ragged.constant(IDS, tf.int64), tf.ragged.constant(w))
+    want = [w[0][0] * table[1] + w[0][1] * table[2], w[1][0] * table[3]]
+    np.testing.assert_allclose(acts.numpy(), want, rtol=1e-6, atol=1e-7)
+    for row, sample in enumerate(IDS):
+      for i, wi in zip(sample, w[row]):
+        table[i] -= 0.1 * wi
+    np.testing.assert_allclose(emb.variables["t"]["parameters"].numpy(), table,
+                               rtol=1e-6, atol=1e-7)

@@ -678,3 +678,111 @@ def test_v2_shapes_come_from_output_shape(mode):
   assert str(info.value).startswith(
       "feature 'f' (table 'video'): 2 rows of ragged ids cannot fill the activation "
       "shape [4] (4 rows).")
+
+
+# --- issue 21: structure before the batch, optimizer=None --------------------------
+
+STRUCTURE_FIRST = {
+    # invalid_input_test.test_pass_different_structure_to_apply_gradients:
+    # nothing enqueued, the structure is checked first (a TypeError).
+    "list_for_tuple": (lambda emb: emb.apply_gradients([1, 2, 3]), TypeError,
+                       "gradients do not match the feature config's structure: the "
+                       "feature config is a tuple, gradients a list."),
+    # invalid_input_test.test_pass_non_tensor_to_apply_gradients (build(64) only).
+    "non_tensor": (lambda emb: emb.apply_gradients((1, 2, 3)), ValueError,
+                   "feature '0' (table 'video'): gradient is a int, not a tf.Tensor."),
+    # The built shapes are checked before the missing batch too.
+    "shape": (lambda emb: emb.apply_gradients(
+        (tf.ones([2, 4]), tf.ones([64, 4]), tf.ones([64, 2]))), ValueError,
+              "feature '0' (table 'video'): gradient shape [2, 4] does not match its "
+              "activation shape [64, 4]."),
+    # A well-formed call with nothing enqueued names the missing batch.
+    "no_batch": (lambda emb: emb.apply_gradients(
+        (tf.ones([64, 4]), tf.ones([64, 4]), tf.ones([64, 2]))), ValueError,
+                 "apply_gradients() called before enqueue()."),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", sorted(STRUCTURE_FIRST))
+def test_apply_gradients_checks_the_structure_before_the_batch(case, mode):
+  call, cls, message = STRUCTURE_FIRST[case]
+  emb = _engine()
+  emb.build(64)
+  before = emb.variables["video"]["parameters"].numpy()
+  with pytest.raises(cls) as info:
+    mode(lambda: call(emb))()
+  assert isinstance(info.value, tee.InputError)
+  assert str(info.value).startswith(message), str(info.value)
+  np.testing.assert_array_equal(emb.variables["video"]["parameters"], before)
+  assert int(emb.step) == 0
+
+
+LOOKUP_ONLY = (
+    "{call} trains the tables, but table(s) {tables} have no optimizer (optimizer=None "
+    "and no TableConfig.optimizer): the engine was made for lookups only, as "
+    "TPUEmbeddingForServing, and TPUEmbedding under a TPUStrategy refuses to be "
+    "created so. Fix: pass optimizer= to CPUEmbedding (or set TableConfig.optimizer "
+    "of those tables), or enqueue with training=False for lookups.")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_optimizer_none_is_for_lookups_only(mode, tmp_path):
+  """tpu_embedding_v2.py: off a TPU, optimizer=None creates no slots; the
+  TPU refuses it. Lookups equal numpy; training calls say why and the fix."""
+  trained = _engine(api.Adagrad(0.1))
+  for _ in range(2):
+    trained.enqueue(_ragged(), training=True)
+    trained.apply_gradients(tuple(tf.ones_like(a) for a in trained.dequeue()))
+  path = tf.train.Checkpoint(embedding=trained).save(str(tmp_path / "ckpt"))
+  emb = tee.CPUEmbedding(_config(), None)
+  assert {k: sorted(v) for k, v in emb.variables.items()} == {
+      "video": ["parameters"], "user": ["parameters"]}
+  tf.train.Checkpoint(embedding=emb).restore(path).expect_partial()  # no slots
+  video = trained.variables["video"]["parameters"].numpy()
+  user = trained.variables["user"]["parameters"].numpy()
+  np.testing.assert_array_equal(emb.variables["video"]["parameters"], video)
+  acts = mode(lambda: _lookup(emb, _ragged()))()
+  np.testing.assert_allclose(acts[0], [video[r].sum(0) for r in WATCHED], rtol=1e-6)
+  np.testing.assert_allclose(acts[2], [user[r].mean(0) for r in FRIENDS], rtol=1e-6)
+  np.testing.assert_allclose(mode(lambda: emb(_ragged()))()[1],
+                             [video[r].sum(0) for r in FAVORITED], rtol=1e-6)
+  with pytest.raises(ValueError) as info:
+    mode(lambda: emb.enqueue(_ragged(), training=True))()
+  assert str(info.value) == LOOKUP_ONLY.format(call="enqueue(training=True)",
+                                               tables="['video', 'user']")
+  with pytest.raises(ValueError) as info:
+    mode(lambda: emb.apply_gradients(tuple(tf.ones([4, d]) for d in (4, 4, 2))))()
+  assert str(info.value) == LOOKUP_ONLY.format(call="apply_gradients()",
+                                               tables="['video', 'user']")
+  np.testing.assert_array_equal(emb.variables["video"]["parameters"], video)
+  assert int(emb.step) == 0
+
+
+def test_optimizer_none_with_per_table_optimizers():
+  """TPUEmbedding gives tables without an optimizer the global one (None): on a
+  TPU every table must have one. Tables with their own train as numpy SGD; one
+  table without makes the engine lookup-only, naming that table."""
+  video, user = _tables()
+  video.optimizer = api.SGD(0.1)
+  mixed = tee.CPUEmbedding((api.FeatureConfig(video), api.FeatureConfig(user)), None)
+  assert sorted(mixed.variables["video"]) == ["parameters"]
+  with pytest.raises(ValueError) as info:
+    mixed.enqueue((tf.constant([0]), tf.constant([1])), training=True)
+  assert str(info.value) == LOOKUP_ONLY.format(call="enqueue(training=True)",
+                                               tables="['user']")
+  user.optimizer = api.SGD(0.5)
+  emb = tee.CPUEmbedding((api.FeatureConfig(video), api.FeatureConfig(user)), None)
+  want_video, want_user = VIDEO.copy(), USER.copy()
+  for step in range(3):
+    ids = ([step % 8, (step + 2) % 8], [step, 15 - step])
+    emb.enqueue(tuple(tf.constant(i) for i in ids), training=True)
+    acts = emb.dequeue()
+    np.testing.assert_allclose(acts[0], want_video[ids[0]], rtol=1e-6)
+    emb.apply_gradients((tf.ones([2, 4]), tf.fill([2, 2], 2.0)))
+    for i in ids[0]:
+      want_video[i] -= 0.1
+    for i in ids[1]:
+      want_user[i] -= 0.5 * 2.0
+  np.testing.assert_allclose(emb.variables["video"]["parameters"], want_video, rtol=1e-6)
+  np.testing.assert_allclose(emb.variables["user"]["parameters"], want_user, rtol=1e-6)

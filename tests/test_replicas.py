@@ -7,6 +7,8 @@ against the numpy contract reference over 10 steps at R = 2, and with ids
 that only one replica sees.
 """
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -336,3 +338,162 @@ def test_one_device_strategy():
   np.testing.assert_array_equal(engine.variables["video"]["parameters"].numpy(),
                                 reference.variables["video"]["parameters"].numpy())
   assert int(engine.step.numpy()) == 2
+
+
+# --- per-device enqueue (issue 21) ---------------------------------------------
+
+def _per_device_batches(replicas, step):
+  """Replica r's ragged batch of step ``step`` (2 samples, ids 0-7)."""
+  rng = np.random.RandomState(100 * step + replicas)
+  return [{"watched": tf.ragged.constant(
+      [list(rng.randint(0, 8, rng.randint(1, 4))) for _ in range(2)], tf.int64)}
+      for _ in range(replicas)]
+
+
+# api.Adam(0.1)'s hyperparameters, for the contract's numpy rule.
+ADAM = {"beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7, "sum_inside_sqrt": True}
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_enqueue_per_device_equals_the_per_replica_path(replicas):
+  """valid_input_test.test_enqueue_per_device: each replica's batch enqueued
+  with device=strategy.extended.worker_devices[i] (inside
+  experimental_distribute_values_from_function, as upstream does) gives the
+  activations and updates of the distributed-values path, and both equal
+  numpy (Adam, mean combiner) over 3 steps."""
+  strategy = mirrored(replicas)
+  per_replica, per_device = _video_engine(strategy), _video_engine(strategy)
+
+  def replica_step(engine):
+    with tf.GradientTape() as tape:
+      acts = engine.dequeue()
+      tape.watch(acts)
+      loss = tf.reduce_sum(acts["watched"] ** 2)
+    engine.apply_gradients(tape.gradient(loss, acts))
+    return acts["watched"]
+
+  @tf.function
+  def step_distributed(features):
+    per_replica.enqueue(features, training=True)
+    return strategy.run(replica_step, args=(per_replica,))
+
+  @tf.function
+  def step_per_device(batches):
+    def enqueue_fn(ctx):
+      i = ctx.replica_id_in_sync_group
+      per_device.enqueue(batches[i], training=True,
+                         device=strategy.extended.worker_devices[i])
+      return 0.0
+    strategy.experimental_distribute_values_from_function(enqueue_fn)
+    return strategy.run(replica_step, args=(per_device,))
+
+  table = np.arange(32.).reshape(8, 4) / 10
+  m, v = np.zeros_like(table), np.zeros_like(table)
+  for t in range(3):
+    batches = _per_device_batches(replicas, t)
+    a = strategy.experimental_local_results(
+        step_distributed(distribute(strategy, batches)))
+    b = strategy.experimental_local_results(step_per_device(batches))
+    grads = {}
+    for r, batch in enumerate(batches):
+      rows = batch["watched"].to_list()
+      want = np.array([table[row].mean(0) for row in rows])
+      np.testing.assert_allclose(a[r], want, rtol=1e-5, atol=1e-6)
+      np.testing.assert_array_equal(b[r], a[r])
+      for row, act in zip(rows, want):
+        for i in row:  # d(sum act^2)/d act = 2 act, spread by the mean
+          grads[i] = grads.get(i, 0) + 2 * act / len(row)
+    for i, g in grads.items():  # lazy TPU Adam: touched rows only
+      table[i], slots = contract.ref_adam(
+          table[i], {"momenta": m[i], "velocities": v[i]}, g, 0.1, ADAM)
+      m[i], v[i] = slots["momenta"], slots["velocities"]
+    for engine in (per_replica, per_device):
+      np.testing.assert_allclose(engine.variables["video"]["parameters"].numpy(),
+                                 table, rtol=1e-5, atol=1e-6)
+  for name in ("parameters", "momenta", "velocities"):
+    np.testing.assert_array_equal(per_device.variables["video"][name].numpy(),
+                                  per_replica.variables["video"][name].numpy())
+  assert int(per_device.step.numpy()) == 3
+
+
+def test_per_device_enqueue_errors_name_the_device():
+  strategy = mirrored(2)
+  engine = _video_engine(strategy)
+  batches = _per_device_batches(2, 0)
+  devices = list(strategy.extended.worker_devices)
+  with pytest.raises(tee.InputError, match=re.escape(
+      f"enqueue(device='/cpu:5') names no replica of MirroredStrategy: its "
+      f"replicas' devices are {devices}. Fix: pass "
+      "strategy.extended.worker_devices[i] for replica i's batch, or distributed "
+      "values without device=.")):
+    engine.enqueue(batches[0], device="/cpu:5")
+  with pytest.raises(tee.InputError, match=re.escape(
+      "enqueue(device='/cpu:1') was given distributed values. Fix: pass one "
+      "replica's values with device=")):
+    engine.enqueue(distribute(strategy, batches), device="/cpu:1")
+  with pytest.raises(tee.InputError, match=re.escape(
+      "enqueue() outside strategy.run got 1 batch(es) for 2 replicas. Fix: pass "
+      "distributed values (strategy.experimental_distribute_dataset(...)), one "
+      "replica's values with device=strategy.extended.worker_devices[i], or call "
+      "enqueue inside strategy.run with each replica's batch.")):
+    engine.enqueue(batches[0])
+  # Eagerly, device names accepted in any spelling of the same device.
+  engine.enqueue(batches[1], device="/cpu:1", training=False)
+  engine.enqueue(batches[0], device=devices[0], training=False)
+  acts = strategy.experimental_local_results(strategy.run(engine.dequeue))
+  table = np.arange(32.).reshape(8, 4) / 10
+  for r in range(2):
+    np.testing.assert_allclose(
+        acts[r]["watched"],
+        [table[row].mean(0) for row in batches[r]["watched"].to_list()], rtol=1e-6)
+
+
+# --- the protocol under MirroredStrategy(2) (issue 22) ----------------------------
+
+def test_protocol_misuse_and_retry_under_two_replicas():
+  strategy = mirrored(2)
+  engine = _video_engine(strategy)
+  batches = _per_device_batches(2, 1)
+  engine.enqueue(distribute(strategy, batches), training=True)
+  with pytest.raises(tee.InputError, match=re.escape(
+      "enqueue() was called again (replica 0) before the batch enqueued before it "
+      "was dequeued")):
+    engine.enqueue(distribute(strategy, batches), training=True)
+  with pytest.raises(tee.InputError, match=re.escape(
+      "apply_gradients() was called outside strategy.run under MirroredStrategy "
+      "with 2 replicas.")):
+    engine.apply_gradients({"watched": tf.ones([2, 4])})
+  before = {k: v.numpy() for k, v in engine.variables["video"].items()}
+
+  def bad_step():
+    acts = engine.dequeue()
+    engine.apply_gradients({"watched": tf.ones([3, 4])})  # wrong shape
+    return acts["watched"]
+
+  with pytest.raises(tee.InputError, match=re.escape(
+      "feature 'watched' (table 'video'): gradient shape [3, 4] does not match its "
+      "activation shape [2, 4].")):
+    strategy.run(bad_step)
+  for k, v in engine.variables["video"].items():
+    np.testing.assert_array_equal(v.numpy(), before[k], err_msg=k)
+  assert int(engine.step.numpy()) == 0
+
+  # The retry applies the batch still pending on both replicas.
+  def retry():
+    engine.apply_gradients({"watched": tf.ones([2, 4])})
+  strategy.run(retry)
+  assert int(engine.step.numpy()) == 1
+  grads = {}
+  for batch in batches:
+    for row in batch["watched"].to_list():
+      for i in row:
+        grads[i] = grads.get(i, 0) + 1.0 / len(row)
+  table = before["parameters"].astype(np.float64)
+  for i, g in grads.items():
+    table[i], _ = contract.ref_adam(table[i], {"momenta": 0.0, "velocities": 0.0},
+                                    g, 0.1, ADAM)
+  np.testing.assert_allclose(engine.variables["video"]["parameters"].numpy(), table,
+                             rtol=1e-5)
+  with pytest.raises(tee.InputError, match=re.escape(
+      "apply_gradients() called before enqueue().")):
+    strategy.run(retry)

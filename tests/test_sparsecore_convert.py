@@ -10,6 +10,7 @@ from tensorflow.python.tpu import tpu_embedding_v3_utils
 
 import tpu_embed_ext as tee
 from tpu_embed_ext import errors
+from tpu_embed_ext.sparsecore import checkpoint as sparsecore_checkpoint
 from tpu_embed_ext.sparsecore import convert_checkpoint, checkpoint_layouts
 from tpu_embed_ext.sparsecore.topology import Topology
 
@@ -215,8 +216,9 @@ def test_unknown_prefix_is_named(tmp_path):
                        optimizer=OPTIMIZERS["sgd"]())
   assert str(e.value) == (
       f'checkpoint {path} has no object "embeding" (no child "embeding"). Did you '
-      'mean "embedding"? Fix: pass the embedding\'s path in the checkpoint '
-      '(tf.train.Checkpoint(embedding=...): "embedding").')
+      'mean "embedding"? Fix: leave --prefix out to find the embedding, or pass '
+      'its path in the checkpoint (tf.train.Checkpoint(embedding=...): "embedding"; '
+      'train\'s checkpoints: "model/embedding/embedding").')
 
 
 def test_convert_checkpoint_command(tmp_path):
@@ -234,14 +236,90 @@ def test_convert_checkpoint_command(tmp_path):
        "v6e:8"], capture_output=True, text=True, timeout=120, check=True).stdout
   layouts = checkpoint_layouts(stacked)
   stacks = {l.stack for l in layouts}
-  assert out.strip() == (f"{path} -> {stacked}: SparseCore layout for v6e:8 (8 chips "
-                         f"x 2 SparseCores) ({len(stacks)} stacks).")
+  assert out.strip().splitlines() == [
+      f"Converting {path} table by table...",
+      f"{path} -> {stacked}: SparseCore layout for v6e:8 (8 chips x 2 SparseCores) "
+      f"({len(stacks)} stacks)."]
   assert len(layouts) == len(emb.variables) and len(stacks) < len(layouts)
   back = str(tmp_path / "back")
   convert_checkpoint(stacked, back, spec)
   original, returned = _values(path), _values(back)
   assert original.keys() == returned.keys()
   assert all(original[k].tobytes() == returned[k].tobytes() for k in original)
+
+
+def _tiny_embedding():
+  spec = tee.EmbeddingSpec.from_file("configs/tiny.yaml")
+  emb = tee.CPUEmbedding(spec)
+  emb.build()
+  for i, slots in enumerate(emb.variables.values()):
+    for var in slots.values():
+      var.assign(tf.random.stateless_uniform(var.shape, seed=[i, 2]))
+  return spec, emb
+
+
+def _keras_model(spec):
+  features = {f.name: tf.keras.Input(shape=(), dtype=tf.int64, name=f.name)
+              for f in spec.features}
+  layer = tee.EmbeddingLayer(spec, name="tables")
+  outputs = tf.keras.layers.Concatenate()(list(layer(features).values()))
+  return tf.keras.Model(features, outputs), layer
+
+
+@pytest.mark.parametrize("form", ["cpu_embedding", "keras_model", "train_job"])
+def test_the_embedding_is_found_without_a_prefix(tmp_path, form):
+  """A bare CPUEmbedding, a Keras model with EmbeddingLayer, and train's layout
+  (``model/embedding/embedding``): converted to stacked and back without
+  --prefix, every table and slot bit-identical."""
+  spec, emb = _tiny_embedding()
+  if form == "cpu_embedding":
+    root, where = tf.train.Checkpoint(embedding=emb), "embedding"
+  elif form == "keras_model":
+    model, layer = _keras_model(spec)
+    for name, slots in emb.variables.items():
+      for slot, var in slots.items():
+        layer.variables_by_table[name][slot].assign(var)
+    root, where = tf.train.Checkpoint(model=model), None
+  else:
+    holder = tf.Module()
+    holder.embedding = tf.Module()
+    holder.embedding.embedding = emb
+    root, where = tf.train.Checkpoint(model=holder), "model/embedding/embedding"
+  path = root.write(str(tmp_path / "src"))
+  found = sparsecore_checkpoint.embedding_paths(path, [t.name for t in spec.tables])
+  assert len(found) == 1 and (where is None or found == [where])
+  convert_checkpoint(path, str(tmp_path / "stacked"), spec, "v5p:1")
+  convert_checkpoint(str(tmp_path / "stacked"), str(tmp_path / "back"), spec)
+  before = {k.split(found[0] + "/", 1)[1]: v for k, v in _values(path).items()
+            if k.startswith(found[0] + "/") and "/table_step" not in k}
+  after = {k.split(found[0] + "/", 1)[1]: v for k, v in _values(str(tmp_path / "back")).items()
+           if k.startswith(found[0] + "/") and "/table_step" not in k}
+  assert before.keys() == after.keys()
+  assert len(before) == sum(len(slots) for slots in emb.variables.values())
+  assert all(before[k].tobytes() == after[k].tobytes() for k in before)
+
+
+def test_two_embeddings_need_a_prefix_and_the_error_lists_them(tmp_path):
+  spec, emb = _tiny_embedding()
+  _, other = _tiny_embedding()
+  path = tf.train.Checkpoint(embedding=emb, backup=other).write(str(tmp_path / "two"))
+  with pytest.raises(errors.ConfigError) as e:
+    convert_checkpoint(path, str(tmp_path / "out"), spec, "v5p:1")
+  assert str(e.value) == (f"checkpoint {path} holds 2 embeddings with these tables: "
+                          "backup, embedding. Fix: pass --prefix with one of them.")
+  assert not list(tmp_path.glob("out*"))
+  convert_checkpoint(path, str(tmp_path / "out"), spec, "v5p:1", prefix="backup")
+  assert checkpoint_layouts(str(tmp_path / "out"), prefix="backup")
+
+
+def test_a_checkpoint_without_the_tables_is_named(tmp_path):
+  spec, _ = _tiny_embedding()
+  path = tf.train.Checkpoint(v=tf.Variable(1.0)).write(str(tmp_path / "none"))
+  with pytest.raises(errors.ConfigError, match=(
+      r"has no object holding the tables t_c0, t_c1, .* \(per-table\) or SparseCore "
+      r"layouts\. Fix: convert a checkpoint trained with this config, or pass "
+      r"--prefix with the embedding's path in the checkpoint\.")):
+    convert_checkpoint(path, str(tmp_path / "out"), spec, "v5p:1")
 
 
 def _rewrite(src, dst, changes):

@@ -8,42 +8,8 @@ included), exactly as on a TPU. ``model.summary()`` and ``layer.weights``
 list the tables as non-trainable weights (their optimizer slots are optimizer
 state, like a Keras optimizer's, and are not counted).
 
-How the table update is wired into ``fit``: the layer owns one trainable
-scalar, the *gradient sink*, and routes its activations through a
-``tf.custom_gradient`` whose inputs are the sink and the activations. When
-Keras's ``train_step`` asks the tape for the gradient of the loss with respect
-to its trainable weights, the custom gradient receives ``dL/dactivations``,
-enqueues the step's batch on the CPU engine (the forward pass only looked it
-up) and hands them to the engine's ``apply_gradients`` (one table step per
-training batch, which also advances the engine's ``step`` and so its
-schedules). The
-sink is marked ``overwrite_with_gradient``: Keras optimizers write its
-gradient into it instead of stepping, clipping or accumulating it, so it
-never takes part in the dense optimizer's math.
-
-Loss scaling: ``train_step`` differentiates ``optimizer.scale_loss(loss)``
-(``loss_scale_factor``, or ``LossScaleOptimizer``'s dynamic scale under
-``mixed_float16``), and Keras divides the scale out of the dense gradients
-only, inside ``optimizer.apply``. The layer measures the scale where it
-enters: each training call adds a *scale probe* to ``layer.losses``, a loss
-term whose value is exactly 0 and whose gradient is therefore the factor the
-loss was multiplied by after the losses were summed. Table gradients are
-``dL/dactivations`` divided by that factor, i.e. the gradients of the
-unscaled loss (bit for bit when the scale is a power of two, as Keras's
-scales are). Under ``tf.distribute`` Keras also multiplies the loss by
-``1 / num_replicas``; that factor is kept, as the TPU sums replicas'
-gradients. A loss that leaves out ``model.losses`` (a hand-written loop that
-forgets them) gives the probe a zero gradient: the activations' gradients are
-then applied as given, as ``TPUEmbedding.apply_gradients`` would. When the loss
-is scaled and a table gradient is not finite (a float16 overflow), the table
-step is skipped and the sink's gradient is NaN, so ``LossScaleOptimizer``
-skips its step and lowers the scale as it does for dense gradients.
-
-Several calls of one layer in one training step (two towers sharing tables)
-make one table step, as a TPU makes one step for all features of a batch:
-their batches are concatenated per feature and their gradients applied once,
-when the last of them has arrived. A backward pass that leaves some calls out
-is reported (``InputError``) at the next call rather than dropped silently.
+How the table update is wired into ``fit`` (the gradient sink, the loss-scale
+probe, several calls in one step): see ``layer_gradients``.
 
 Engines: on CPU (no ``TPUStrategy`` in scope) the layer runs
 ``CPUEmbedding``, our emulation of the TPU engine. Under a ``TPUStrategy`` it
@@ -59,7 +25,7 @@ Saving: see ``save_own_variables`` and the README's "Saving and restoring".
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import keras
 from keras.src.backend.common import symbolic_scope
@@ -70,6 +36,8 @@ from tensorflow.python.eager import record
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
+from tpu_embed_ext import layer_gradients
+from tpu_embed_ext import layer_weights
 from tpu_embed_ext.emulation import dispatch
 from tpu_embed_ext.spec import EmbeddingSpec
 
@@ -77,11 +45,6 @@ __all__ = ["EmbeddingLayer", "PAD_ID"]
 
 PAD_ID = -1
 """Padding of a ragged or sparse feature given as a dense id matrix."""
-
-# A leading dot keeps them apart from table names.
-_STEP_KEY = ".step"
-_SINK_KEY = ".gradient_sink"
-
 
 @keras.saving.register_keras_serializable(package="tpu_embed_ext")
 class EmbeddingLayer(keras.layers.Layer):
@@ -179,8 +142,8 @@ class EmbeddingLayer(keras.layers.Layer):
       # layer, or an eager call that no tape records).
       return self._cast(self._lookup(features, weights))
     activations, on_gradients = self._train_lookup(features, weights)
-    outputs, probe = _route_gradients(activations, self.gradient_sink,
-                                      on_gradients)
+    outputs, probe = layer_gradients.route_gradients(
+        activations, self.gradient_sink, on_gradients)
     self.add_loss(probe)
     return self._cast(outputs)
 
@@ -289,7 +252,7 @@ class EmbeddingLayer(keras.layers.Layer):
     """Activations, and what to do with their (scaled) gradients."""
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     replica = values_util.get_current_replica_id_as_int() or 0
-    step = self._step_calls.setdefault(replica, _StepCalls(graph))
+    step = self._step_calls.setdefault(replica, layer_gradients.StepCalls(graph))
     if step.graph is graph and step.gradients and not step.done:
       # A backward pass has run (this is a new forward pass) without the
       # gradients of some calls: their step can never be applied.
@@ -301,7 +264,7 @@ class EmbeddingLayer(keras.layers.Layer):
           "call (model.losses included), with respect to the layer's "
           "trainable variables.")
     if step.graph is not graph or step.done:
-      step = _StepCalls(graph)
+      step = layer_gradients.StepCalls(graph)
       self._step_calls[replica] = step
     if step.calls and self._kind != "cpu":
       raise errors.InputError(
@@ -330,7 +293,7 @@ class EmbeddingLayer(keras.layers.Layer):
       return self._table_step(step)
     return activations, on_gradients
 
-  def _table_step(self, step: "_StepCalls"):
+  def _table_step(self, step: "layer_gradients.StepCalls"):
     """Applies a step's unscaled gradients; returns the sink's gradient."""
     flat = [tf.nest.flatten(step.gradients[i]) for i in range(len(step.calls))]
     # The probe's gradient is s / R: the optimizer's scale s times Keras's
@@ -347,8 +310,8 @@ class EmbeddingLayer(keras.layers.Layer):
         gradients = tf.nest.pack_sequence_as(step.gradients[0], flat[0])
         features, weights = step.calls[0]
       else:
-        features, weights = _concat_calls(self.embedding.feature_config,
-                                          step.calls, self.name)
+        features, weights = layer_gradients.concat_calls(
+            self.embedding.feature_config, step.calls, self.name)
         gradients = tf.nest.pack_sequence_as(
             step.gradients[0], [tf.concat(gs, 0) for gs in zip(*flat)])
       if self._kind == "cpu":
@@ -390,32 +353,9 @@ class EmbeddingLayer(keras.layers.Layer):
 
   # --- Keras saving --------------------------------------------------------
 
-  def _state(self) -> Dict[str, tf.Variable]:
-    """Every saved variable by its key in a Keras weights file.
-
-    ``<table>`` is a table, ``<table>.<slot>`` one of its optimizer slots
-    (HDF5 reads "/" as a group, so TensorFlow's ``<table>/<slot>`` is not
-    usable), ``.step`` the table step, ``.gradient_sink`` the sink.
-    """
-    if self._kind != "cpu":
-      raise errors.ConfigError(
-          f"EmbeddingLayer '{self.name}': Keras weight files of a TPU engine "
-          "are not supported (not run on a TPU). Fix: save with "
-          "tf.train.Checkpoint, whose keys equal TPUEmbedding's.")
-    state = {}
-    for table, variables in self.embedding.variables.items():
-      state[table] = variables["parameters"]
-      state.update({f"{table}.{slot}": variable
-                    for slot, variable in variables.items()
-                    if slot != "parameters"})
-    state[_STEP_KEY] = self.embedding.step
-    state[_SINK_KEY] = self.gradient_sink
-    return state
-
   def save_own_variables(self, store):
-    """Writes tables, slots, the table step and the sink (see ``_state``)."""
-    for key, variable in self._state().items():
-      store[key] = np.asarray(variable.numpy())
+    """Writes tables, slots, the table step and the sink (``layer_weights``)."""
+    layer_weights.save(self, store)
 
   def load_own_variables(self, store):
     """Restores what ``save_own_variables`` wrote, or changes nothing.
@@ -423,52 +363,7 @@ class EmbeddingLayer(keras.layers.Layer):
     Every table, slot and shape is checked before the first variable is
     written; a mismatch names the table.
     """
-    state = self._state()
-    stored = set(store.keys())
-    # Keys of the other tables, which may start with "<table>." too.
-    owner = {_STEP_KEY: None, _SINK_KEY: None}
-    for table, variables in self.embedding.variables.items():
-      owner.update({table if s == "parameters" else f"{table}.{s}": table
-                    for s in variables})
-    others = {t: {k for k, o in owner.items() if o != t}
-              for t in self.embedding.variables}
-    for table, variables in self.embedding.variables.items():
-      if table not in stored:
-        raise errors.ConfigError(
-            f"EmbeddingLayer '{self.name}': table '{table}' is not in the "
-            f"saved weights (they hold {sorted(stored)}). Fix: load weights "
-            "saved from a layer with the same spec, or rename the table back.")
-      slots = sorted(s for s in variables if s != "parameters")
-      saved = sorted(k[len(table) + 1:] for k in stored - others[table]
-                     if k.startswith(f"{table}."))
-      if saved != slots:
-        raise errors.ConfigError(
-            f"EmbeddingLayer '{self.name}': table '{table}' is saved with "
-            f"optimizer slots {saved}, its optimizer needs {slots}. Fix: load "
-            "with the table optimizer the weights were trained with.")
-    unknown = sorted(stored - set(state))
-    if unknown:
-      raise errors.ConfigError(
-          f"EmbeddingLayer '{self.name}': the saved weights hold {unknown}, "
-          "which this spec does not have. Fix: load into a layer with the same "
-          "spec.")
-    missing = sorted({_STEP_KEY, _SINK_KEY} - stored)
-    if missing:
-      raise errors.ConfigError(
-          f"EmbeddingLayer '{self.name}': the saved weights lack {missing}. "
-          "Fix: load weights saved by EmbeddingLayer.save_own_variables.")
-    values = {key: np.asarray(store[key]) for key in state}
-    for key, variable in state.items():
-      want, have = list(variable.shape), list(values[key].shape)
-      if have != want:
-        what = f"table '{owner[key]}'" if owner[key] else f"'{key}'"
-        where = f" (slot '{key}')" if owner[key] and key != owner[key] else ""
-        raise errors.ConfigError(
-            f"EmbeddingLayer '{self.name}': {what} is saved with shape "
-            f"{have}{where}, this layer has {want}. Fix: load into a spec with "
-            "the same vocabulary_size and dim.")
-    for key, variable in state.items():
-      variable.assign(values[key].astype(tf.as_dtype(variable.dtype).as_numpy_dtype))
+    layer_weights.load(self, store)
 
   def get_config(self):
     if self._spec is None:
@@ -498,23 +393,6 @@ class EmbeddingLayer(keras.layers.Layer):
     del config
 
 
-class _StepCalls:
-  """The training calls of one step, until all their gradients have arrived.
-
-  Kept per graph and replica: a ``tf.function`` trace of a training step
-  records its calls and its backward pass in the same graph, and each replica
-  of a strategy traces its own.
-  """
-
-  def __init__(self, graph):
-    self.graph = graph
-    self.calls = []       # [(features, weights)] in call order
-    self.gradients = {}   # call index -> gradients (scaled)
-    self.scale = None     # the scale probe's gradient
-    self.preserved = None  # TPUEmbeddingV2's preserved outputs
-    self.done = False
-
-
 def _engine_kind(embedding) -> str:
   """"cpu", "tpu_v1" or "tpu_v2": which mid-level API protocol to speak."""
   from tensorflow.python.tpu import tpu_embedding_v2, tpu_embedding_v3
@@ -542,79 +420,3 @@ def _output_shape(config, x) -> tuple:
   if composite and config.max_sequence_length > 0 and len(shape) == 2:
     return (shape[0], config.max_sequence_length, dim)
   return (shape if len(shape) == 1 else shape[:-1]) + (dim,)
-
-
-def _route_gradients(activations, sink, on_gradients):
-  """Identity on ``activations``, plus the scale probe (a zero loss term).
-
-  The backward pass hands ``dL/dactivations`` and the probe's gradient (the
-  loss's scale) to ``on_gradients``, which returns the sink's gradient.
-  """
-  flat = [tf.cast(a, tf.float32) for a in tf.nest.flatten(activations)]
-
-  @tf.custom_gradient
-  def route(sink_value, *flat_activations):
-    def grad(*upstream):
-      *gradients, scale = upstream
-      gradients = [tf.cast(g, tf.float32) for g in gradients]
-      sink_gradient = on_gradients(
-          tf.nest.pack_sequence_as(activations, gradients),
-          tf.cast(scale, tf.float32))
-      # No gradient flows into the tables' gather: the engine has applied it.
-      return ([tf.cast(sink_gradient, sink_value.dtype)]
-              + [None] * len(flat_activations))
-    outputs = [tf.identity(a) for a in flat_activations]
-    return outputs + [tf.zeros([], tf.float32)], grad
-
-  *outputs, probe = route(sink, *flat)
-  return tf.nest.pack_sequence_as(activations, outputs), probe
-
-
-def _concat_calls(feature_config, calls, name):
-  """One batch of every call's features and weights, concatenated per feature."""
-  configs = tf.nest.flatten(feature_config)
-  if any(c.output_shape for c in configs):
-    raise errors.InputError(
-        f"EmbeddingLayer '{name}' was called {len(calls)} times in one "
-        "training step with a feature that sets output_shape, whose batch "
-        "cannot be concatenated. Fix: call the layer once per step, with "
-        "every feature in one structure.")
-  flat_features = [tf.nest.flatten(f) for f, _ in calls]
-  flat_weights = [[None] * len(configs) if w is None else tf.nest.flatten(w)
-                  for _, w in calls]
-  features, weights = [], []
-  paths = [p for p, _ in nest.flatten_with_joined_string_paths(feature_config)]
-  for i, path in enumerate(paths):
-    xs = [f[i] for f in flat_features]
-    ws = [w[i] for w in flat_weights]
-    kinds = sorted({type(x).__name__ for x in xs})
-    if len(kinds) > 1:
-      raise errors.InputError(
-          f"EmbeddingLayer '{name}': feature '{path}' comes as "
-          f"{' and '.join(kinds)} in calls of one training step, which cannot "
-          "be concatenated into one table step. Fix: pass it as the same kind "
-          "of tensor in every call.")
-    features.append(_concat(xs))
-    if all(w is None for w in ws):
-      weights.append(None)
-    else:  # A call without weights weighs every id 1.
-      weights.append(_concat([_unit_weights(x) if w is None else w
-                              for x, w in zip(xs, ws)]))
-  any_weights = any(w is not None for w in weights)
-  return (tf.nest.pack_sequence_as(feature_config, features),
-          tf.nest.pack_sequence_as(feature_config, weights) if any_weights
-          else None)
-
-
-def _concat(xs):
-  if isinstance(xs[0], tf.SparseTensor):
-    return tf.sparse.concat(0, list(xs), expand_nonconcat_dims=True)
-  return tf.concat(list(xs), 0)
-
-
-def _unit_weights(x):
-  """Weight 1 for every id of a ragged or sparse ``x``.
-
-  (Dense ids take no weights: the engine rejects them in the forward pass.)
-  """
-  return x.with_values(tf.ones_like(x.values, tf.float32))

@@ -22,7 +22,7 @@ import dataclasses
 import inspect
 import math
 import numbers
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -31,7 +31,8 @@ from tpu_embed_ext import errors, optimizers
 
 __all__ = ["Schedule", "parse_schedules", "parse_learning_rate",
            "learning_rate_to_config", "RateBinder", "assign_tags",
-           "check_tag_rules", "describe", "value_at", "SCHEDULE_CLASSES"]
+           "check_tag_rules", "check_steps", "describe", "value_at",
+           "SCHEDULE_CLASSES"]
 
 _S = keras.optimizers.schedules
 SCHEDULE_CLASSES = {c.__name__: c for c in (
@@ -110,6 +111,7 @@ class Schedule:
       raise errors.ConfigError(
           f"{class_name} needs {', '.join(missing)}. Fix: add "
           f"{', '.join(f'{m}: ...' for m in missing)}.", path=missing[0])
+    _check_step_counts(class_name, args)
     schedule = cls(class_name, tuple(sorted((k, _freeze(v)) for k, v in args.items())),
                    name=name)
     try:
@@ -143,12 +145,47 @@ class Schedule:
       object.__setattr__(self, "_keras", cached)
     return cached
 
+  def samples(self) -> Tuple[Tuple[int, float], ...]:
+    """``((step, rate), ...)`` at ``check_steps``: computed once per object
+    (the range check and numeric_traps.py both read them)."""
+    cached = self.__dict__.get("_samples")
+    if cached is None:
+      keras_schedule = self._cached_keras()
+      cached = tuple((t, float(keras_schedule(t))) for t in check_steps(self))
+      object.__setattr__(self, "_samples", cached)
+    return cached
+
   def to_config(self) -> Dict[str, Any]:
     return {"class": self.class_name, **{k: _thaw(v) for k, v in self.config}}
 
   def __repr__(self):
     args = ", ".join(f"{k}={_thaw(v)!r}" for k, v in self.config)
     return f"{self.class_name}({args})"
+
+
+# Step counts of the Keras schedules: (argument, smallest value allowed).
+_STEP_COUNTS = (("decay_steps", 1), ("first_decay_steps", 1), ("warmup_steps", 0))
+_MAX_STEPS = 10 ** 12
+
+
+def _check_step_counts(class_name: str, args: Mapping[str, Any]) -> None:
+  """Step counts are whole numbers in range, before Keras sees them (a
+  negative warm-up makes CosineDecay divide by a negative count)."""
+  for name, low in _STEP_COUNTS:
+    if name not in args:
+      continue
+    value = args[name]
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+        or not abs(value) < math.inf or value != int(value)):
+      raise errors.ConfigTypeError(
+          f"{class_name} {name} must be a whole number of steps, got "
+          f"{value!r}. Fix: write e.g. {name}: 1000.", path=name)
+    if not low <= value <= _MAX_STEPS:
+      raise errors.ConfigError(
+          f"{class_name} {name} must be in [{low}, {_MAX_STEPS:.0e}] steps, got "
+          f"{name}={value!r}. Fix: use "
+          + ("0 for no warm-up, or a positive count such as 100."
+             if low == 0 else "a positive count such as 1000."), path=name)
 
 
 def _check_range(schedule: "Schedule", keras_schedule) -> None:
@@ -170,19 +207,27 @@ def _check_range(schedule: "Schedule", keras_schedule) -> None:
           f"boundaries={boundaries} (boundaries[{i}]={boundaries[i]} is not after "
           f"{boundaries[i - 1]}). Fix: sort them, and their values with them.",
           path="boundaries")
-  steps = set(_milestones(schedule)) | {10 ** k for k in range(10)}
-  period = config.get("decay_steps") or config.get("first_decay_steps")
-  if period:
-    steps |= {int(period) * k for k in range(1, 6)}
-  steps = sorted({max(0, t + d) for t in steps for d in (-1, 0, 1)})
-  for t in steps:
-    value = float(keras_schedule(t))
+  del keras_schedule  # The cached one of ``schedule`` computes the samples.
+  for t, value in schedule.samples():
     if not math.isfinite(value) or value < 0:
       raise errors.ConfigError(
           f"{schedule.class_name} gives the learning rate {value:g} at step {t}; "
           "a learning rate must be a finite number >= 0 at every step. Fix: "
           "change the values that lead there (targets, values, end rate, "
           "decay_rate, alpha, m_mul).")
+
+
+def check_steps(schedule: "Schedule") -> List[int]:
+  """The steps that bound a schedule's values: every milestone (warm-up end,
+  decay ends and their first five multiples, boundaries), one step either
+  side of each, and 10^k up to 10^9. The six Keras families are monotone or
+  piecewise monotone between these points, so their extremes lie there."""
+  config = dict(schedule.config)
+  steps = set(_milestones(schedule)) | {10 ** k for k in range(10)}
+  period = config.get("decay_steps") or config.get("first_decay_steps")
+  if period:
+    steps |= {int(period) * k for k in range(1, 6)}
+  return sorted({max(0, t + d) for t in steps for d in (-1, 0, 1)})
 
 
 def parse_schedules(config: Optional[Mapping[str, Any]]) -> Dict[str, Schedule]:
@@ -209,7 +254,12 @@ def parse_learning_rate(value, schedules: Mapping[str, Schedule]):
         f"learning_rate must be a number or a schedule, got {value!r}.",
         path="learning_rate")
   if isinstance(value, numbers.Real):
-    return float(value)
+    try:
+      return float(value)
+    except OverflowError:  # An integer beyond float64 (a 400-digit literal).
+      raise errors.ConfigError(
+          f"learning_rate {str(value)[:20]}... is beyond any float. Fix: write "
+          "a rate such as 0.01.", path="learning_rate") from None
   if isinstance(value, Schedule):
     return value
   if isinstance(value, str):

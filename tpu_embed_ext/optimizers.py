@@ -3,12 +3,14 @@
 Each spec is a frozen, keyword-only dataclass with the same field names as the
 ``tf.tpu.experimental.embedding`` optimizer of the same name, validated in
 ``__post_init__`` (TensorFlow's checks, with messages that name the right field
-and the right fix, plus the ones TensorFlow leaves to the TPU runtime).
+and the right fix, plus the ones TensorFlow leaves to the TPU runtime, and the
+numeric traps of numeric_traps.py: values that would write NaN or Inf).
 
 Specs are values: equal fields mean equal specs, they can be hashed, and
 nothing here ever mutates a TensorFlow object. ``to_tf`` builds a fresh TF
 optimizer from a spec through one declarative table (``_TF_MAPPING``); ``from_tf``
-reads one back, so the CPU engine accepts either.
+reads one back, so the CPU engine accepts either (both in tf_optimizers.py,
+re-exported here).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import sys
 from typing import Any, Callable, ClassVar, Mapping, Optional, Tuple, Union
 
 from tpu_embed_ext import errors
@@ -33,6 +36,15 @@ __all__ = [
 
 def _is_number(x) -> bool:
   return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _isfinite(x) -> bool:
+  # abs() first: math.isfinite raises OverflowError on an int beyond float64.
+  return abs(x) <= sys.float_info.max and math.isfinite(x)
+
+
+def _isnan(x) -> bool:
+  return isinstance(x, float) and math.isnan(x)
 
 
 def _fail(name: str, value, requirement: str, fix: str) -> errors.ConfigError:
@@ -90,6 +102,12 @@ class OptimizerSpec:
       raise _fail("weight_decay_factor", wd, "must be >= 0",
                   "use a small positive factor such as 1e-4, or None for no decay")
     self._check_clipvalue()
+    self._check_fields()
+    from tpu_embed_ext import numeric_traps  # pylint: disable=g-import-not-at-top
+    numeric_traps.check_optimizer(self)
+
+  def _check_fields(self):
+    """The checks of a subclass's own fields (TensorFlow's, with our messages)."""
 
   # --- validation helpers -------------------------------------------------
 
@@ -111,7 +129,7 @@ class OptimizerSpec:
           "clip_gradient_min / clip_gradient_max.", path="clip_gradient_min"
           if lo is not None else "clip_gradient_max")
     for name, value in (("clip_gradient_min", lo), ("clip_gradient_max", hi)):
-      if value is not None and (not _is_number(value) or math.isnan(value)):
+      if value is not None and (not _is_number(value) or _isnan(value)):
         raise errors.ConfigTypeError(
             f"{name} must be a number or None, got {type(value).__name__} "
             f"{value!r}. Fix: write a number such as 1.0.", path=name)
@@ -120,7 +138,7 @@ class OptimizerSpec:
   def _check_learning_rate(self):
     lr = self.learning_rate
     if _is_number(lr):
-      if not math.isfinite(lr) or lr < 0:
+      if not _isfinite(lr) or lr < 0:
         raise _fail("learning_rate", lr, "must be a finite number >= 0",
                     "use a positive rate such as 0.01, or a schedule")
     elif not callable(lr):
@@ -139,7 +157,7 @@ class OptimizerSpec:
 
   def _check_number(self, name: str) -> float:
     value = getattr(self, name)
-    if not _is_number(value) or not math.isfinite(value):
+    if not _is_number(value) or not _isfinite(value):
       raise errors.ConfigTypeError(
           f"{name} must be a finite number, got {type(value).__name__} "
           f"{value!r}. Fix: write a number.", path=name)
@@ -153,13 +171,15 @@ class OptimizerSpec:
     if c is None:
       return
     if _is_number(c):
-      if not c > 0 or not math.isfinite(c):
+      if not c > 0 or not _isfinite(c):
         raise _fail("clipvalue", c, "must be a positive number",
                     "use e.g. 1.0 to clip gradients to [-1, 1], or a (min, max) pair")
       # One canonical form, so specs built from TF objects compare equal.
       object.__setattr__(self, "clipvalue", (-float(c), float(c)))
     elif isinstance(c, (tuple, list)) and len(c) == 2 and all(
-        x is None or (_is_number(x) and not math.isnan(x)) for x in c):
+        x is None or (_is_number(x) and not _isnan(x)
+                      and (isinstance(x, float) or abs(x) <= sys.float_info.max))
+        for x in c):
       if c[0] is not None and c[1] is not None and c[0] > c[1]:
         raise _fail("clipvalue", tuple(c), "must be (min, max) with min <= max",
                     "swap the two bounds")
@@ -232,8 +252,7 @@ class Adagrad(OptimizerSpec):
   type_name: ClassVar[str] = "adagrad"
   slot_names: ClassVar[Tuple[str, ...]] = ("accumulators",)
 
-  def __post_init__(self, *v1_clip):
-    super().__post_init__(*v1_clip)
+  def _check_fields(self):
     self._check_positive("initial_accumulator_value",
                          "use a small positive value such as 0.1")
 
@@ -259,8 +278,7 @@ class AdagradMomentum(OptimizerSpec):
   type_name: ClassVar[str] = "adagrad_momentum"
   slot_names: ClassVar[Tuple[str, ...]] = ("accumulators", "momenta")
 
-  def __post_init__(self, *v1_clip):
-    super().__post_init__(*v1_clip)
+  def _check_fields(self):
     self._check_bool("use_nesterov")
     if self._check_number("momentum") < 0:
       raise _fail("momentum", self.momentum, "must be >= 0",
@@ -295,8 +313,7 @@ class Adam(OptimizerSpec):
   type_name: ClassVar[str] = "adam"
   slot_names: ClassVar[Tuple[str, ...]] = ("momenta", "velocities")
 
-  def __post_init__(self, *v1_clip):
-    super().__post_init__(*v1_clip)
+  def _check_fields(self):
     for name in ("lazy_adam", "sum_inside_sqrt", "bias_correction"):
       self._check_bool(name)
     self._check_unit_interval("beta_1", "use a value such as 0.9")
@@ -330,8 +347,7 @@ class FTRL(OptimizerSpec):
   type_name: ClassVar[str] = "ftrl"
   slot_names: ClassVar[Tuple[str, ...]] = ("accumulators", "linears")
 
-  def __post_init__(self, *v1_clip):
-    super().__post_init__(*v1_clip)
+  def _check_fields(self):
     for name in ("multiply_linear_by_learning_rate", "allow_zero_accumulator"):
       self._check_bool(name)
     if self._check_number("learning_rate_power") > 0:
@@ -395,112 +411,21 @@ def from_dict(config: Mapping[str, Any]) -> OptimizerSpec:
   return cls(**kwargs)
 
 
-# --- TensorFlow mapping -----------------------------------------------------
-
-def _tf_classes():
-  from tensorflow.python.tpu import tpu_embedding_v2_utils as tf_utils
-  return {SGD: tf_utils.SGD, Adagrad: tf_utils.Adagrad,
-          AdagradMomentum: tf_utils.AdagradMomentum, Adam: tf_utils.Adam,
-          FTRL: tf_utils.FTRL}
-
-# Fields of our specs that the TF optimizer does not take, and how their effect
-# reaches the TPU instead.
-_NOT_IN_TF = {"bias_correction": "folded into the dynamic learning rate"}
-
-
-def _packing_enum(enabled: bool) -> int:
-  # Upstream assigns the bool to an enum proto field, which protobuf rejects
-  # with TypeError for both values. The enum value it meant is written instead:
-  # True -> ENABLED; False -> UNSPECIFIED (the runtime default, what False
-  # meant when protobuf still accepted bools as ints).
-  from tensorflow.core.protobuf.tpu import optimization_parameters_pb2 as pb
-  status = pb.LowDimensionalPackingStatus.Status
-  return status.Value("ENABLED") if enabled else status.Value("UNSPECIFIED")
-
+# The TensorFlow side lives in tf_optimizers.py, which imports this module.
 
 def to_tf(spec: OptimizerSpec, learning_rate: Optional[LearningRate] = None):
-  """A fresh ``tf.tpu.experimental.embedding`` optimizer for ``spec``.
-
-  Args:
-    spec: the optimizer spec.
-    learning_rate: overrides ``spec.learning_rate``; pass the zero-arg callable
-      that learning_rates.py binds to a step when the spec holds a schedule.
-  """
-  kwargs = {}
-  for name in field_names(type(spec)):
-    if name in _NOT_IN_TF:
-      continue
-    kwargs[name] = getattr(spec, name)
-  if learning_rate is not None:
-    kwargs["learning_rate"] = learning_rate
-  if not (isinstance(kwargs["learning_rate"], numbers.Real)
-          or _is_zero_arg_callable(kwargs["learning_rate"])):
-    raise errors.ConfigTypeError(
-        f"a {spec.type_name} learning_rate given to TensorFlow must be a number "
-        f"or a zero-arg callable, got {kwargs['learning_rate']!r}. Fix: bind the "
-        "schedule to a step first (EmbeddingSpec.feature_config does this).",
-        path="learning_rate")
-  kwargs["low_dimensional_packing_status"] = _packing_enum(
-      spec.low_dimensional_packing_status)
-  return _tf_classes()[type(spec)](**kwargs)
-
-
-def _is_zero_arg_callable(fn) -> bool:
-  import inspect
-  if not callable(fn):
-    return False
-  try:
-    sig = inspect.signature(fn)
-  except (TypeError, ValueError):
-    return True  # Builtins without a signature: trust the caller.
-  return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-             for p in sig.parameters.values())
+  """A fresh ``tf.tpu.experimental.embedding`` optimizer (tf_optimizers.to_tf)."""
+  from tpu_embed_ext import tf_optimizers  # pylint: disable=g-import-not-at-top
+  return tf_optimizers.to_tf(spec, learning_rate)
 
 
 def from_tf(optimizer) -> OptimizerSpec:
-  """The spec equal to a ``tf.tpu.experimental.embedding`` optimizer object."""
-  by_tf = {tf_cls: ours for ours, tf_cls in _tf_classes().items()}
-  cls = next((ours for tf_cls, ours in by_tf.items()
-              if isinstance(optimizer, tf_cls)), None)
-  if cls is None:
-    raise TypeError(
-        f"unsupported optimizer {type(optimizer).__name__}: expected one of "
-        f"{', '.join(c.__name__ for c in by_tf)} from "
-        "tf.tpu.experimental.embedding, or a tpu_embed_ext optimizer spec.")
-  kwargs = {}
-  for name in field_names(cls):
-    if name in _NOT_IN_TF or name == "clipvalue":
-      continue
-    kwargs[name] = getattr(optimizer, name)
-  lo, hi = optimizer.clip_gradient_min, optimizer.clip_gradient_max
-  kwargs["clipvalue"] = None if lo is None and hi is None else (lo, hi)
-  kwargs["multiply_weight_decay_factor_by_learning_rate"] = bool(
-      kwargs["multiply_weight_decay_factor_by_learning_rate"])
-  packing = kwargs["low_dimensional_packing_status"]
-  kwargs["low_dimensional_packing_status"] = (
-      packing is True or (not isinstance(packing, bool)
-                          and packing == _packing_enum(True)))
-  for name in ("exponent", "beta2"):  # TF's int defaults (2, 1) -> floats.
-    if name in kwargs and _is_number(kwargs[name]):
-      kwargs[name] = float(kwargs[name])
-  return cls(**kwargs)
+  """The spec of a TF optimizer object (tf_optimizers.from_tf)."""
+  from tpu_embed_ext import tf_optimizers  # pylint: disable=g-import-not-at-top
+  return tf_optimizers.from_tf(optimizer)
 
 
 def as_spec(optimizer, where: str = "") -> OptimizerSpec:
-  """Accepts our spec or a TF optimizer object; returns a spec.
-
-  Anything else is a ``ConfigError`` (a ``ValueError``), the class
-  ``TPUEmbedding.__init__`` raises ("... is an unsupported optimizer
-  class", ``tpu_embedding_v2.py``); ``where`` names the table.
-  """
-  if isinstance(optimizer, OptimizerSpec):
-    return optimizer
-  if not any(isinstance(optimizer, c) for c in _tf_classes().values()):
-    prefix = f"{where}: " if where else ""
-    raise errors.ConfigError(
-        f"{prefix}{type(optimizer).__name__} is an unsupported optimizer "
-        "class. Fix: pass one of tf.tpu.experimental.embedding's SGD, "
-        "Adagrad, AdagradMomentum, Adam or FTRL, or a tpu_embed_ext optimizer "
-        "spec (a Keras optimizer converts with "
-        "tpu_embed_ext.from_keras_optimizer).")
-  return from_tf(optimizer)
+  """Our spec, or a TF optimizer object as a spec (tf_optimizers.as_spec)."""
+  from tpu_embed_ext import tf_optimizers  # pylint: disable=g-import-not-at-top
+  return tf_optimizers.as_spec(optimizer, where)

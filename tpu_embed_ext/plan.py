@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Dict, List, Optional
 
 import tensorflow as tf
 
-from tpu_embed_ext import learning_rates, optimizers, tf_config
+from tpu_embed_ext import learning_rates, numeric_traps, optimizers, tf_config
 from tpu_embed_ext.text_table import human_bytes as _human
 from tpu_embed_ext.text_table import lines as _table_lines
 
@@ -81,6 +82,18 @@ class Plan:
                  tuple(f.name for f in spec.features if f.table == t.name))
         for t in spec.tables]
     self.warnings: List[str] = self._sparsecore_warnings()
+    self.numeric_checks: Dict[str, List[str]] = {}
+    """``{check id: tables it was applied to}`` (numeric_traps.CHECKS)."""
+    self.numeric_warnings: List[str] = []
+    for t in self.tables:
+      for check in numeric_traps.checks_for(t.optimizer):
+        self.numeric_checks.setdefault(check, []).append(t.name)
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", numeric_traps.NumericTrapWarning)
+        numeric_traps.check_optimizer(t.optimizer)
+      self.numeric_warnings += [f"table '{t.name}': {w.message}" for w in caught
+                                if issubclass(w.category,
+                                              numeric_traps.NumericTrapWarning)]
     self._rates = {}
     for table in tf_config.table_order(self._config):
       tag = self.tags[table.name]
@@ -148,6 +161,14 @@ class Plan:
       out += ["", "dynamic learning rates:"]
       out += [f"  tag {tag}: {learning_rates.describe(rate)}"
               for tag, rate in sorted(self._rates.items())]
+    out += ["", "numeric checks passed (values that would write NaN or Inf; "
+            "docs/numeric-traps.md):"]
+    for check, tables in self.numeric_checks.items():
+      where = ("every table" if len(tables) == len(self.tables)
+               else ", ".join(tables))
+      out.append(f"  {check}: {numeric_traps.CHECKS[check][1]} ({where})")
+    if self.numeric_warnings:
+      out += ["", "numeric notes:"] + [f"  {w}" for w in self.numeric_warnings]
     if self.warnings:
       out += ["", "SparseCore (TPUEmbeddingV2) notes:"] + [f"  {w}" for w in self.warnings]
     return "\n".join(out)

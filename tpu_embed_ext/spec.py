@@ -20,31 +20,21 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
-import json
-import math
-import numbers
 import os
-import re
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from tpu_embed_ext import errors, optimizers
+from tpu_embed_ext import (config_files, derived_names, errors, numeric_traps,
+                           optimizers, spec_fields)
 
 __all__ = ["TableSpec", "FeatureSpec", "Override", "EmbeddingSpec"]
 
 COMBINERS = ("mean", "sum", "sqrtn")
-INITIALIZERS = {
-    "truncated_normal": {"mean": 0.0, "stddev": None},
-    "normal": {"mean": 0.0, "stddev": None},
-    "uniform": {"minval": -0.05, "maxval": 0.05},
-    "zeros": {},
-    "constant": {"value": 0.0},
-}
+INITIALIZERS = spec_fields.INITIALIZERS
 _TOP_LEVEL = ("optimizer", "schedules", "tables", "overrides", "features", "train")
 _TABLE_FIELDS = ("vocabulary_size", "dim", "combiner", "optimizer", "initializer",
                  "quantization")
 _FEATURE_FIELDS = ("table", "max_sequence_length", "output_shape")
 _OVERRIDE_FIELDS = ("match", "optimizer")
-_QUANTIZATION_FIELDS = ("num_buckets", "lower", "upper")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,38 +88,21 @@ class EmbeddingSpec:
   source: Optional[str] = dataclasses.field(default=None, compare=False)
   """The file the spec was read from, for error messages."""
 
+  def __post_init__(self):
+    # Every table's optimizer must resolve and validate (numeric traps
+    # included), and no two derived names (variables, checkpoint keys) clash:
+    # also for a spec built directly rather than by from_dict.
+    derived_names.check_table_names(
+        {t.name: self.optimizer_for(t.name).slot_names for t in self.tables})
+
   # --- parsing ---------------------------------------------------------------
 
   @classmethod
   def from_file(cls, path: str) -> "EmbeddingSpec":
-    """Reads a ``.yaml``/``.yml`` or ``.json`` file."""
+    """Reads a ``.yaml``/``.yml`` or ``.json`` file (config_files.py: bounded
+    in size, nesting and YAML alias expansion)."""
     path = os.fspath(path)
-    if not os.path.exists(path):
-      raise errors.ConfigError(
-          "config file not found. Fix: check the path (configs/ holds the "
-          "examples).", file=path)
-    if os.path.isdir(path):
-      raise errors.ConfigError(
-          "is a directory, not a config file. Fix: name a .yaml or .json file, "
-          "e.g. configs/ranking.yaml.", file=path)
-    try:
-      with open(path, encoding="utf-8") as f:
-        text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-      raise errors.ConfigError(
-          f"cannot read the config: {getattr(e, 'strerror', None) or e}. Fix: "
-          "name a readable UTF-8 .yaml or .json file.", file=path) from None
-    try:
-      if path.endswith(".json"):
-        data = json.loads(text, object_pairs_hook=_unique_json_keys)
-      else:
-        data = _load_yaml(text)
-    except errors.ConfigError as e:
-      raise e.at(file=path) from None
-    except json.JSONDecodeError as e:
-      raise errors.ConfigError(
-          f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}.",
-          file=path) from None
+    data = config_files.load(path)
     try:
       return cls.from_dict(data, source=path)
     except errors.ConfigError as e:
@@ -140,14 +113,14 @@ class EmbeddingSpec:
                 source: Optional[str] = None) -> "EmbeddingSpec":
     """Parses and validates the dict form; raises ConfigError with key paths."""
     from tpu_embed_ext import learning_rates
-    _require_mapping(config, "", "the config")
-    _check_keys(config, _TOP_LEVEL, "", "top-level key")
+    spec_fields.require_mapping(config, "", "the config")
+    spec_fields.check_keys(config, _TOP_LEVEL, "", "top-level key")
     schedules = learning_rates.parse_schedules(config.get("schedules"))
 
     def parse_optimizer(value, path, need_type=False):
       if value is None:
         return None
-      _require_mapping(value, path, "an optimizer")
+      spec_fields.require_mapping(value, path, "an optimizer")
       value = copy.deepcopy(dict(value))
       if need_type and "type" not in value:
         raise errors.ConfigError(
@@ -169,13 +142,15 @@ class EmbeddingSpec:
     global_optimizer = parse_optimizer(config.get("optimizer"), "optimizer",
                                        need_type=True)
     tables = []
-    for name, raw, path in _entries(config, "tables", "table", _TABLE_FIELDS):
+    for name, raw, path in spec_fields.entries(config, "tables", "table", _TABLE_FIELDS):
       for key in ("vocabulary_size", "dim"):
         if key not in raw:
           raise errors.ConfigError(
               f"table '{name}' has no {key}. Fix: add `{key}:` (a positive "
               "integer).", path=f"{path}.{key}")
-        _positive_int(raw[key], f"{path}.{key}", key)
+      spec_fields.size(raw["vocabulary_size"], f"{path}.vocabulary_size",
+                       "vocabulary_size", spec_fields.MAX_VOCABULARY_SIZE)
+      spec_fields.size(raw["dim"], f"{path}.dim", "dim", spec_fields.MAX_DIM)
       combiner = raw.get("combiner", "mean")
       if combiner not in COMBINERS:
         raise errors.unknown_name("combiner", combiner, COMBINERS,
@@ -184,9 +159,9 @@ class EmbeddingSpec:
           name=str(name), vocabulary_size=raw["vocabulary_size"], dim=raw["dim"],
           combiner=combiner,
           optimizer=parse_optimizer(raw.get("optimizer"), f"{path}.optimizer"),
-          initializer=_parse_initializer(raw.get("initializer"),
+          initializer=spec_fields.parse_initializer(raw.get("initializer"),
                                          f"{path}.initializer"),
-          quantization=_parse_quantization(raw.get("quantization"),
+          quantization=spec_fields.parse_quantization(raw.get("quantization"),
                                            f"{path}.quantization")))
 
     overrides = []
@@ -199,7 +174,7 @@ class EmbeddingSpec:
     names = [t.name for t in tables]
     for i, raw in enumerate(raw_overrides):
       path = f"overrides[{i}]"
-      _require_fields(raw, _OVERRIDE_FIELDS, path, "override")
+      spec_fields.require_fields(raw, _OVERRIDE_FIELDS, path, "override")
       pattern = raw["match"]
       if not isinstance(pattern, str):
         raise errors.ConfigTypeError(
@@ -214,7 +189,7 @@ class EmbeddingSpec:
           raw["optimizer"], f"{path}.optimizer")))
 
     features = []
-    for name, raw, path in _entries(config, "features", "feature", _FEATURE_FIELDS):
+    for name, raw, path in spec_fields.entries(config, "features", "feature", _FEATURE_FIELDS):
       table = raw.get("table")
       if table not in names:
         raise errors.ConfigError(
@@ -223,7 +198,7 @@ class EmbeddingSpec:
             path=f"{path}.table")
       length = raw.get("max_sequence_length", 0)
       if length != 0:
-        _positive_int(length, f"{path}.max_sequence_length", "max_sequence_length")
+        spec_fields.positive_int(length, f"{path}.max_sequence_length", "max_sequence_length")
       shape = raw.get("output_shape")
       if shape is not None:
         if not isinstance(shape, (list, tuple)) or not shape:
@@ -231,7 +206,7 @@ class EmbeddingSpec:
               f"output_shape must be a list of positive integers, got {shape!r}.",
               path=f"{path}.output_shape")
         for d in shape:
-          _positive_int(d, f"{path}.output_shape", "output_shape entries")
+          spec_fields.positive_int(d, f"{path}.output_shape", "output_shape entries")
         shape = tuple(shape)
       features.append(FeatureSpec(name=str(name), table=table,
                                   max_sequence_length=length, output_shape=shape))
@@ -244,13 +219,11 @@ class EmbeddingSpec:
             f"{t.name}`, or remove the table.", path=f"tables.{t.name}")
     train = config.get("train")
     if train is not None:
-      _require_mapping(train, "train", "the train section")
+      spec_fields.require_mapping(train, "train", "the train section")
       train = copy.deepcopy(dict(train))
     spec = cls(optimizer=global_optimizer, tables=tuple(tables),
                features=tuple(features), overrides=tuple(overrides),
                schedules=schedules, train=train, source=source)
-    for t in tables:  # Every table's optimizer must resolve and validate.
-      spec.optimizer_for(t.name)
     return spec
 
   # --- resolution --------------------------------------------------------------
@@ -296,7 +269,12 @@ class EmbeddingSpec:
       return optimizers.from_dict(merged)
     except errors.ConfigError as e:
       field = e.path.split(".")[0]
-      raise e.at(origin.get(field, f"tables.{table_name}.optimizer")) from None
+      located = e.at(origin.get(field, f"tables.{table_name}.optimizer"))
+      if isinstance(e, numeric_traps.NumericTrapError):
+        # Overrides and the global optimizer apply to several tables: name it.
+        located = type(e)(f"table '{table_name}': {e.message}",
+                          path=located.path, file=located.file)
+      raise located from None
 
   def feature_config(self, step=None) -> Dict[str, Any]:
     """Fresh ``{feature: tf.tpu.experimental.embedding.FeatureConfig}``."""
@@ -352,150 +330,3 @@ class EmbeddingSpec:
   def to_yaml(self) -> str:
     import yaml
     return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
-# --- helpers -------------------------------------------------------------------
-
-def _require_mapping(value, path, what):
-  if not isinstance(value, Mapping):
-    raise errors.ConfigTypeError(
-        f"{what} must be a mapping, got {type(value).__name__} {value!r}. Fix: "
-        "write `key: value` entries.", path=path)
-
-
-def _entries(config, section, kind, fields):
-  """(name, entry, key path) of a non-empty ``section`` of named mappings."""
-  entries = config.get(section)
-  _require_mapping(entries, section, f"the {section}")
-  if not entries:
-    raise errors.ConfigError(
-        f"no {section}. Fix: add at least one {kind} under `{section}:`.",
-        path=section)
-  for name, raw in entries.items():
-    path = f"{section}.{name}"
-    _require_mapping(raw, path, f"a {kind}")
-    _check_keys(raw, fields, path, f"{kind} field")
-    yield name, raw, path
-
-
-def _require_fields(value, fields, path, kind):
-  """A mapping with exactly ``fields``: no unknown key, none missing."""
-  _require_mapping(value, path, f"an {kind}" if kind[0] in "aeiou" else f"a {kind}")
-  _check_keys(value, fields, path, f"{kind} field")
-  for key in fields:
-    if key not in value:
-      raise errors.ConfigError(f"{kind} has no `{key}`. Fix: add it.",
-                               path=f"{path}.{key}")
-
-
-def _check_keys(mapping, allowed, path, kind):
-  for key in mapping:
-    if key not in allowed:
-      raise errors.ConfigError(
-          f'unknown {kind} "{key}".{errors.did_you_mean(key, allowed)} Valid: '
-          f"{errors.one_of(allowed)}.", path=f"{path}.{key}" if path else str(key))
-
-
-def _positive_int(value, path, name):
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise errors.ConfigTypeError(
-        f"{name} must be a positive integer, got {type(value).__name__} "
-        f"{value!r}. Fix: write a whole number such as 1000.", path=path)
-  if value <= 0:
-    raise errors.ConfigError(
-        f"{name} must be a positive integer, got {value}. Fix: use 1 or more.",
-        path=path)
-
-
-def _number(value, path, name):
-  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-    raise errors.ConfigTypeError(
-        f"{name} must be a finite number, got {value!r}.", path=path)
-  return value
-
-
-def _parse_initializer(value, path):
-  if value is None:
-    return None
-  _require_mapping(value, path, "an initializer")
-  kind = value.get("type")
-  errors.require_name(kind, f"{path}.type", "an initializer type")
-  if kind not in INITIALIZERS:
-    raise errors.unknown_name("initializer type", kind, INITIALIZERS,
-                              path=f"{path}.type")
-  _check_keys(value, ("type", *INITIALIZERS[kind]), path, f"{kind} field")
-  for key in value:
-    if key != "type":
-      _number(value[key], f"{path}.{key}", key)
-  if "stddev" in value and value["stddev"] <= 0:
-    raise errors.ConfigError(f"stddev must be > 0, got {value['stddev']}.",
-                             path=f"{path}.stddev")
-  if kind == "uniform" and value.get("minval", -0.05) >= value.get("maxval", 0.05):
-    raise errors.ConfigError("uniform initializer needs minval < maxval. Fix: "
-                             "swap them.", path=f"{path}.minval")
-  return copy.deepcopy(dict(value))
-
-
-def _parse_quantization(value, path):
-  if value is None:
-    return None
-  _require_fields(value, _QUANTIZATION_FIELDS, path, "quantization")
-  buckets = value["num_buckets"]
-  if isinstance(buckets, bool) or not isinstance(buckets, numbers.Integral) or buckets < 2:
-    raise errors.ConfigError(
-        f"num_buckets must be an integer >= 2, got {buckets!r}.",
-        path=f"{path}.num_buckets")
-  lower = _number(value["lower"], f"{path}.lower", "lower")
-  upper = _number(value["upper"], f"{path}.upper", "upper")
-  if lower >= upper:
-    raise errors.ConfigError(
-        f"quantization needs lower < upper, got lower={lower}, upper={upper}.",
-        path=f"{path}.lower")
-  return copy.deepcopy(dict(value))
-
-
-def _unique_json_keys(pairs):
-  out = {}
-  for key, value in pairs:
-    if key in out:
-      raise errors.ConfigError(f'duplicate key "{key}". Fix: keep one.', path=key)
-    out[key] = value
-  return out
-
-
-def _load_yaml(text: str):
-  import yaml
-
-  class UniqueKeyLoader(yaml.SafeLoader):
-    pass
-
-  # YAML 1.2 (core schema) numbers: PyYAML resolves YAML 1.1, where a float
-  # needs a dot, so `learning_rate: 1e-3` would be the string "1e-3".
-  UniqueKeyLoader.add_implicit_resolver(
-      "tag:yaml.org,2002:float",
-      re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)$"),
-      list("-+.0123456789"))
-
-  def construct_mapping(loader, node, deep=False):
-    seen = set()
-    for key_node, _ in node.value:
-      if key_node.tag == "tag:yaml.org,2002:merge":
-        continue  # `<<: *base`: merged keys may be overridden, not duplicates.
-      key = loader.construct_object(key_node, deep=deep)
-      if key in seen:
-        raise errors.ConfigError(
-            f'duplicate key "{key}" at line {key_node.start_mark.line + 1}. '
-            "Fix: keep one (YAML would silently use the last).", path=str(key))
-      seen.add(key)
-    return loader.construct_mapping(node, deep)
-
-  UniqueKeyLoader.add_constructor(
-      yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
-  try:
-    return yaml.load(text, Loader=UniqueKeyLoader)
-  except yaml.YAMLError as e:
-    mark = getattr(e, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-    raise errors.ConfigError(
-        f"invalid YAML{where}: {getattr(e, 'problem', e)}. Fix: check the "
-        "indentation and quoting there.") from None

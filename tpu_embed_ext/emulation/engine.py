@@ -8,28 +8,27 @@ checkpoint keys. The work is done by the modules beside it:
   per-occurrence gradients;
 * ``shapes``: ``TPUEmbedding``'s activation shapes, fixed and checked;
 * ``updates``: one table's step (per-id sums, update rules, writes);
-* ``validation``: ids, gradients and structures, eagerly, in graphs and
-  under XLA;
-* ``replicas``: several replicas and workers under ``tf.distribute``.
-
-Checkpoints: variables are named and tracked exactly as ``TPUEmbedding`` and
-``TPUEmbeddingForServing`` do (``<table>`` and ``<table>/<slot>`` on the
-embedding object), so a checkpoint written by one restores into the other.
-Unlike upstream, the user's ``TableConfig`` objects are never modified (no
-optimizer or name is written into them).
+* ``validation``: ids, weights, gradients and structures, eagerly, in
+  graphs and under XLA;
+* ``replicas``: several replicas and workers under ``tf.distribute``;
+* ``protocol``: the pending batch of every replica between ``enqueue``,
+  ``dequeue`` and ``apply_gradients``;
+* ``tables``: optimizers resolved per table, variables and checkpoint keys
+  (those of ``TPUEmbedding``);
+* ``sparsecore_limits``: ``engine="v2"`` on a topology (SparseCore's input
+  limits and stacked checkpoints, ``tpu_embed_ext/sparsecore/``).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 from tensorflow.python.trackable import autotrackable
-from tensorflow.python.util import nest
 
-from tpu_embed_ext import errors, optimizers
-from tpu_embed_ext.emulation import (lookups, native, replicas, shapes,
+from tpu_embed_ext import errors
+from tpu_embed_ext.emulation import (lookups, native, protocol, replicas, shapes,
+                                      sparsecore_limits, tables as tables_lib,
                                       updates, validation)
 
 __all__ = ["CPUEmbedding"]
@@ -42,28 +41,6 @@ _ENGINES = ("v1", "v2")
 _library_code = tf.autograph.experimental.do_not_convert
 
 
-class _Table(NamedTuple):
-  config: Any        # the user's TableConfig (never modified)
-  name: str
-  optimizer: Any     # resolved optimizer spec
-  tf_optimizer: Any  # the TF optimizer object, if one was given (slot creation)
-
-
-class _Feature(NamedTuple):
-  path: str
-  config: Any        # the user's FeatureConfig
-  table: int         # index into CPUEmbedding._tables
-  where: str         # "feature 'path' (table 'name')", for errors
-
-
-class _Pending(NamedTuple):
-  """One replica's enqueued batch."""
-  features: Any
-  occurrences: List[lookups.Occurrences]
-  verdict: Optional[validation.Verdict]  # the id check (None when eager)
-  training: bool
-
-
 class CPUEmbedding(autotrackable.AutoTrackable):
   """A drop-in for ``tf.tpu.experimental.embedding.TPUEmbedding`` off-TPU.
 
@@ -72,7 +49,10 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       ``TPUEmbedding`` takes it, or an ``EmbeddingSpec`` (its schedules then
       bind to this engine's ``step``).
     optimizer: the optimizer of tables that have none: a
-      ``tf.tpu.experimental.embedding`` optimizer or one of our specs.
+      ``tf.tpu.experimental.embedding`` optimizer or one of our specs. None
+      (and no ``TableConfig.optimizer``): those tables are for lookups only,
+      without slots, as with ``TPUEmbeddingForServing``; training calls
+      raise (``TPUEmbedding`` under a ``TPUStrategy`` refuses None).
     pipeline_execution_with_tensor_core: accepted for signature parity; it
       only changes scheduling on a TPU, not results.
     engine: ``"v1"`` emulates ``TPUEmbedding`` (TPU v2-v4); ``"v2"`` emulates
@@ -95,9 +75,15 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       can force either), ``"native"`` or ``"tf"``. Both paths give the same
       results; XLA always uses TensorFlow ops (docs/native_kernels.md).
 
+  Protocol: one pending batch per replica (``protocol.py``): a second
+  ``enqueue`` before ``dequeue``, and a second ``dequeue`` of one batch, are
+  errors; a rejected ``apply_gradients`` leaves its batch pending.
+
   Replicas: under ``MirroredStrategy`` (or ``MultiWorkerMirroredStrategy``)
   the protocol is ``TPUEmbedding``'s: ``enqueue`` takes distributed values
-  outside ``strategy.run`` or each replica's values inside it; ``dequeue``
+  outside ``strategy.run``, each replica's values inside it, or one device's
+  values with ``device=`` (a ``strategy.extended.worker_devices`` entry, as
+  ``TPUEmbedding``'s per-device feeding); ``dequeue``
   and ``apply_gradients`` run inside ``strategy.run``. The per-id gradients
   of all replicas are summed (never divided by the number of replicas) and
   every touched id is updated once per step, on one copy of each table.
@@ -134,54 +120,15 @@ class CPUEmbedding(autotrackable.AutoTrackable):
                                       trainable=False, name="failure"))
     if hasattr(feature_config, "feature_config"):  # An EmbeddingSpec.
       feature_config = feature_config.feature_config(step=self.step)
-    tables: List[_Table] = []
-    features: List[_Feature] = []
+    tables, features = tables_lib.resolve_all(feature_config, optimizer, engine)
     _untracked(self, _feature_config=feature_config, _tables=tables,
-               _features=features, _variables=None, _pending={})
-    index = {}
-    for path, feature in nest.flatten_with_joined_string_paths(feature_config):
-      if id(feature.table) not in index:
-        index[id(feature.table)] = len(tables)
-        tables.append(self._resolve_table(feature.table, optimizer, len(tables)))
-      table = index[id(feature.table)]
-      features.append(_Feature(path, feature, table,
-                               f"feature '{path}' (table '{tables[table].name}')"))
-    if engine == "v2":
-      for feature in features:
-        if not tf.TensorShape(feature.config.output_shape).is_fully_defined():
-          # tpu_embedding_v3.py _stack_tables_with_same_table_dim_and_optimizer
-          # counts each feature's samples as prod(output_shape) at creation.
-          raise errors.ConfigError(
-              f"{feature.where}: TPUEmbeddingV2 (SparseCore) needs a fully "
-              "defined FeatureConfig.output_shape, got "
-              f"{validation.listed(tf.TensorShape(feature.config.output_shape))}. "
-              "Fix: set output_shape (e.g. [per_replica_batch]), or emulate "
-              'TPUEmbedding with engine="v1".')
-    _untracked(self, _shapes=shapes.OutputShapes(features))
-    names = [t.name for t in tables]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-      raise ValueError(f"Tables must have unique names; found {duplicates} "
-                       "more than once. Fix: name each TableConfig uniquely.")
-    _untracked(self, _sparsecore=None)
-    if topology is not None:
-      self._init_sparsecore(optimizer, topology, sparse_core_config)
-
-  def _resolve_table(self, table, global_optimizer, i) -> _Table:
-    name = table.name if table.name is not None else f"table_{i}"
-    tf_optimizer = table.optimizer or global_optimizer
-    if tf_optimizer is None:
-      raise ValueError(
-          f"table '{name}' has no optimizer. Fix: set TableConfig.optimizer "
-          "or pass optimizer= to CPUEmbedding.")
-    spec = optimizers.as_spec(tf_optimizer, where=f"table '{name}'")
-    if self._engine == "v2" and spec.weight_decay_factor:
-      raise errors.ConfigError(
-          f"table '{name}': weight_decay_factor={spec.weight_decay_factor!r} "
-          "is rejected by TPUEmbeddingV2 (SparseCore). Fix: remove weight "
-          'decay, or emulate TPUEmbedding with engine="v1".')
-    is_tf = not isinstance(tf_optimizer, optimizers.OptimizerSpec)
-    return _Table(table, name, spec, tf_optimizer if is_tf else None)
+               _features=features, _variables=None,
+               _batches=protocol.Batches(),
+               _shapes=shapes.OutputShapes(features))
+    _untracked(self, _sparsecore=None if topology is None else
+               sparsecore_limits.state(self._tables, self._features, engine,
+                                       feature_config, optimizer, topology,
+                                       sparse_core_config))
 
   # --- variables -----------------------------------------------------------
 
@@ -201,7 +148,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     self._shapes.build(per_replica_input_shapes, per_replica_batch_size)
     with tf.init_scope(), self._replicas.single_copy_variables():
       _untracked(self, _variables={
-          t.name: self._create_variables(t) for t in self._tables})
+          t.name: tables_lib.create_variables(self, t, self._sparsecore is not None)
+          for t in self._tables})
       if self._sparsecore is not None:
         self._sparsecore.track(self, self._variables)
 
@@ -228,19 +176,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     """The name a table's variables and checkpoint keys use (``table_<i>``
     for an unnamed ``TableConfig``, ``i`` its order of first use, as
     ``TPUEmbedding`` names it)."""
-    if isinstance(table, str):
-      names = [t.name for t in self._tables]
-      if table not in names:
-        raise errors.InputError(
-            f"no table named '{table}'. Fix: use one of {names}.")
-      return table
-    for t in self._tables:
-      if t.config is table:
-        return t.name
-    raise errors.InputTypeError(
-        f"{table!r} is not a TableConfig of this engine's feature config. Fix: "
-        "pass the TableConfig object the FeatureConfigs were built with, or "
-        "a table name.")
+    return tables_lib.name_of(self._tables, table)
 
   @property
   def embedding_tables(self) -> Dict[Any, tf.Variable]:
@@ -263,28 +199,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     """
     if self._sparsecore is not None:
       return self._sparsecore.check_checkpoint(path, prefix)
-    stored = dict(tf.train.list_variables(path))
-    for table in self._tables:
-      key = lambda slot: (f"{prefix}/{table.name}" + (f".S{slot}" if slot else "")
-                          + "/.ATTRIBUTES/VARIABLE_VALUE")
-      want = [table.config.vocabulary_size, table.config.dim]
-      if key(None) not in stored:
-        raise errors.ConfigError(
-            f"table '{table.name}' is not in checkpoint {path}. Fix: restore a "
-            "checkpoint of the same spec, or rename the table back.")
-      if list(stored[key(None)]) != want:
-        raise errors.ConfigError(
-            f"table '{table.name}': checkpoint {path} holds shape "
-            f"{list(stored[key(None)])}, this spec has {want}. Fix: restore into a "
-            "spec with the same vocabulary_size and dim.")
-      have = sorted(k.split(".S", 1)[1].split("/", 1)[0] for k in stored
-                    if k.startswith(f"{prefix}/{table.name}.S"))
-      if sorted(table.optimizer.slot_names) != have:
-        raise errors.ConfigError(
-            f"table '{table.name}': checkpoint {path} holds optimizer slots {have}, "
-            f"its {table.optimizer.type_name} optimizer needs "
-            f"{sorted(table.optimizer.slot_names)}. Fix: restore with the optimizer "
-            "the checkpoint was trained with.")
+    tables_lib.check_checkpoint(self._tables, path, prefix)
 
   @property
   def engine(self) -> str:
@@ -312,14 +227,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     if not kind:
       return
     self._failure.assign([0, 0, 0])
-    if kind == validation.IDS_OUT_OF_RANGE:
-      feature = self._features[index]
-      message = validation.ids_message(
-          feature.where, self._tables[feature.table].config.vocabulary_size, value)
-    else:
-      table = self._tables[index]
-      variable = ("parameters", *table.optimizer.slot_names)[value]
-      message = validation.finite_message(kind, table.name, variable)
+    message = validation.failure_message(kind, index, value, self._features,
+                                         self._tables)
     raise errors.InputError(
         f"a step compiled with XLA was rejected and changed nothing: {message}")
 
@@ -339,57 +248,51 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     """Records a batch for ``dequeue`` (and, if training, ``apply_gradients``).
 
     Outside ``strategy.run`` under a strategy with several replicas, features
-    are distributed values (``experimental_distribute_dataset``); inside it,
-    each replica enqueues its own.
+    are distributed values (``experimental_distribute_dataset``), or one
+    replica's values with ``device`` naming its device
+    (``strategy.extended.worker_devices[i]``); inside it, each replica
+    enqueues its own.
     """
-    del name, device
+    del name
     self.build()
     self.raise_if_failed()
-    reps = self._replicas
-    parts = reps.split(features)
-    if reps.in_replica_fn() or (len(parts) == 1 and reps.num_local == 1):
-      self._pending[reps.local_replica()] = self._prepare(
-          parts[0], weights, training)
-      return
-    if len(parts) != reps.num_local:
-      raise errors.InputError(
-          f"enqueue() outside strategy.run got {len(parts)} batch(es) for "
-          f"{reps.num_local} replicas. Fix: pass distributed values "
-          "(strategy.experimental_distribute_dataset(...)), or call enqueue "
-          "inside strategy.run with each replica's batch.")
-    weight_parts = (reps.split(weights) if weights is not None
-                    else [None] * len(parts))
-    if len(weight_parts) == 1:
-      weight_parts = weight_parts * len(parts)
-    for replica, (part, weight) in enumerate(zip(parts, weight_parts)):
-      self._pending[replica] = self._prepare(part, weight, training)
+    if training:
+      tables_lib.check_trainable(self._tables, "enqueue(training=True)")
+    self._put(protocol.route(self._replicas, features, weights, device),
+              training)
+
+  def _put(self, batches: Dict[int, Any], training: bool):
+    """Checks every replica's batch, then records them (all or none)."""
+    self._batches.check_free(list(batches), self._replicas.num_local)
+    prepared = {replica: self._prepare(features, weights, training)
+                for replica, (features, weights) in batches.items()}
+    for replica, pending in prepared.items():
+      self._batches.put(replica, pending, self._replicas.num_local)
 
   @_library_code
   def dequeue(self, name: Optional[str] = None):
-    """This replica's activations of the last enqueued batch."""
+    """This replica's activations of the last enqueued batch (once per batch)."""
     del name
-    return self._activations(self._pending_batch("dequeue()"))
+    replica = self._local_replica("dequeue()")
+    activations = self._activations(self._batches.get(replica, "dequeue()"))
+    self._batches.deliver(replica)
+    return activations
 
-  def _pending_batch(self, what) -> _Pending:
+  def _local_replica(self, what) -> int:
     reps = self._replicas
     if not reps.in_replica_fn() and reps.num_local > 1:
       raise errors.InputError(
           f"{what} was called outside strategy.run under "
           f"{type(reps.strategy).__name__} with {reps.num_local} replicas. "
           "Fix: call it inside strategy.run, as TPUEmbedding requires.")
-    pending = self._pending.get(reps.local_replica())
-    if pending is None:
-      raise errors.InputError(
-          f"{what} called before enqueue(). Fix: call enqueue(features) "
-          "first, once per step.")
-    return pending
+    return reps.local_replica()
 
   @property
   def _output_shapes(self) -> List[tf.TensorShape]:
     """Every feature's activation shape as fixed so far (``shapes.py``)."""
     return self._shapes.stored
 
-  def _prepare(self, features, weights, training, strict=True) -> _Pending:
+  def _prepare(self, features, weights, training, strict=True) -> protocol.Pending:
     """Checks a batch as ``TPUEmbedding.enqueue`` does; its occurrences.
 
     Structures first, then input shapes. ``strict`` (``enqueue``, the TPU
@@ -426,14 +329,19 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       self._shapes.record(batch_shapes)
     verdict = None
     if self._validate:
-      verdict = validation.check_ids(
-          [f.where for f in self._features], [o.ids for o in occurrences],
-          [self._tables[f.table].config.vocabulary_size for f in self._features])
+      wheres = [f.where for f in self._features]
+      verdict = validation.combine([
+          validation.check_weights(wheres, [o.weights_ok for o in occurrences]),
+          validation.check_ids(
+              wheres, [o.ids for o in occurrences],
+              [self._tables[f.table].config.vocabulary_size
+               for f in self._features])])
     if self._sparsecore is not None:
-      occurrences = self._sparsecore_limits(occurrences, verdict)
-    return _Pending(features, occurrences, verdict, training)
+      occurrences = sparsecore_limits.keep(self._sparsecore, self._replicas,
+                                           occurrences, verdict)
+    return protocol.Pending(features, occurrences, verdict, training)
 
-  def _activations(self, pending: _Pending):
+  def _activations(self, pending: protocol.Pending):
     verdict = pending.verdict
     gate = verdict.assertion if verdict is not None else None
     outputs = []
@@ -460,16 +368,27 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     together or not at all: all inputs are checked before the first write.
     """
     del name
-    pending = self._pending_batch("apply_gradients()")
-    if not pending.training:
-      raise errors.InputError(
-          "apply_gradients() needs a batch enqueued with training=True. Fix: "
-          "call enqueue(features, training=True) and dequeue() first.")
-    del self._pending[self._replicas.local_replica()]
+    tables_lib.check_trainable(self._tables, "apply_gradients()")
+    # Upstream's order: the structure, then each gradient
+    # (tpu_embedding_v2.py apply_gradients), then our pending batch.
     validation.check_structure(
         self._feature_config, "gradients", gradients,
         "pass one gradient per feature, shaped like its activation (None "
         "means a zero gradient).")
+    for feature, grad, shape in zip(self._features, tf.nest.flatten(gradients),
+                                    self._shapes.stored):
+      validation.check_gradient_type(feature.where, grad)
+      if grad is not None and shape.rank and shape.is_fully_defined():
+        validation.check_gradient(
+            feature.where, grad,
+            shape.as_list() + [self._tables[feature.table].config.dim])
+    replica = self._local_replica("apply_gradients()")
+    pending = self._batches.get(replica, "apply_gradients()")
+    if not pending.training:
+      raise errors.InputError(
+          "apply_gradients() needs a batch enqueued with training=True. Fix: "
+          "call enqueue(features, training=True) and dequeue() first.")
+    self._batches.deliver(replica)
     per_table = [[] for _ in self._tables]
     segments = []  # the native update's inputs, one per feature
     for feature, occ, grad in zip(self._features, pending.occurrences,
@@ -483,14 +402,16 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       per_table[feature.table].append(
           lookups.occurrence_gradients(occ, grad, dim))
     if self._native_step():
-      self._replicas.merge(self._apply_all_replicas, {
-          "status": _status(pending.verdict), "segments": segments})
-      return
-    payload = {
-        "status": _status(pending.verdict),
-        "ids": [tf.concat([ids for ids, _ in parts], 0) for parts in per_table],
-        "grads": [tf.concat([g for _, g in parts], 0) for parts in per_table]}
+      payload = {"status": validation.status(pending.verdict),
+                 "segments": segments}
+    else:
+      payload = {
+          "status": validation.status(pending.verdict),
+          "ids": [tf.concat([ids for ids, _ in parts], 0) for parts in per_table],
+          "grads": [tf.concat([g for _, g in parts], 0) for parts in per_table]}
     self._replicas.merge(self._apply_all_replicas, payload)
+    # Accepted (a rejected step raised above): the batch is used up.
+    self._batches.consume(replica)
 
   def _apply_all_replicas(self, payloads):
     """The step, once, from the payloads of every replica."""
@@ -551,76 +472,6 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     with tf.control_dependencies([status] + [v.assertion for v in verdicts]):
       write()
 
-  # --- SparseCore (TPUEmbeddingV2) layout and limits: tpu_embed_ext/sparsecore/ ---
-
-  def _init_sparsecore(self, optimizer, topology, sparse_core_config):
-    if self._engine != "v2":
-      raise errors.ConfigError(
-          f'topology={topology!r} needs engine="v2": only TPUEmbeddingV2 '
-          '(SparseCore) stacks tables. Fix: pass engine="v2", or drop topology.')
-    sequence = [f.path for f in self._features if f.config.max_sequence_length > 0]
-    if sequence:
-      raise errors.ConfigError(
-          f"SparseCore input limits are not emulated for sequence features "
-          f"({', '.join(sequence)}). Fix: drop topology= and convert checkpoints "
-          "with python -m tpu_embed_ext convert-checkpoint.")
-    from tpu_embed_ext.sparsecore import state  # pylint: disable=g-import-not-at-top
-    _untracked(self, _sparsecore=state.SparseCoreState(
-        self._feature_config, optimizer, topology, sparse_core_config))
-
-  def _sparsecore_limits(self, occurrences, verdict):
-    """Each feature's occurrences SparseCore keeps this step (sparsecore/limits.py)."""
-    if self._replicas.num_local > 1:
-      raise errors.ConfigError(
-          "SparseCore input limits are emulated on one CPU replica holding the "
-          f"global batch, not on {self._replicas.num_local}. Fix: drop topology= "
-          "under a multi-replica strategy.")
-    deps = [verdict.assertion] if verdict is not None and verdict.assertion is not None else []
-    with tf.control_dependencies(deps):  # ids in range first
-      samples = [o.rows if o.rows is not None else tf.range(tf.size(o.ids, tf.int64))
-                 for o in occurrences]
-      keep = self._sparsecore.keep_masks(samples, [o.ids for o in occurrences],
-                                         [o.num_rows for o in occurrences])
-    return [o._replace(ids=tf.boolean_mask(o.ids, k), rows=tf.boolean_mask(r, k),
-                       gains=None if o.gains is None else tf.boolean_mask(o.gains, k))
-            for o, r, k in zip(occurrences, samples, keep)]
-
-  # --- end of SparseCore ---------------------------------------------------
-
-  def _create_variables(self, table: _Table) -> Dict[str, tf.Variable]:
-    shape = (table.config.vocabulary_size, table.config.dim)
-
-    def getter(name, shape, dtype, initializer, trainable):
-      del shape
-      return tf.Variable(
-          name=name, initial_value=functools.partial(
-              initializer, (table.config.vocabulary_size, table.config.dim),
-              dtype=dtype),
-          shape=(table.config.vocabulary_size, table.config.dim), dtype=dtype,
-          trainable=trainable)
-
-    def create(name, initializer, trainable=False):
-      if self._sparsecore is not None:  # saved stacked instead (build)
-        return getter(name, shape, tf.float32, initializer, trainable)
-      # The custom getter lets a pending checkpoint restore fill the variable
-      # at creation, as TPUEmbedding does.
-      return self._add_variable_with_custom_getter(
-          name=name, initializer=initializer, shape=shape, dtype=tf.float32,
-          getter=getter, trainable=trainable)
-
-    parameters = create(table.name, table.config.initializer)
-    make_slot = lambda slot, init: create(f"{table.name}/{slot}", init)
-    if table.tf_optimizer is not None:
-      # Honours a TF optimizer's slot_variable_creation_fn.
-      slots = dict(table.tf_optimizer._create_slots(parameters, make_slot))  # pylint: disable=protected-access
-    else:
-      slots = {
-          slot: make_slot(slot, tf.constant_initializer(value))
-          for slot, value in zip(table.optimizer.slot_names,
-                                 table.optimizer.slot_initial_values())}
-    slots["parameters"] = parameters
-    return slots
-
 
 # --- helpers -----------------------------------------------------------------
 
@@ -628,16 +479,3 @@ def _untracked(obj, **attributes):
   """Sets attributes without checkpoint dependency tracking."""
   for name, value in attributes.items():
     object.__setattr__(obj, name, value)
-
-
-def _status(verdict: Optional[validation.Verdict]) -> tf.Tensor:
-  """``[[ok, kind, index, value]]`` of a replica's id check, for the merge.
-
-  In a graph without XLA it is computed after the assertion, so whatever
-  waits for it waits for the check.
-  """
-  if verdict is None:
-    return tf.constant([[1, 0, 0, 0]], tf.int64)
-  deps = [verdict.assertion] if verdict.assertion is not None else []
-  with tf.control_dependencies(deps):
-    return tf.concat([[tf.cast(verdict.ok, tf.int64)], verdict.failure], 0)[None]

@@ -47,6 +47,8 @@ class Occurrences(NamedTuple):
   num_rows: tf.Tensor         # scalar: rows of the [num_rows, dim] output
   shape: Any                  # the activation shape, without dim
   kept: Optional[tf.Tensor] = None  # [n] bool
+  # In a graph, whether the weights match the ids (validation.check_weights).
+  weights_ok: Optional[tf.Tensor] = None
 
 
 def as_ids(where: str, x):
@@ -136,7 +138,8 @@ def feature_occurrences(where: str, config, x, w, check: bool,
   """The occurrence form of one feature's ids ``x`` and weights ``w``.
 
   ``where`` names the feature and table in errors; ``check`` enables the
-  eager layout checks of weights against ids; ``shape`` is the feature's
+  checks of weights against ids (eagerly they raise; in a graph their
+  outcome is ``weights_ok``, for ``validation.check_weights``); ``shape`` is the feature's
   activation shape without ``dim`` (a ``TensorShape``, see ``output_shape``);
   its unknown dimensions are read from ``x`` when the batch runs.
 
@@ -182,10 +185,17 @@ def feature_occurrences(where: str, config, x, w, check: bool,
                        tf.range(tf.size(ids, out_type=tf.int64)), w,
                        tf.size(ids, out_type=tf.int64), shape)
     occ = Occurrences(ids, None, None, tf.size(ids), shape)
-  elif isinstance(x, tf.RaggedTensor):
-    occ = _ragged(where, config, x, w, check, shape)
   else:
-    occ = _sparse(where, config, x, w, check, shape)
+    weights_ok, weight = None, None
+    if w is not None:
+      weight = tf.cast(w.values, tf.float32)
+      if check:
+        weights_ok = validation.weights_layout_ok(where, x, w)
+      if weights_ok is not None:
+        # Checked when the step runs; until then, one weight per id.
+        weight = validation.aligned_weights(weight, tf.size(x.values, tf.int64))
+    kind = _ragged if isinstance(x, tf.RaggedTensor) else _sparse
+    occ = kind(where, config, x, weight, shape)._replace(weights_ok=weights_ok)
   return occ._replace(ids=tf.cast(occ.ids, tf.int64))
 
 
@@ -220,13 +230,10 @@ def _check_count(where, what, count, shape):
         "shapes given to build) match the input.")
 
 
-def _ragged(where, config, x, w, check, shape) -> Occurrences:
+def _ragged(where, config, x, weight, shape) -> Occurrences:
   # A static batch size when known: XLA needs static reshapes.
   batch = x.shape[0] if x.shape[0] is not None else x.nrows(out_type=tf.int64)
   ids, row = x.values, x.value_rowids()
-  weight = None if w is None else tf.cast(w.values, tf.float32)
-  if w is not None and check:
-    validation.check_same_layout(where, x, w)
   static_batch = x.shape[0]
   if config.max_sequence_length > 0 and not config.output_shape:
     return _sequence(ids, row, _positions(x), batch,
@@ -244,11 +251,8 @@ def _ragged(where, config, x, w, check, shape) -> Occurrences:
   return _sequence(ids, row, _positions(x), batch, length, shape)
 
 
-def _sparse(where, config, x, w, check, shape) -> Occurrences:
+def _sparse(where, config, x, weight, shape) -> Occurrences:
   rank = x.shape.rank
-  if w is not None and check:
-    validation.check_same_indices(where, x, w)
-  weight = None if w is None else tf.cast(w.values, tf.float32)
   if config.max_sequence_length > 0 and not config.output_shape and rank == 2:
     length = config.max_sequence_length
     batch = x.dense_shape[0]

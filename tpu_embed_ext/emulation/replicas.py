@@ -114,6 +114,30 @@ class Replicas:
       return 0
     return int(values_util.get_current_replica_id_as_int() or 0)
 
+  def replica_of_device(self, device: str) -> int:
+    """The local replica whose device ``device`` names (``enqueue(device=)``).
+
+    ``TPUEmbedding.enqueue(..., device=d)`` sends one device's batch to the
+    TPU core ``d`` (``strategy.extended.worker_devices[i]`` is replica
+    ``i``'s); here ``d`` names one of the strategy's (CPU) worker devices.
+    """
+    try:
+      spec = tf.DeviceSpec.from_string(device)
+    except (ValueError, TypeError) as e:
+      raise errors.InputError(
+          f"enqueue(device={device!r}) is not a device name ({e}). Fix: pass "
+          "one of strategy.extended.worker_devices.") from e
+    devices = (list(self.strategy.extended.worker_devices) if self.distributed
+               else ["/job:localhost/replica:0/task:0/device:CPU:0"])
+    for i, name in enumerate(devices):
+      if _same_device(spec, tf.DeviceSpec.from_string(name)):
+        return i
+    raise errors.InputError(
+        f"enqueue(device={device!r}) names no replica of "
+        f"{type(self.strategy).__name__}: its replicas' devices are {devices}. "
+        "Fix: pass strategy.extended.worker_devices[i] for replica i's batch, "
+        "or distributed values without device=.")
+
   def split(self, value) -> List[Any]:
     """The per-replica parts of a (nested) value: distributed values split.
 
@@ -154,3 +178,13 @@ class Replicas:
           per_replica, [parts[i] for parts in local], expand_composites=False)
           for i in range(len(local[0]))])
     return merge_fn
+
+
+def _same_device(given: tf.DeviceSpec, worker: tf.DeviceSpec) -> bool:
+  """``given`` names ``worker``: its unset fields match anything."""
+  for field in ("job", "replica", "task"):
+    value = getattr(given, field)
+    if value is not None and value != getattr(worker, field):
+      return False
+  return (str(given.device_type or "").upper() == str(worker.device_type).upper()
+          and (given.device_index or 0) == worker.device_index)

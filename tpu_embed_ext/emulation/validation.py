@@ -1,4 +1,5 @@
-"""Input checks: ids in range, finite gradients, matching structures.
+"""Input checks: ids in range, weights laid out as their ids, finite
+gradients, matching structures.
 
 A step that fails a check changes no table, slot or step. Where the check
 runs depends on how the step runs:
@@ -32,12 +33,15 @@ __all__ = ["Verdict", "in_xla_context", "check_structure", "check_ids",
            "check_finite", "check_gradient", "check_output_shape",
            "check_fully_defined", "listed", "check_same_layout",
            "check_same_indices", "IDS_OUT_OF_RANGE", "NOT_FINITE",
-           "NOT_FINITE_UPDATE", "finite_message"]
+           "NOT_FINITE_UPDATE", "WEIGHTS_MISMATCH", "finite_message",
+           "weights_layout_ok", "aligned_weights", "check_weights", "combine",
+           "failure_message", "check_gradient_type", "status"]
 
 # Failure kinds recorded under XLA: (kind, index, value).
 IDS_OUT_OF_RANGE = 1   # index: feature, value: the offending id
 NOT_FINITE = 2         # index: table
 NOT_FINITE_UPDATE = 3  # index: table, value: variable (0: parameters, k: slot k)
+WEIGHTS_MISMATCH = 4   # index: feature
 
 
 class Verdict(NamedTuple):
@@ -123,10 +127,19 @@ def check_output_shape(where: str, stored: tf.TensorShape,
 def check_fully_defined(where: str, shape: tf.TensorShape):
   """``tpu_embedding_v2.py`` ``_check_output_shapes_fully_defined``."""
   if not shape.is_fully_defined():
+    # Under MultiWorkerMirroredStrategy, drop_remainder=True is not enough:
+    # for a dataset that is not infinite, tf.distribute turns on its
+    # partial-batch handling in multi-worker mode even for static shapes
+    # (input_lib._enable_get_next_as_optional), handing a worker whose data
+    # ran out empty batches, so every batch's size becomes unknown.
     raise errors.InputError(
         f"{where}: output shape {listed(shape)} is not fully defined; the TPU "
-        "compiles every activation shape. Fix: give static shapes (batch with "
-        "drop_remainder=True), FeatureConfig.output_shape, or fully defined "
+        "compiles every activation shape. Fix: give static shapes: batch with "
+        "drop_remainder=True, and under MultiWorkerMirroredStrategy also repeat "
+        "the dataset (dataset.repeat(), bounding the loop by steps): on a finite "
+        "dataset it gives batches of unknown size even with drop_remainder=True "
+        "(a worker whose data runs out gets empty batches); or set "
+        "FeatureConfig.output_shape, or fully defined "
         "build(per_replica_input_shapes=...).")
 
 
@@ -239,6 +252,15 @@ def finite_message(kind: int, table: str, variable: str) -> str:
           "(clip_weight_min / clip_weight_max).")
 
 
+def check_gradient_type(where: str, grad):
+  """A gradient must be a ``tf.Tensor`` (or None), as ``apply_gradients`` says."""
+  if grad is not None and not isinstance(grad, tf.Tensor):
+    raise errors.InputError(
+        f"{where}: gradient is a {type(grad).__name__}, not a tf.Tensor. Fix: "
+        "pass dL/d(activation) as a tensor (tf.convert_to_tensor), or None "
+        "for a zero gradient.")
+
+
 def check_gradient(where: str, grad, expected: List[int]):
   """A gradient must be a ``tf.Tensor`` of its activation's static shape.
 
@@ -246,11 +268,7 @@ def check_gradient(where: str, grad, expected: List[int]):
   ``ValueError`` for a non-tensor gradient and for a static shape other than
   the activation's (an unknown dimension included), eagerly and in graphs.
   """
-  if not isinstance(grad, tf.Tensor):
-    raise errors.InputError(
-        f"{where}: gradient is a {type(grad).__name__}, not a tf.Tensor. Fix: "
-        "pass dL/d(activation) as a tensor (tf.convert_to_tensor), or None "
-        "for a zero gradient.")
+  check_gradient_type(where, grad)
   # A dimension known only when the batch runs (our lookups without a TPU
   # program, see CPUEmbedding.__call__) is checked for compatibility.
   expected = [d if isinstance(d, int) else None for d in expected]
@@ -261,6 +279,118 @@ def check_gradient(where: str, grad, expected: List[int]):
         f"{where}: gradient shape {listed(grad.shape)} does not match its activation "
         f"shape {expected}. Fix: pass dL/d(activation) for exactly the "
         "activations dequeue() returned.")
+
+
+WEIGHTS_MESSAGE = ("weights do not match the ids (other row lengths, other "
+                   "indices, or another number of weights). Fix: give one "
+                   "weight per id, in the same rows (ragged) or at the same "
+                   "indices (sparse).")
+
+
+def weights_layout_ok(where, ids, weights) -> Optional[tf.Tensor]:
+  """Whether ragged or sparse ``weights`` are laid out as ``ids``.
+
+  Eagerly raises ``InputError`` (None returned). In a graph returns a scalar
+  bool for ``check_weights``; a difference already visible in the static
+  shapes raises when the function is traced.
+  """
+  ragged = isinstance(ids, tf.RaggedTensor)
+  if tf.executing_eagerly():
+    (check_same_layout if ragged else check_same_indices)(where, ids, weights)
+    return None
+  a, b = ((ids.row_splits, weights.row_splits) if ragged
+          else (ids.indices, weights.indices))
+  if (not a.shape[1:].is_compatible_with(b.shape[1:]) or (
+      a.shape.is_fully_defined() and b.shape.is_fully_defined() and a.shape != b.shape)):
+    raise errors.InputError(
+        f"{where}: {WEIGHTS_MESSAGE} (found when the function was traced: "
+        f"{'row splits' if ragged else 'indices'} of shape "
+        f"{listed(b.shape)} for ids of shape {listed(a.shape)})")
+  # No tf.cond: XLA compiles both branches, with the shapes that differ.
+  # b's rows, as many as a has (a row of -1 beyond b's end), are compared.
+  b = tf.cast(b, a.dtype)
+  padded = tf.concat([b, -tf.ones_like(b[:1]) if b.shape.rank == 1 else
+                      -tf.ones([1, tf.shape(b)[1]], b.dtype)], 0)
+  rows_a, rows_b = tf.shape(a, out_type=tf.int64)[0], tf.shape(b, out_type=tf.int64)[0]
+  aligned = tf.gather(padded, tf.minimum(tf.range(rows_a), rows_b))
+  return tf.logical_and(tf.equal(rows_a, rows_b),
+                        tf.reduce_all(tf.equal(a, aligned)))
+
+
+def aligned_weights(values: tf.Tensor, count) -> tf.Tensor:
+  """Exactly ``count`` weights from ``values``, whatever their number.
+
+  In a graph a mismatch is reported by ``check_weights``; until then the
+  ops that combine weights with ids must not fail with TensorFlow's own
+  "Incompatible shapes" first. Equal to ``values`` when the counts match.
+  """
+  padded = tf.concat([tf.cast(values, tf.float32), [1.0]], 0)
+  size = tf.size(values, out_type=tf.int64)
+  return tf.gather(padded, tf.minimum(tf.range(count, dtype=tf.int64), size))
+
+
+def check_weights(wheres: List[str], oks: List[Optional[tf.Tensor]]) -> Optional[Verdict]:
+  """In a graph: a Verdict that every feature's weights match its ids."""
+  if tf.executing_eagerly() or all(ok is None for ok in oks):
+    return None
+  per_item = tf.stack([tf.constant(True) if ok is None else ok for ok in oks])
+  ok = tf.reduce_all(per_item)
+  first = tf.argmax(tf.cast(tf.logical_not(per_item), tf.int32), output_type=tf.int64)
+  failure = tf.stack([tf.constant(WEIGHTS_MISMATCH, tf.int64), first,
+                      tf.constant(0, tf.int64)])
+  assertion = None
+  if not in_xla_context():
+    names = tf.constant([f"{w}: {WEIGHTS_MESSAGE}" for w in wheres])
+    assertion = tf.debugging.Assert(
+        ok, [tf.boolean_mask(names, tf.logical_not(per_item))])
+  return Verdict(ok, assertion, failure, per_item)
+
+
+def combine(verdicts: List[Optional[Verdict]]) -> Optional[Verdict]:
+  """One Verdict for several checks of the same features (first failure wins)."""
+  verdicts = [v for v in verdicts if v is not None]
+  if len(verdicts) < 2:
+    return verdicts[0] if verdicts else None
+  ok = tf.reduce_all(tf.stack([v.ok for v in verdicts]))
+  failure = verdicts[-1].failure
+  for v in reversed(verdicts[:-1]):
+    failure = tf.where(v.ok, failure, v.failure)
+  per_item = verdicts[0].per_item_ok
+  for v in verdicts[1:]:
+    per_item = tf.logical_and(per_item, v.per_item_ok)
+  assertions = [v.assertion for v in verdicts if v.assertion is not None]
+  assertion = tf.group(*assertions) if assertions else None
+  return Verdict(ok, assertion, failure, per_item)
+
+
+def status(verdict: Optional[Verdict]) -> tf.Tensor:
+  """``[[ok, kind, index, value]]`` of a replica's input checks, for the merge.
+
+  In a graph without XLA it is computed after the assertion, so whatever
+  waits for it waits for the checks.
+  """
+  if verdict is None:
+    return tf.constant([[1, 0, 0, 0]], tf.int64)
+  deps = [verdict.assertion] if verdict.assertion is not None else []
+  with tf.control_dependencies(deps):
+    return tf.concat([[tf.cast(verdict.ok, tf.int64)], verdict.failure], 0)[None]
+
+
+def failure_message(kind: int, index: int, value: int, features, tables) -> str:
+  """The message of a failure recorded under XLA (``raise_if_failed``).
+
+  ``features`` and ``tables`` are the engine's (``.where``, ``.table``;
+  ``.name``, ``.config``, slot names by ``slots(table)``).
+  """
+  if kind == IDS_OUT_OF_RANGE:
+    feature = features[index]
+    return ids_message(feature.where,
+                       tables[feature.table].config.vocabulary_size, value)
+  if kind == WEIGHTS_MISMATCH:
+    return f"{features[index].where}: {WEIGHTS_MESSAGE}"
+  table = tables[index]
+  slots = table.optimizer.slot_names if table.optimizer is not None else ()
+  return finite_message(kind, table.name, ("parameters", *slots)[value])
 
 
 def check_same_layout(where, ids: tf.RaggedTensor, weights: tf.RaggedTensor):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 from typing import Any, Dict
 
 import tensorflow as tf
@@ -10,7 +13,7 @@ from tpu_embed_ext import errors
 from tpu_embed_ext.job.config import TrainConfig
 from tpu_embed_ext.spec import EmbeddingSpec
 
-__all__ = ["feature_columns", "input_datasets", "first_batch"]
+__all__ = ["feature_columns", "input_datasets", "first_batch", "example_batch"]
 
 
 def _single_hot_columns(dataset: str):
@@ -44,19 +47,20 @@ def input_datasets(spec: EmbeddingSpec, cfg: TrainConfig, *, skip_batches=0):
   starts after ``skip_batches`` batches, so a resumed run sees exactly the
   batches an uninterrupted run would have seen from that step on.
   """
-  import tensorflow_datasets as tfds
-  from tpu_embed_ext.data import pipeline  # Registers synthetic_clicks.
+  from tpu_embed_ext.data import pipeline
 
   columns = feature_columns(spec, cfg)
-  try:
-    builder = tfds.builder(cfg.dataset, data_dir=cfg.data_dir)
-  except tfds.core.registered.DatasetNotFoundError as e:
-    raise errors.ConfigError(
-        f"unknown tfds dataset {cfg.dataset!r}: "
-        f"{str(e).strip().splitlines()[0]} Fix: use synthetic_clicks/default, "
-        "synthetic_clicks/tiny or a name from tfds.list_builders().",
-        path="train.dataset") from None
-  builder.download_and_prepare()
+  builder = _builder(cfg)
+  if not builder.is_prepared():
+    print(f"Building the {cfg.dataset} dataset in {builder.data_dir} (once: later "
+          "runs read it from there)...", flush=True)
+    # tfds prints its own lines to stdout: they go to the log (console.py).
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+      builder.download_and_prepare()
+    for line in printed.getvalue().splitlines():
+      logging.getLogger("tensorflow_datasets").info(line)
+    print(f"Built {cfg.dataset}.", flush=True)
   # TensorFlow combines the shuffle's seed with the global seed, so the order
   # would depend on what the caller seeded before (plan --data measured other
   # batches than train trained on). Fix the global seed to the config's.
@@ -71,6 +75,58 @@ def input_datasets(spec: EmbeddingSpec, cfg: TrainConfig, *, skip_batches=0):
       **_split(builder, cfg.eval_split, "eval_split"), num_batches=cfg.eval_batches,
       drop_remainder=False, **common)
   return train, evaluation
+
+
+def _builder(cfg: TrainConfig):
+  """The tfds builder of ``cfg.dataset`` (nothing is downloaded or built)."""
+  import tensorflow_datasets as tfds
+  from tpu_embed_ext.data import pipeline  # Registers synthetic_clicks.
+  del pipeline
+  try:
+    return tfds.builder(cfg.dataset, data_dir=cfg.data_dir)
+  except tfds.core.registered.DatasetNotFoundError as e:
+    raise errors.ConfigError(
+        f"unknown tfds dataset {cfg.dataset!r}: "
+        f"{str(e).strip().splitlines()[0]} Fix: use synthetic_clicks/default, "
+        "synthetic_clicks/tiny or a name from tfds.list_builders().",
+        path="train.dataset") from None
+
+
+def example_batch(spec: EmbeddingSpec, cfg: TrainConfig):
+  """A batch of zeros with the structure, dtypes and shapes of the pipeline's.
+
+  Computed from the spec, the config and the dataset's declared features
+  (``builder.info``, through the dataset's preprocessing traced on specs):
+  no record is read and no dataset is built, so ``export`` works without the
+  training data. Building the model on it creates the same variables as a
+  real batch does.
+  """
+  from tpu_embed_ext.data import pipeline
+  builder = _builder(cfg)
+  element = builder.info.features.get_tensor_spec()
+  preprocess = pipeline.preprocessor(cfg.dataset)
+  if preprocess is not None:
+    element = tf.function(preprocess).get_concrete_function(
+        element).structured_outputs
+  if cfg.dense_column not in element:
+    raise errors.ConfigError(
+        f"{cfg.dataset} has no column {cfg.dense_column!r}; its columns are "
+        f"{sorted(element)}. Fix: name one as dense_column.",
+        path="train.dense_column")
+  rows = cfg.batch_size
+  dense = tf.zeros([rows, element[cfg.dense_column].shape[-1]], tf.float32)
+  ids = tf.zeros([rows], tf.int64)
+  categorical = {}
+  for name, (_, layout) in feature_columns(spec, cfg).items():
+    if layout == "dense":
+      categorical[name] = ids
+    elif layout == "ragged":
+      categorical[name] = tf.RaggedTensor.from_row_lengths(
+          ids, tf.ones([rows], tf.int64))
+    else:
+      categorical[name] = tf.SparseTensor(
+          tf.stack([tf.range(rows, dtype=tf.int64), ids], 1), ids, [rows, 1])
+  return {"dense": dense, "categorical": categorical}, tf.zeros([rows], tf.int64)
 
 
 def _split(builder, split: str, field: str) -> Dict[str, Any]:

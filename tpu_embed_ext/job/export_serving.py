@@ -10,7 +10,8 @@ import tensorflow as tf
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext.job.building import build_model, build_variables, restore
 from tpu_embed_ext.job.config import in_file, load
-from tpu_embed_ext.job.data import first_batch, input_datasets
+from tpu_embed_ext.job.data import example_batch
+from tpu_embed_ext.job.memory import check_memory
 
 __all__ = ["export", "serving_inputs"]
 
@@ -26,19 +27,22 @@ def export(config_path: str, *, model_dir: str, out: str,
   vocabulary fails the call with an error naming the feature.
   """
   from tpu_embed_ext import serving
+  # Everything that can be checked is checked before the model is built:
+  # the config, where the SavedModel goes, and a checkpoint to restore.
   with in_file(config_path):
     spec, cfg = load(config_path, overrides)
-    model = build_model(spec, cfg)
-    _, eval_ds = input_datasets(spec, cfg)
-    batch = first_batch(eval_ds, cfg)
-  build_variables(model, batch)
-  checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    check_memory(spec)
+    batch = example_batch(spec, cfg)  # From the spec: no dataset is built.
+  _check_out(out)
   path, _ = model_dir_lib.resume_point(os.path.join(model_dir, "checkpoints"),
                                        repair=False)
   if path is None:
     raise model_dir_lib.CheckpointError(
         f"no checkpoint in {model_dir}/checkpoints. Fix: run `train` with "
         f"--model_dir={model_dir} first.")
+  model = build_model(spec, cfg)
+  build_variables(model, batch)
+  checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
   restore(model, checkpoint, path)
   features, _ = batch
   signature = {"dense": tf.TensorSpec([None, features["dense"].shape[1]],
@@ -61,6 +65,21 @@ def export(config_path: str, *, model_dir: str, out: str,
 
   serving.export_for_serving(model, out, signature, preprocess=preprocess)
   return out
+
+
+def _check_out(out: str) -> None:
+  """ModelDirError unless the SavedModel can be written at ``out``."""
+  parent = os.path.dirname(os.path.abspath(out))
+  try:
+    os.makedirs(parent, exist_ok=True)
+    if os.path.exists(out) and not os.path.isdir(out):
+      raise NotADirectoryError(f"{out} is a file")
+    if not os.access(out if os.path.isdir(out) else parent, os.W_OK):
+      raise PermissionError("permission denied")
+  except OSError as e:
+    raise model_dir_lib.ModelDirError(
+        f"cannot write the SavedModel to {out}: {e.strerror or e}. Fix: pass a "
+        "writable --out.") from None
 
 
 def serving_inputs(features) -> Dict[str, tf.Tensor]:

@@ -26,8 +26,8 @@ from tensorflow.python.trackable import constants, trackable_utils
 
 from tpu_embed_ext import errors
 
-__all__ = ["LAYOUTS_NAME", "BundleWriter", "ObjectGraph", "read_rows", "slice_spec",
-           "variable_key"]
+__all__ = ["LAYOUTS_NAME", "BundleWriter", "ObjectGraph", "embedding_paths",
+           "find_embedding", "read_rows", "slice_spec", "variable_key"]
 
 LAYOUTS_NAME = "_sparse_core_table_layouts"  # tpu_embedding_v3_utils' key
 _VALUE = "VARIABLE_VALUE"
@@ -56,18 +56,63 @@ def read_rows(path: str, key: str, shape: Sequence[int],
   return [t.numpy() for t in out]
 
 
+def _graph(path: str) -> trackable_object_graph_pb2.TrackableObjectGraph:
+  reader = tf.train.load_checkpoint(path)
+  if not reader.has_tensor(constants.OBJECT_GRAPH_PROTO_KEY):
+    raise errors.ConfigError(
+        f"{path} is not an object-based (TF2) checkpoint: it has no "
+        f"{constants.OBJECT_GRAPH_PROTO_KEY}. Fix: convert a checkpoint "
+        "written by tf.train.Checkpoint.")
+  return trackable_object_graph_pb2.TrackableObjectGraph.FromString(
+      reader.get_tensor(constants.OBJECT_GRAPH_PROTO_KEY))
+
+
+def embedding_paths(path: str, table_names: Iterable[str]) -> List[str]:
+  """Paths of the objects in checkpoint ``path`` that hold an embedding's tables.
+
+  An object qualifies when it has a child per table (per-table keys, as
+  ``TPUEmbedding`` and ``CPUEmbedding`` save them) or the SparseCore layouts
+  (a stacked ``TPUEmbeddingV2``). Each object is named once, by its shortest
+  path from the root (``train``'s checkpoints: ``model/embedding/embedding``;
+  ``tf.train.Checkpoint(embedding=e)``: ``embedding``).
+  """
+  proto, tables = _graph(path), set(table_names)
+  seen, found, queue = {0}, [], [(0, "")]
+  while queue:  # Breadth first: the first path to reach a node is a shortest.
+    node, where = queue.pop(0)
+    names = {c.local_name for c in proto.nodes[node].children}
+    if where and (LAYOUTS_NAME in names or (tables and tables <= names)):
+      found.append(where)
+      continue
+    for c in proto.nodes[node].children:
+      if c.node_id not in seen:
+        seen.add(c.node_id)
+        queue.append((c.node_id, f"{where}/{c.local_name}" if where else c.local_name))
+  return found
+
+
+def find_embedding(path: str, table_names: Iterable[str]) -> str:
+  """The one embedding object's path in the checkpoint, or an error listing them."""
+  table_names = sorted(table_names)
+  found = embedding_paths(path, table_names)
+  if len(found) == 1:
+    return found[0]
+  if not found:
+    raise errors.ConfigError(
+        f"checkpoint {path} has no object holding the tables "
+        f"{', '.join(table_names)} (per-table) or SparseCore layouts. Fix: "
+        "convert a checkpoint trained with this config, or pass --prefix with "
+        "the embedding's path in the checkpoint.")
+  raise errors.ConfigError(
+      f"checkpoint {path} holds {len(found)} embeddings with these tables: "
+      f"{', '.join(sorted(found))}. Fix: pass --prefix with one of them.")
+
+
 class ObjectGraph:
   """The checkpoint's object graph, with the embedding object's variables swapped."""
 
   def __init__(self, path: str, prefix: str):
-    reader = tf.train.load_checkpoint(path)
-    if not reader.has_tensor(constants.OBJECT_GRAPH_PROTO_KEY):
-      raise errors.ConfigError(
-          f"{path} is not an object-based (TF2) checkpoint: it has no "
-          f"{constants.OBJECT_GRAPH_PROTO_KEY}. Fix: convert a checkpoint "
-          "written by tf.train.Checkpoint.")
-    self.proto = trackable_object_graph_pb2.TrackableObjectGraph.FromString(
-        reader.get_tensor(constants.OBJECT_GRAPH_PROTO_KEY))
+    self.proto = _graph(path)
     self.prefix = prefix
     node = 0
     for part in prefix.split("/"):
@@ -75,9 +120,10 @@ class ObjectGraph:
       if part not in children:
         raise errors.ConfigError(
             f'checkpoint {path} has no object "{prefix}" (no child "{part}").'
-            f"{errors.did_you_mean(part, children)} Fix: pass the embedding's "
-            "path in the checkpoint (tf.train.Checkpoint(embedding=...): "
-            '"embedding").')
+            f"{errors.did_you_mean(part, children)} Fix: leave --prefix out "
+            "to find the embedding, or pass its path in the checkpoint "
+            '(tf.train.Checkpoint(embedding=...): "embedding"; train\'s '
+            'checkpoints: "model/embedding/embedding").')
       node = children[part]
     self.node = node
 

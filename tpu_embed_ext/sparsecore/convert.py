@@ -12,6 +12,7 @@ computed, so a round trip is bit-identical.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -22,8 +23,10 @@ from tensorflow.python.util import nest
 from tpu_embed_ext import errors, optimizers
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.checkpoint import (LAYOUTS_NAME, BundleWriter, ObjectGraph,
-                                                 read_rows, slice_spec, variable_key)
+                                                 find_embedding, read_rows, slice_spec,
+                                                 variable_key)
 from tpu_embed_ext.sparsecore.topology import parse_topology
+from tpu_embed_ext.text_table import human_bytes
 
 __all__ = ["convert_checkpoint", "checkpoint_layouts"]
 
@@ -206,8 +209,42 @@ def _copy_others(writer: BundleWriter, path: str, skip) -> None:
     writer.write([k for k, _ in chunk], [""] * len(chunk), [v for _, v in chunk])
 
 
+def _available_memory() -> int:
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_memory(tables, layouts) -> None:
+  """ConfigError before anything is allocated if one table (read whole) and
+  its padded stacked form (written whole) do not fit into memory."""
+  def need(t):
+    padded = 0
+    if layouts is not None:
+      l = layouts[t.name]
+      padded = l.padded_rows * l.padded_dim
+    return 4 * (t.rows * t.dim + padded)
+  if not tables:
+    return
+  big = max(tables, key=need)
+  available = _available_memory()
+  if need(big) > available:
+    raise errors.ConfigError(
+        f"table '{big.name}' needs {human_bytes(need(big))} in memory to "
+        f"convert ({big.rows:,} x {big.dim}"
+        + (", padded for the topology" if layouts is not None else "")
+        + f"), this machine has {human_bytes(available)} available. Fix: "
+        "convert on a machine with more memory, or check the topology's chip "
+        "count.")
+
+
 def convert_checkpoint(src: str, dst: str, config, topology=None, *,
-                       optimizer=None, prefix: str = "embedding"
+                       optimizer=None, prefix: Optional[str] = None
                        ) -> Optional[List[sc_layout.TableLayout]]:
   """Converts checkpoint ``src`` into ``dst``, table by table.
 
@@ -221,12 +258,16 @@ def convert_checkpoint(src: str, dst: str, config, topology=None, *,
       for a stacked output, the optimizer groups that decide the stacking.
     topology: None writes per-table keys; a ``Topology`` (or "v5p:4") writes
       ``TPUEmbeddingV2``'s stacked layout for it.
-    prefix: the embedding's path in the checkpoint's object graph.
+    prefix: the embedding's path in the checkpoint's object graph; None finds
+      it (the one object holding the config's tables, ``embedding_paths``),
+      and an error lists the candidates when there are several.
 
   Returns:
     The layouts written, or None for a per-table output.
   """
   feature_config, tables = _feature_config(config, optimizer)
+  if prefix is None:
+    prefix = find_embedding(src, [t.name for t in tables])
   graph = ObjectGraph(src, prefix)
   children = graph.children()
   shapes = tf.train.load_checkpoint(src).get_variable_to_shape_map()
@@ -244,6 +285,7 @@ def convert_checkpoint(src: str, dst: str, config, topology=None, *,
         for s in (_PARAMETERS,) + by_name[ls[0].table].slots]
   else:
     added = [_local(t.name, s) for t in tables for s in (_PARAMETERS,) + t.slots]
+  _check_memory(tables, layouts)
   dropped = graph.replace(source.names(tables), added)
   writer = BundleWriter(dst)
   _copy_others(writer, src, set(dropped))

@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from tpu_embed_ext import derived_names, errors
 from tpu_embed_ext.sparsecore.topology import Topology
 
 __all__ = ["StackingInput", "TableLayout", "compute_layouts", "layouts_by_stack",
@@ -188,12 +189,22 @@ def compute_layouts(tables: Sequence[StackingInput], topology: Topology, *,
   cannot drift from the TPU's; otherwise the same algorithm in Python (tests
   check that the two agree).
   """
-  args = (list(tables), topology, stacking, activation_limit, shard_limit, row_limit)
-  if use_tensorflow:
-    layouts = _stack_with_tensorflow(*args)
-    if layouts is not None:
-      return layouts
-  return _stack_with_formula(*args)
+  tables = list(tables)
+  for t in tables:  # Sizes before the stacker sees them (it takes int64s).
+    padded = _next_multiple(t.rows, topology.num_sparse_cores * 8)
+    if padded >= row_limit:
+      raise errors.ConfigError(
+          f"table '{t.name}' has {t.rows:,} rows, {padded:,} once padded for "
+          f"{topology.num_sparse_cores} SparseCores: SparseCore row numbers are "
+          f"signed 32-bit, at most {row_limit:,} rows per stack "
+          "(sparse_core_layout.h). Fix: lower its vocabulary_size, or split "
+          "the table.", path=f"tables.{t.name}.vocabulary_size")
+  args = (tables, topology, stacking, activation_limit, shard_limit, row_limit)
+  layouts = _stack_with_tensorflow(*args) if use_tensorflow else None
+  if layouts is None:
+    layouts = _stack_with_formula(*args)
+  derived_names.check_stack_names(layouts)
+  return layouts
 
 
 def _group_key(optimizer, quantization_config) -> str:

@@ -21,7 +21,8 @@ import re
 
 from tpu_embed_ext import errors
 
-__all__ = ["PRESETS", "Topology", "parse_topology"]
+__all__ = ["PRESETS", "Topology", "parse_topology", "SPARSECORES_PER_CHIP",
+           "MAX_CHIPS"]
 
 # generation -> (SparseCores per chip, source of the figure).
 PRESETS = {
@@ -30,6 +31,15 @@ PRESETS = {
     "v6e": (2, "jax-tpu-embedding NUM_SC_PER_DEVICE_MAP 'TPU v6e': 2"),
     "tpu7x": (2, "jax-tpu-embedding NUM_SC_PER_DEVICE_MAP 'TPU7x': 2"),
 }
+
+# The SparseCore counts a chip can have: the values above (TPUEmbeddingV2 reads
+# tpu_hardware_feature.num_embedding_devices_per_chip and falls back to 4).
+SPARSECORES_PER_CHIP = tuple(sorted({n for n, _ in PRESETS.values()}))
+MAX_CHIPS = 1 << 16
+"""Above the largest TPU slices (a v5p pod has 8,960 chips, an Ironwood pod
+9,216): a bound that keeps ``chips * sparsecores_per_chip`` inside the
+stacker's 32-bit ints and the padding (rows to a multiple of ``8 * chips *
+sparsecores_per_chip``) far below memory."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +60,13 @@ class Topology:
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise errors.ConfigError(
             f"topology {field} must be a positive integer, got {field}={value!r}.")
+    if self.chips > MAX_CHIPS or self.sparsecores_per_chip > max(SPARSECORES_PER_CHIP):
+      raise errors.ConfigError(
+          f"topology {self.chips} chips x {self.sparsecores_per_chip} SparseCores "
+          f"is larger than any TPU (at most {MAX_CHIPS:,} chips here, "
+          f"{max(SPARSECORES_PER_CHIP)} SparseCores per chip); its padding alone "
+          "would exhaust memory. Fix: give the slice's chip count, e.g. "
+          "v5p:128.")
 
   @property
   def num_sparse_cores(self) -> int:
@@ -70,13 +87,25 @@ def parse_topology(text) -> Topology:
     return text
   text = str(text).strip()
   match = re.fullmatch(r"([a-z0-9]+):(\d+)", text)
+  if match and len(match.group(2)) > 9:
+    raise errors.ConfigError(
+        f"topology {text[:40]!r}: {match.group(2)[:20]}... chips is larger than "
+        "any TPU. Fix: give the slice's chip count, e.g. v5p:128.")
   if match:
     generation, chips = match.group(1), int(match.group(2))
     if generation not in PRESETS:
       raise errors.unknown_name("TPU generation", generation, PRESETS)
     return Topology(chips, PRESETS[generation][0], name=text)
-  match = re.fullmatch(r"(\d+)x(\d+)", text)
+  match = re.fullmatch(r"(\d{1,9})x(\d{1,9})", text)
   if match:
-    return Topology(int(match.group(1)), int(match.group(2)), name=text)
+    chips, per_chip = int(match.group(1)), int(match.group(2))
+    if per_chip not in SPARSECORES_PER_CHIP:
+      raise errors.ConfigError(
+          f"topology {text!r}: a TPU chip has {' or '.join(map(str, SPARSECORES_PER_CHIP))}"
+          f" SparseCores, not {per_chip} ("
+          + "; ".join(f"{g}: {n}" for g, (n, _) in PRESETS.items())
+          + f"). Fix: write {chips}x4 (v5p), {chips}x2 (v6e, tpu7x), or "
+          f"v5p:{chips}.")
+    return Topology(chips, per_chip, name=text)
   raise errors.ConfigError(
       f"cannot read topology {text!r}. Fix: write {_SPELLINGS}.")

@@ -1,0 +1,58 @@
+"""SparseCore (``TPUEmbeddingV2``) on a topology: the engine's side of it.
+
+``CPUEmbedding(engine="v2", topology=...)`` keeps a ``SparseCoreState``
+(``tpu_embed_ext/sparsecore/state.py``: stacked layouts and checkpoints, input
+limits); this module checks what the emulation supports and drops each step's
+ids as SparseCore drops them (``sparsecore/limits.py``).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tpu_embed_ext import errors
+
+__all__ = ["state", "keep"]
+
+
+def state(tables, features, engine: str, feature_config, optimizer, topology,
+          sparse_core_config):
+  """The engine's ``SparseCoreState``, or ConfigError for what is not emulated."""
+  if engine != "v2":
+    raise errors.ConfigError(
+        f'topology={topology!r} needs engine="v2": only TPUEmbeddingV2 '
+        '(SparseCore) stacks tables. Fix: pass engine="v2", or drop topology.')
+  lookup_only = [t.name for t in tables if t.optimizer is None]
+  if lookup_only:
+    raise errors.ConfigError(
+        f"topology={topology!r}: table(s) {lookup_only} have no optimizer, "
+        "and TPUEmbeddingV2 stacks tables by optimizer. Fix: pass "
+        "optimizer= (or set TableConfig.optimizer), or drop topology= for "
+        "lookups.")
+  sequence = [f.path for f in features if f.config.max_sequence_length > 0]
+  if sequence:
+    raise errors.ConfigError(
+        f"SparseCore input limits are not emulated for sequence features "
+        f"({', '.join(sequence)}). Fix: drop topology= and convert checkpoints "
+        "with python -m tpu_embed_ext convert-checkpoint.")
+  from tpu_embed_ext.sparsecore import state as sc_state  # pylint: disable=g-import-not-at-top
+  return sc_state.SparseCoreState(feature_config, optimizer, topology,
+                                  sparse_core_config)
+
+
+def keep(sparsecore, replicas, occurrences, verdict):
+  """Each feature's occurrences SparseCore keeps this step (sparsecore/limits.py)."""
+  if replicas.num_local > 1:
+    raise errors.ConfigError(
+        "SparseCore input limits are emulated on one CPU replica holding the "
+        f"global batch, not on {replicas.num_local}. Fix: drop topology= "
+        "under a multi-replica strategy.")
+  deps = [verdict.assertion] if verdict is not None and verdict.assertion is not None else []
+  with tf.control_dependencies(deps):  # ids in range first
+    samples = [o.rows if o.rows is not None else tf.range(tf.size(o.ids, tf.int64))
+               for o in occurrences]
+    masks = sparsecore.keep_masks(samples, [o.ids for o in occurrences],
+                                  [o.num_rows for o in occurrences])
+  return [o._replace(ids=tf.boolean_mask(o.ids, k), rows=tf.boolean_mask(r, k),
+                     gains=None if o.gains is None else tf.boolean_mask(o.gains, k))
+          for o, r, k in zip(occurrences, samples, masks)]

@@ -1,0 +1,199 @@
+"""The engine's tables: resolved optimizers, variables, checkpoint keys.
+
+Variables are named and tracked exactly as ``TPUEmbedding`` and
+``TPUEmbeddingForServing`` name them (``<table>`` and ``<table>/<slot>`` on
+the embedding object), so a checkpoint written by one restores into the
+other. The user's ``TableConfig`` objects are never modified (no optimizer
+or name is written into them).
+
+A table without an optimizer (none of its own and ``optimizer=None``) is
+lookup-only, as ``TPUEmbedding`` off a TPU and ``TPUEmbeddingForServing``
+allow (``tpu_embedding_v2.py`` ``__init__``): it has no slot variables, and
+the engine refuses to train it, as ``TPUEmbedding`` under a ``TPUStrategy``
+refuses to be created with it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, List, NamedTuple, Tuple
+
+import tensorflow as tf
+from tensorflow.python.util import nest
+
+from tpu_embed_ext import derived_names, errors, optimizers
+from tpu_embed_ext.emulation import validation
+
+__all__ = ["Table", "Feature", "resolve_all", "resolve", "slot_names", "check_trainable", "name_of",
+           "create_variables", "check_checkpoint"]
+
+
+class Table(NamedTuple):
+  config: Any        # the user's TableConfig (never modified)
+  name: str
+  optimizer: Any     # resolved optimizer spec; None: lookup-only
+  tf_optimizer: Any  # the TF optimizer object, if one was given (slot creation)
+
+
+class Feature(NamedTuple):
+  path: str
+  config: Any        # the user's FeatureConfig
+  table: int         # index into the engine's tables
+  where: str         # "feature 'path' (table 'name')", for errors
+
+
+def resolve_all(feature_config, optimizer, engine: str
+                ) -> Tuple[List[Table], List[Feature]]:
+  """The tables (in order of first use, as ``TPUEmbedding`` orders them) and
+  the flattened features of ``feature_config``."""
+  tables: List[Table] = []
+  features: List[Feature] = []
+  index = {}
+  for path, feature in nest.flatten_with_joined_string_paths(feature_config):
+    if id(feature.table) not in index:
+      index[id(feature.table)] = len(tables)
+      tables.append(resolve(feature.table, optimizer, len(tables), engine))
+    table = index[id(feature.table)]
+    features.append(Feature(path, feature, table,
+                            f"feature '{path}' (table '{tables[table].name}')"))
+  if engine == "v2":
+    for feature in features:
+      if not tf.TensorShape(feature.config.output_shape).is_fully_defined():
+        # tpu_embedding_v3.py _stack_tables_with_same_table_dim_and_optimizer
+        # counts each feature's samples as prod(output_shape) at creation.
+        raise errors.ConfigError(
+            f"{feature.where}: TPUEmbeddingV2 (SparseCore) needs a fully "
+            "defined FeatureConfig.output_shape, got "
+            f"{validation.listed(tf.TensorShape(feature.config.output_shape))}. "
+            "Fix: set output_shape (e.g. [per_replica_batch]), or emulate "
+            'TPUEmbedding with engine="v1".')
+  names = [t.name for t in tables]
+  duplicates = sorted({n for n in names if names.count(n) > 1})
+  if duplicates:
+    raise ValueError(f"Tables must have unique names; found {duplicates} "
+                     "more than once. Fix: name each TableConfig uniquely.")
+  derived_names.check_table_names({t.name: slot_names(t) for t in tables})
+  return tables, features
+
+
+def resolve(table, global_optimizer, i: int, engine: str) -> Table:
+  """A ``TableConfig`` with its optimizer resolved (own, else the global one)."""
+  name = table.name if table.name is not None else f"table_{i}"
+  tf_optimizer = table.optimizer or global_optimizer
+  if tf_optimizer is None:
+    return Table(table, name, None, None)
+  spec = optimizers.as_spec(tf_optimizer, where=f"table '{name}'")
+  if engine == "v2" and spec.weight_decay_factor:
+    raise errors.ConfigError(
+        f"table '{name}': weight_decay_factor={spec.weight_decay_factor!r} "
+        "is rejected by TPUEmbeddingV2 (SparseCore). Fix: remove weight "
+        'decay, or emulate TPUEmbedding with engine="v1".')
+  is_tf = not isinstance(tf_optimizer, optimizers.OptimizerSpec)
+  return Table(table, name, spec, tf_optimizer if is_tf else None)
+
+
+def slot_names(table: Table) -> Tuple[str, ...]:
+  return table.optimizer.slot_names if table.optimizer is not None else ()
+
+
+def check_trainable(tables: List[Table], what: str):
+  """InputError for a training call when some table has no optimizer."""
+  missing = [t.name for t in tables if t.optimizer is None]
+  if missing:
+    raise errors.InputError(
+        f"{what} trains the tables, but table(s) {missing} have no optimizer "
+        "(optimizer=None and no TableConfig.optimizer): the engine was made "
+        "for lookups only, as TPUEmbeddingForServing, and TPUEmbedding under "
+        "a TPUStrategy refuses to be created so. Fix: pass optimizer= to "
+        "CPUEmbedding (or set TableConfig.optimizer of those tables), or "
+        "enqueue with training=False for lookups.")
+
+
+def create_variables(owner, table: Table, stacked: bool) -> Dict[str, tf.Variable]:
+  """``{"parameters": var, <slot>: var}`` of ``table``, tracked on ``owner``.
+
+  ``stacked``: the variables are saved in SparseCore's stacked layout
+  instead (``sparsecore/``), so they are not tracked here.
+  """
+  shape = (table.config.vocabulary_size, table.config.dim)
+
+  def getter(name, shape, dtype, initializer, trainable):
+    del shape
+    return tf.Variable(
+        name=name, initial_value=functools.partial(
+            initializer, (table.config.vocabulary_size, table.config.dim),
+            dtype=dtype),
+        shape=(table.config.vocabulary_size, table.config.dim), dtype=dtype,
+        trainable=trainable)
+
+  def create(name, initializer, trainable=False):
+    if stacked:
+      return getter(name, shape, tf.float32, initializer, trainable)
+    # The custom getter lets a pending checkpoint restore fill the variable
+    # at creation, as TPUEmbedding does.
+    return owner._add_variable_with_custom_getter(  # pylint: disable=protected-access
+        name=name, initializer=initializer, shape=shape, dtype=tf.float32,
+        getter=getter, trainable=trainable)
+
+  parameters = create(table.name, table.config.initializer)
+  make_slot = lambda slot, init: create(f"{table.name}/{slot}", init)
+  if table.tf_optimizer is not None:
+    # Honours a TF optimizer's slot_variable_creation_fn.
+    slots = dict(table.tf_optimizer._create_slots(parameters, make_slot))  # pylint: disable=protected-access
+  else:
+    slots = {
+        slot: make_slot(slot, tf.constant_initializer(value))
+        for slot, value in zip(slot_names(table),
+                               table.optimizer.slot_initial_values()
+                               if table.optimizer is not None else ())}
+  slots["parameters"] = parameters
+  return slots
+
+
+def check_checkpoint(tables: List[Table], path: str, prefix: str):
+  """ConfigError unless ``path`` holds every table and slot, same shapes.
+
+  A lookup-only table needs its parameters only (its slots, if stored, are
+  not read).
+  """
+  stored = dict(tf.train.list_variables(path))
+  for table in tables:
+    key = lambda slot: (f"{prefix}/{table.name}" + (f".S{slot}" if slot else "")
+                        + "/.ATTRIBUTES/VARIABLE_VALUE")
+    want = [table.config.vocabulary_size, table.config.dim]
+    if key(None) not in stored:
+      raise errors.ConfigError(
+          f"table '{table.name}' is not in checkpoint {path}. Fix: restore a "
+          "checkpoint of the same spec, or rename the table back.")
+    if list(stored[key(None)]) != want:
+      raise errors.ConfigError(
+          f"table '{table.name}': checkpoint {path} holds shape "
+          f"{list(stored[key(None)])}, this spec has {want}. Fix: restore into a "
+          "spec with the same vocabulary_size and dim.")
+    if table.optimizer is None:
+      continue
+    have = sorted(k.split(".S", 1)[1].split("/", 1)[0] for k in stored
+                  if k.startswith(f"{prefix}/{table.name}.S"))
+    if sorted(table.optimizer.slot_names) != have:
+      raise errors.ConfigError(
+          f"table '{table.name}': checkpoint {path} holds optimizer slots {have}, "
+          f"its {table.optimizer.type_name} optimizer needs "
+          f"{sorted(table.optimizer.slot_names)}. Fix: restore with the optimizer "
+          "the checkpoint was trained with.")
+
+
+def name_of(tables: List[Table], table) -> str:
+  """The name of ``table`` (a ``TableConfig`` of the engine, by identity, or a name)."""
+  if isinstance(table, str):
+    names = [t.name for t in tables]
+    if table not in names:
+      raise errors.InputError(
+          f"no table named '{table}'. Fix: use one of {names}.")
+    return table
+  for t in tables:
+    if t.config is table:
+      return t.name
+  raise errors.InputTypeError(
+      f"{table!r} is not a TableConfig of this engine's feature config. Fix: "
+      "pass the TableConfig object the FeatureConfigs were built with, or "
+      "a table name.")
