@@ -324,7 +324,7 @@ REJECTIONS = {
     "overflowing_sum": (lambda: opt.Adagrad(learning_rate=0.1), [[3e38, 3e38]] * 2,
                         "table 'b': gradient has NaN or Inf values",
                         r"Tables:\] \[table \\?'b\\?'\]"),
-    "sgd_parameters": (lambda: opt.SGD(learning_rate=3e37), [[100.0, 100.0]] * 2,
+    "sgd_parameters": (lambda: opt.SGD(learning_rate=1e6), [[1e33, 1e33]] * 2,
                        "table 'b': the update would write NaN or Inf into its "
                        "parameters; no table, slot or step was changed.",
                        r"the update would write NaN or Inf; no table, slot or step "

@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,6 +40,7 @@
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/kernels/training_op_helpers.h"
+#include "tensorflow/core/platform/threadpool.h"
 
 namespace tensorflow {
 namespace {
@@ -574,23 +576,37 @@ class ApplyStepOp : public OpKernel {
     for (int v = 0; v < nv; ++v) update_ok(v) = true;
     accepted_t->scalar<bool>()() = false;
 
+    // Tables are independent until the commit: phases 1 and 2 run them on
+    // TensorFlow's intra-op threads (each table has its own scratch; the
+    // per-row buffers are per thread).
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    auto for_each_table = [&](const std::function<void(int)>& fn) {
+      int64_t cost = 0;
+      for (const Segment& seg : segments) cost += seg.n;
+      cost = 1 + 40 * cost / std::max(1, num_tables);
+      pool->ParallelFor(num_tables, cost, [&fn](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) fn(static_cast<int>(i));
+      });
+    };
     // 1. What each table applies; every gradient checked before any update.
+    std::vector<char> finite_gradient(num_tables), finite_update(nv);
+    for_each_table([&](int i) { finite_gradient[i] = Gather(&tables[i], segments); });
     bool ok = true;
     for (int i = 0; i < num_tables; ++i) {
-      const bool finite = Gather(&tables[i], segments);
-      gradient_ok(i) = finite || !check_finite_;
+      gradient_ok(i) = finite_gradient[i] || !check_finite_;
       ok = ok && gradient_ok(i);
     }
     if (!ok) return;
     // 2. The new rows of every table, into scratch.
-    for (int i = 0; i < num_tables; ++i) {
+    for_each_table([&](int i) {
       Table& t = tables[i];
       std::vector<bool> finite(t.num_variables, true);
       Update(&t, vars, &finite);
-      for (int j = 0; j < t.num_variables; ++j) {
-        update_ok(t.first_variable + j) = finite[j] || !check_finite_;
-        ok = ok && update_ok(t.first_variable + j);
-      }
+      for (int j = 0; j < t.num_variables; ++j) finite_update[t.first_variable + j] = finite[j];
+    });
+    for (int v = 0; v < nv; ++v) {
+      update_ok(v) = finite_update[v] || !check_finite_;
+      ok = ok && update_ok(v);
     }
     if (!ok) return;
     // 3. Commit every table and slot.
