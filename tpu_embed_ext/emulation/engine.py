@@ -415,7 +415,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     self._batches.consume(replica)
 
   def _apply_all_replicas(self, payloads):
-    """The step, once, from the payloads of every replica."""
+    """The step, once, from the payloads of every replica: native or TF ops."""
     if "segments" in payloads[0]:
       return native.update.apply_step(
           payloads, [native.update.Table(
@@ -425,53 +425,13 @@ class CPUEmbedding(autotrackable.AutoTrackable):
               t.config.vocabulary_size) for t in self._tables],
           [f.table for f in self._features], [f.where for f in self._features],
           engine=self._engine, validate=self._validate, step=self.step)
-    status = tf.concat([p["status"] for p in payloads], 0)
-    rates = {}
-    planned = []
-    # Rows are read after the id check: a bad id fails with its message.
-    with tf.control_dependencies([] if tf.executing_eagerly() else [status]):
-      for i, table in enumerate(self._tables):
-        ids = tf.concat([p["ids"][i] for p in payloads], 0)
-        grads = tf.concat([p["grads"][i] for p in payloads], 0)
-        variables = self._variables[table.name]
-        planned.append(updates.prepare(
-            table.optimizer, variables["parameters"],
-            [variables[s] for s in table.optimizer.slot_names], ids, grads,
-            updates.learning_rate(table.optimizer, rates), engine=self._engine,
-            where=f"table '{table.name}'"))
-    verdicts = []
-    if self._validate:
-      names = [t.name for t in self._tables]
-      verdicts.append(validation.check_finite(names, [[u.grads] for u in planned]))
-      verdicts.append(validation.check_finite(
-          names, [list(u.values) for u in planned], validation.NOT_FINITE_UPDATE,
-          [["parameters", *t.optimizer.slot_names] for t in self._tables],
-          after=verdicts[0].assertion if verdicts[0] is not None else None))
-
-    def write(accept=None):
-      with tf.control_dependencies([w for w in (u.write(accept) for u in planned)
-                                    if w is not None]):
-        if accept is None:
-          return self.step.assign_add(1)
-        return self.step.assign_add(tf.cast(accept, tf.int64))
-
-    if tf.executing_eagerly():
-      write()
-      return
-    if verdicts and verdicts[0].assertion is None:
-      # XLA: no assertion can stop the step, so it is gated instead, and the
-      # first failure (ids, gradients, new values) recorded for
-      # raise_if_failed.
-      accept = tf.reduce_all(status[:, 0] > 0)
-      failure = tf.gather(status, tf.argmin(status[:, 0]))[1:]
-      for verdict in verdicts:
-        failure = tf.where(accept, verdict.failure, failure)
-        accept = tf.logical_and(accept, verdict.ok)
-      with tf.control_dependencies([write(accept)]):
-        self._failure.assign(tf.where(accept, self._failure, failure))
-      return
-    with tf.control_dependencies([status] + [v.assertion for v in verdicts]):
-      write()
+    return updates.apply_step(
+        payloads, [(t.name, t.optimizer,
+                     [self._variables[t.name][s]
+                      for s in ("parameters", *t.optimizer.slot_names)])
+                    for t in self._tables],
+        engine=self._engine, validate=self._validate, step=self.step,
+        failure=self._failure)
 
 
 # --- helpers -----------------------------------------------------------------

@@ -24,7 +24,7 @@ import tensorflow as tf
 from tpu_embed_ext import errors, optimizers
 from tpu_embed_ext.emulation import update_rules, validation
 
-__all__ = ["Update", "prepare", "learning_rate"]
+__all__ = ["Update", "apply_step", "prepare", "learning_rate"]
 
 
 class Update(NamedTuple):
@@ -40,6 +40,62 @@ class Update(NamedTuple):
   grads: tf.Tensor
   values: Tuple[tf.Tensor, ...]
   write: Callable[..., Optional[Any]]
+
+
+def apply_step(payloads, tables, *, engine: str, validate: bool,
+               step: tf.Variable, failure: tf.Variable):
+  """The step with TensorFlow ops, once, from every replica's payload.
+
+  The TF-op twin of ``native.update.apply_step``. Each payload holds
+  ``status`` (the lookup's id check) and, per table, the occurrences' ``ids``
+  and ``grads``; ``tables`` lists ``(name, optimizer spec, [parameters,
+  *slots])``. Every table is prepared and checked before the first write, so
+  the tables, slots and ``step`` change together or not at all.
+  """
+  status = tf.concat([p["status"] for p in payloads], 0)
+  rates = {}
+  planned = []
+  # Rows are read after the id check: a bad id fails with its message.
+  with tf.control_dependencies([] if tf.executing_eagerly() else [status]):
+    for i, (name, spec, variables) in enumerate(tables):
+      ids = tf.concat([p["ids"][i] for p in payloads], 0)
+      grads = tf.concat([p["grads"][i] for p in payloads], 0)
+      planned.append(prepare(spec, variables[0], variables[1:], ids, grads,
+                             learning_rate(spec, rates), engine=engine,
+                             where=f"table '{name}'"))
+  verdicts = []
+  if validate:
+    names = [name for name, _, _ in tables]
+    verdicts.append(validation.check_finite(names, [[u.grads] for u in planned]))
+    verdicts.append(validation.check_finite(
+        names, [list(u.values) for u in planned], validation.NOT_FINITE_UPDATE,
+        [["parameters", *spec.slot_names] for _, spec, _ in tables],
+        after=verdicts[0].assertion if verdicts[0] is not None else None))
+
+  def write(accept=None):
+    with tf.control_dependencies([w for w in (u.write(accept) for u in planned)
+                                  if w is not None]):
+      if accept is None:
+        return step.assign_add(1)
+      return step.assign_add(tf.cast(accept, tf.int64))
+
+  if tf.executing_eagerly():
+    write()
+    return
+  if verdicts and verdicts[0].assertion is None:
+    # XLA: no assertion can stop the step, so it is gated instead, and the
+    # first failure (ids, gradients, new values) recorded for
+    # raise_if_failed.
+    accept = tf.reduce_all(status[:, 0] > 0)
+    first = tf.gather(status, tf.argmin(status[:, 0]))[1:]
+    for verdict in verdicts:
+      first = tf.where(accept, verdict.failure, first)
+      accept = tf.logical_and(accept, verdict.ok)
+    with tf.control_dependencies([write(accept)]):
+      failure.assign(tf.where(accept, failure, first))
+    return
+  with tf.control_dependencies([status] + [v.assertion for v in verdicts]):
+    write()
 
 
 def learning_rate(spec, cache: dict) -> tf.Tensor:
