@@ -390,6 +390,10 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           "apply_gradients() needs a batch enqueued with training=True. Fix: "
           "call enqueue(features, training=True) and dequeue() first.")
     self._batches.deliver(replica)
+    # Across workers the payloads are all-gathered by concatenation, which
+    # keeps occurrence-form (ids, grads) whole but not the native op's
+    # per-replica row indices: there the update runs TensorFlow ops.
+    native_update = self._native_step() and self._replicas.num_workers == 1
     per_table = [[] for _ in self._tables]
     segments = []  # the native update's inputs, one per feature
     for feature, occ, grad in zip(self._features, pending.occurrences,
@@ -397,12 +401,12 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       dim = self._tables[feature.table].config.dim
       if grad is not None:
         validation.check_gradient(feature.where, grad, list(occ.shape) + [dim])
-      if self._native_step():
+      if native_update:
         segments.append(native.update.segment(occ, grad, dim))
         continue
       per_table[feature.table].append(
           lookups.occurrence_gradients(occ, grad, dim))
-    if self._native_step():
+    if native_update:
       payload = {"status": validation.status(pending.verdict),
                  "segments": segments}
     else:
