@@ -364,11 +364,14 @@ def test_damaged_checkpoints_are_named(tmp_path):
       f"checkpoint {stacked} holds SparseCore tables ['d'] that the config does not "
       "have; converting would drop them. Fix: convert with the config the checkpoint "
       "was trained with.")
-  # A per-table checkpoint without a table of the config.
+  # A per-table checkpoint without a table of the config, at a given prefix
+  # (without one, the search names the tables no object holds:
+  # test_a_checkpoint_without_the_tables_is_named).
   more = dict(config, e=api.FeatureConfig(table=api.TableConfig(
       vocabulary_size=3, dim=8, name="e"), name="e"))
   with pytest.raises(errors.ConfigError) as e:
-    convert_checkpoint(path, str(tmp_path / "o4"), more, "v5p:1", optimizer=opt)
+    convert_checkpoint(path, str(tmp_path / "o4"), more, "v5p:1", optimizer=opt,
+                       prefix="embedding")
   assert str(e.value) == (
       f"table 'e' is not in checkpoint {path} (no key embedding/e/.ATTRIBUTES/"
       "VARIABLE_VALUE). Fix: convert with the config the checkpoint was trained with, "
