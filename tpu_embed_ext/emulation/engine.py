@@ -392,8 +392,14 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     self._batches.deliver(replica)
     # Across workers the payloads are all-gathered by concatenation, which
     # keeps occurrence-form (ids, grads) whole but not the native op's
-    # per-replica row indices: there the update runs TensorFlow ops.
-    native_update = self._native_step() and self._replicas.num_workers == 1
+    # per-replica row indices: there the update runs TensorFlow ops. So it
+    # does in graphs for tables without gradient accumulation: Grappler
+    # rewrites the TF-op path's rounds (a while loop) otherwise than the
+    # straight-line step the kernel mirrors (FTRL differed by 2 ulp).
+    rounds = self._engine == "v1" and any(
+        not t.optimizer.use_gradient_accumulation for t in self._tables)
+    native_update = (self._native_step() and self._replicas.num_workers == 1
+                     and not (rounds and not tf.executing_eagerly()))
     per_table = [[] for _ in self._tables]
     segments = []  # the native update's inputs, one per feature
     for feature, occ, grad in zip(self._features, pending.occurrences,
