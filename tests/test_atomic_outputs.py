@@ -9,7 +9,6 @@ tmpfs mounts where the test may mount (root in a container); elsewhere those
 cases are skipped, and the monkeypatched ENOSPC test still runs.
 """
 
-import contextlib
 import errno
 import os
 import subprocess
@@ -18,6 +17,8 @@ import textwrap
 
 import numpy as np
 import pytest
+
+from tests import mounts
 import tensorflow as tf
 
 import tpu_embed_ext as tee
@@ -275,23 +276,9 @@ def test_convert_enospc_in_process_keeps_the_previous_output(tmp_path, tiny_chec
   assert _files(tmp_path) == before
 
 
-@contextlib.contextmanager
-def _tmpfs(path, size="64k", read_only=False):
-  """A real small (or read-only) filesystem at ``path``; skips where mount is refused."""
-  path.mkdir(parents=True, exist_ok=True)
-  options = f"size={size}" + (",ro" if read_only else "")
-  if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                    capture_output=True).returncode:
-    pytest.skip("cannot mount a tmpfs here (needs root in a container)")
-  try:
-    yield path
-  finally:
-    subprocess.run(["umount", "-l", str(path)], check=True)
-
-
 def test_convert_to_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, tiny_checkpoint):
   spec, src = tiny_checkpoint
-  with _tmpfs(tmp_path / "small", size="48k") as small:
+  with mounts.tmpfs(tmp_path / "small", size="48k") as small:
     with pytest.raises(atomic.OutputError, match=(
         r"^cannot write --out .*/small/o: .*No space left on device.*Fix: free space on "
         r"that disk, or write elsewhere.$")):
@@ -302,7 +289,7 @@ def test_convert_to_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, tiny_ch
 def test_convert_to_a_read_only_disk_is_refused_before_converting(tmp_path,
                                                                   tiny_checkpoint):
   spec, src = tiny_checkpoint
-  with _tmpfs(tmp_path / "ro", read_only=True) as ro:
+  with mounts.tmpfs(tmp_path / "ro", read_only=True) as ro:
     with pytest.raises(atomic.OutputError, match=(
         r"^cannot write --out .*/ro/o: Read-only file system. Nothing was replaced; "
         r"the previous output, if any, is intact. Fix: make it writable, or write "

@@ -10,14 +10,14 @@ container; skipped elsewhere); a full disk is also simulated in-process
 is tested everywhere.
 """
 
-import contextlib
 import json
 import os
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
+
+from tests import mounts
 import tensorflow as tf
 import yaml
 
@@ -186,20 +186,6 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoints(
   _assert_equal_to_straight(model_dir, straight_dir)
 
 
-@contextlib.contextmanager
-def _tmpfs(path, size="64k", read_only=False):
-  """A real small (or read-only) filesystem at ``path``; skips where mount is refused."""
-  path.mkdir(parents=True, exist_ok=True)
-  options = f"size={size}" + (",ro" if read_only else "")
-  if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                    capture_output=True).returncode:
-    pytest.skip("cannot mount a tmpfs here (needs root in a container)")
-  try:
-    yield path
-  finally:
-    subprocess.run(["umount", "-l", str(path)], check=True)
-
-
 def _cli(capsys, command, *flags):
   try:
     argv = cli.FLAGS(["tpu_embed_ext", command, *flags])
@@ -230,7 +216,7 @@ def _config(tmp_path, data_dir, edit=None):
 
 def test_real_full_disk_during_training_is_one_line(tmp_path, data_dir, capsys):
   config = _config(tmp_path, data_dir)
-  with _tmpfs(tmp_path / "small", size="300k") as small:
+  with mounts.tmpfs(tmp_path / "small", size="300k") as small:
     line = _one_line(capsys, "train", "--config", config, "--tpu", "none", "--steps",
                      "5", "--model_dir", str(small))
     assert line.startswith(f"cannot write ")
@@ -244,7 +230,7 @@ def test_read_only_checkpoints_directory_is_found_before_training(tmp_path, data
                                                                   capsys):
   config = _config(tmp_path, data_dir)
   model_dir = tmp_path / "run"
-  with _tmpfs(model_dir / "checkpoints", read_only=True):
+  with mounts.tmpfs(model_dir / "checkpoints", read_only=True):
     line = _one_line(capsys, "train", "--config", config, "--tpu", "none",
                      "--model_dir", str(model_dir))
   assert line == (f"cannot write to the checkpoints directory {model_dir}/checkpoints: "
@@ -283,7 +269,7 @@ def test_export_refuses_an_out_that_overlaps_or_cannot_be_written(
                    "--out", str(tmp_path / "file"))
   assert line == (f"--out {tmp_path}/file is a file; the output is a directory. Fix: "
                   "pass a directory path for --out.")
-  with _tmpfs(tmp_path / "ro", read_only=True):
+  with mounts.tmpfs(tmp_path / "ro", read_only=True):
     line = _one_line(capsys, "export", "--config", config, "--model_dir",
                      str(model_dir), "--out", str(tmp_path / "ro" / "serving"))
   assert line == (f"cannot write --out {tmp_path}/ro/serving: Read-only file system. "
