@@ -1,6 +1,9 @@
 """SparseCore stacking plans against TensorFlow's own stacker and shard functions."""
 
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -108,6 +111,43 @@ def test_feature_config_plan_equals_tpu_embedding_v2(topology):
   stacks = {l.table: l.stack for l in ours}
   assert stacks["cat"] == stacks["user"] == stacks["zip"] == "cat_user_zip"
   assert stacks["ad"] == "ad" and stacks["item"] == "item"
+
+
+_LAYOUT_BYTES = """
+import sys
+import tensorflow as tf
+from tpu_embed_ext.sparsecore import layout as sc_layout
+from tpu_embed_ext.sparsecore.topology import parse_topology
+opts = [tf.tpu.experimental.embedding.Adagrad(0.1),
+        tf.tpu.experimental.embedding.SGD(0.2),
+        tf.tpu.experimental.embedding.Adam(0.3),
+        tf.tpu.experimental.embedding.FTRL(0.4)]
+tables = [tf.tpu.experimental.embedding.TableConfig(
+    1000, 8, optimizer=opts[i % 4], name=f"t{i}") for i in range(8)]
+features = {t.name: tf.tpu.experimental.embedding.FeatureConfig(
+    t, output_shape=[64]) for t in tables}
+layouts = sc_layout.compute_layouts(sc_layout.stacking_inputs(features),
+                                    parse_topology("v6e:8"))
+print(",".join(dict.fromkeys(l.stack for l in layouts)))
+sys.stdout.flush()
+sys.stdout.buffer.write(sc_layout.layouts_to_proto(layouts).SerializeToString().hex().encode())
+"""
+
+
+def test_layouts_are_the_same_bytes_in_every_process():
+  # Stacks are grouped by hash(optimizer), which Python seeds per process: the
+  # stacker's order of stacks differs between processes, the saved bytes
+  # (checkpoints, conversions) must not.
+  orders, values = set(), set()
+  for seed in range(3):  # seeds whose stack orders differ
+    out = subprocess.run(
+        [sys.executable, "-c", _LAYOUT_BYTES], capture_output=True, check=True,
+        env={**os.environ, "PYTHONHASHSEED": str(seed), "TF_CPP_MIN_LOG_LEVEL": "3"},
+        timeout=300).stdout.decode().split("\n")
+    orders.add(out[0])
+    values.add(out[1])
+  assert len(orders) > 1, "the stack order did not vary: the test shows nothing"
+  assert len(values) == 1
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=str)

@@ -259,10 +259,16 @@ def layouts_by_stack(layouts: Sequence[TableLayout]) -> Dict[str, List[TableLayo
 
 
 def layouts_to_proto(layouts: Sequence[TableLayout]):
-  """A ``SparseCoreTableLayouts`` proto (the ``_sparse_core_table_layouts`` value)."""
+  """A ``SparseCoreTableLayouts`` proto (the ``_sparse_core_table_layouts`` value).
+
+  Stacks in name order, each stack's tables in row order. The stacker's own
+  order of stacks follows ``hash(optimizer)``, which Python seeds per process,
+  so without this two processes would write the same layouts as different
+  bytes. Readers (ours, ``TPUEmbeddingV2``'s) look tables up by name.
+  """
   from tensorflow.core.tpu.kernels import sparse_core_layout_pb2  # pylint: disable=g-import-not-at-top
   proto = sparse_core_layout_pb2.SparseCoreTableLayouts()
-  for l in layouts:
+  for l in sorted(layouts, key=lambda l: (l.stack, l.row_offset)):
     proto.tables.add(
         table_name=l.table, stacked_table_name=l.stack,
         num_sparse_cores=l.num_sparse_cores, num_partitions=l.num_partitions,
