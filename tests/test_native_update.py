@@ -117,19 +117,23 @@ class _null:
     return False
 
 
-def _run_eager(emb, rng, steps=STEPS, scale=1.0, function=False):
+def _run_eager(emb, rng, steps=STEPS, scale=1.0, function=False, after=None):
+  """``steps`` training steps; ``after()`` runs after each. With
+  ``function``, one ``tf.function`` for all steps (traced once or twice, as
+  a training loop does: tracing per step made this file slow)."""
   def step(features, weights, grads):
     emb.enqueue(features, weights, training=True)
     acts = emb.dequeue()
-    emb.apply_gradients(grads(acts))
+    emb.apply_gradients(grads)
 
   if function:
     step = tf.function(step, reduce_retracing=True)
   for _ in range(steps):
     features, weights = _batch(rng)
     acts = emb(features, weights)
-    g = _grads(rng, acts, scale)
-    step(features, weights, lambda _, g=g: g)
+    step(features, weights, _grads(rng, acts, scale))
+    if after is not None:
+      after()
 
 
 def _mirrored():
@@ -259,10 +263,8 @@ def test_option_equals_tf_ops_bit_for_bit(name, mode):
   ours, theirs = _engines(OPTIONS[name]())
   for emb in (ours, theirs):
     _STEP.assign(0)
-    rng = np.random.RandomState(11)
-    for _ in range(STEPS):
-      _run_eager(emb, rng, steps=1, function=mode == "tf_function")
-      _STEP.assign_add(1)
+    _run_eager(emb, np.random.RandomState(11), function=mode == "tf_function",
+               after=lambda: _STEP.assign_add(1))
   _assert_same(_state(ours), _state(theirs))
 
 

@@ -323,7 +323,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     batch_shapes = self._shapes.for_batch(flat, strict, self._engine)
     occurrences = [
         lookups.feature_occurrences(f.where, f.config, x, w, self._validate,
-                                    shape, self._engine)
+                                    shape, self._engine, self._native_step())
         for f, x, w, shape in zip(self._features, flat, flat_weights,
                                   batch_shapes)]
     if strict:

@@ -134,7 +134,8 @@ def output_shape(where: str, config, shape: tf.TensorShape) -> tf.TensorShape:
 
 
 def feature_occurrences(where: str, config, x, w, check: bool,
-                        shape, engine: str = "v1") -> Occurrences:
+                        shape, engine: str = "v1",
+                        native: bool = False) -> Occurrences:
   """The occurrence form of one feature's ids ``x`` and weights ``w``.
 
   ``where`` names the feature and table in errors; ``check`` enables the
@@ -147,6 +148,10 @@ def feature_occurrences(where: str, config, x, w, check: bool,
   ``_convert_input_feature_to_list_of_coo_tensors``): every dense id, ragged
   row or sparse row is one of the ``prod(output_shape)`` samples, dense ids
   may be weighted, and ``max_sequence_length`` plays no part.
+
+  ``native``: a combined ragged feature's rows and gains come from one
+  native op (``native.lookup.ragged_gains``, the same values); never under
+  XLA.
   """
   if not isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
     x = tf.convert_to_tensor(x)
@@ -194,8 +199,11 @@ def feature_occurrences(where: str, config, x, w, check: bool,
       if weights_ok is not None:
         # Checked when the step runs; until then, one weight per id.
         weight = validation.aligned_weights(weight, tf.size(x.values, tf.int64))
-    kind = _ragged if isinstance(x, tf.RaggedTensor) else _sparse
-    occ = kind(where, config, x, weight, shape)._replace(weights_ok=weights_ok)
+    if isinstance(x, tf.RaggedTensor):
+      occ = _ragged(where, config, x, weight, shape, native)
+    else:
+      occ = _sparse(where, config, x, weight, shape)
+    occ = occ._replace(weights_ok=weights_ok)
   return occ._replace(ids=tf.cast(occ.ids, tf.int64))
 
 
@@ -230,17 +238,22 @@ def _check_count(where, what, count, shape):
         "shapes given to build) match the input.")
 
 
-def _ragged(where, config, x, weight, shape) -> Occurrences:
+def _ragged(where, config, x, weight, shape, native=False) -> Occurrences:
   # A static batch size when known: XLA needs static reshapes.
   batch = x.shape[0] if x.shape[0] is not None else x.nrows(out_type=tf.int64)
-  ids, row = x.values, x.value_rowids()
+  ids = x.values
   static_batch = x.shape[0]
   if config.max_sequence_length > 0 and not config.output_shape:
-    return _sequence(ids, row, _positions(x), batch,
+    return _sequence(ids, x.value_rowids(), _positions(x), batch,
                      config.max_sequence_length, shape)
   size = _prod(shape) if _is_static(shape) else None
   if static_batch is None or size is None or size == static_batch:
-    return _combined(config, ids, row, weight, batch, shape)
+    if native and not validation.in_xla_context():
+      from tpu_embed_ext.emulation.native import lookup as native_lookup  # pylint: disable=import-outside-toplevel
+      rows, gains = native_lookup.ragged_gains(x.row_splits, weight,
+                                               config.table.combiner)
+      return Occurrences(ids, rows, gains, batch, shape)
+    return _combined(config, ids, x.value_rowids(), weight, batch, shape)
   # A larger output_shape: the row's ids fill size // batch positions.
   length = size // static_batch
   if size % static_batch or length < 1:
@@ -248,7 +261,7 @@ def _ragged(where, config, x, weight, shape) -> Occurrences:
         f"{where}: activation shape {shape} must have the batch size "
         f"{static_batch} or a multiple of it as its number of elements. "
         "Fix: change FeatureConfig.output_shape.")
-  return _sequence(ids, row, _positions(x), batch, length, shape)
+  return _sequence(ids, x.value_rowids(), _positions(x), batch, length, shape)
 
 
 def _sparse(where, config, x, weight, shape) -> Occurrences:

@@ -15,11 +15,24 @@ import tensorflow as tf
 
 from tpu_embed_ext.emulation.native import loader
 
-__all__ = ["activation"]
+__all__ = ["activation", "ragged_gains"]
+
+_COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 
 
 def _empty(dtype):
   return tf.zeros([0], dtype)
+
+
+def ragged_gains(row_splits, weights, combiner: str):
+  """``(rows, gains)`` of a combined ragged feature in one op: its
+  ``value_rowids`` and what ``lookups._combined`` computes (gains None:
+  all ones, a sum without weights)."""
+  rows, gains = loader.load().tpu_embed_ext_ragged_gains(
+      tf.cast(row_splits, tf.int64),
+      _empty(tf.float32) if weights is None else weights,
+      combiner=_COMBINERS[combiner])
+  return rows, (None if combiner == "sum" and weights is None else gains)
 
 
 def activation(params, occ, table_config, check=None):

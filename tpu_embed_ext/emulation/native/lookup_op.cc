@@ -145,13 +145,28 @@ class LookupOp : public OpKernel {
     const int64_t dim = dim_;
     const Quantizer quant = quant_;
 
+    // Rows of large tables miss the caches: each loop asks for the row
+    // kAhead occurrences on while it works on this one.
+    constexpr int64_t kAhead = 8;
+    auto prefetch = [table, dim](int64_t id) {
+      const char* p = reinterpret_cast<const char*>(table + id * dim);
+      for (int64_t b = 0; b < dim * 4; b += 64) __builtin_prefetch(p + b, 0, 1);
+    };
+    // Ragged and sparse ids come with their rows in order: then the
+    // occurrences of output rows [begin, end) are one run, found by binary
+    // search (otherwise every thread scans them all). The sum order per row
+    // is input order either way.
+    bool sorted = true;
+    for (int64_t i = 1; rows != nullptr && i < n && sorted; ++i) {
+      sorted = rows[i - 1] <= rows[i];
+    }
     // Output rows [begin, end): each thread owns a range.
     auto work = [&](int64_t begin, int64_t end) {
       if (identity) {
         for (int64_t i = begin; i < end; ++i) {
           const float* __restrict src = table + ids[i] * dim;
           float* __restrict dst = out + i * dim;
-          if (i + 4 < end) __builtin_prefetch(table + ids[i + 4] * dim);
+          if (i + kAhead < end) prefetch(ids[i + kAhead]);
           if (quant.on) {
             for (int64_t k = 0; k < dim; ++k) dst[k] = quant(src[k]);
             if (gains) for (int64_t k = 0; k < dim; ++k) dst[k] *= gains[i];
@@ -164,9 +179,15 @@ class LookupOp : public OpKernel {
         return;
       }
       std::memset(out + begin * dim, 0, (end - begin) * dim * sizeof(float));
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t first = 0, last = n;
+      if (sorted) {
+        first = std::lower_bound(rows, rows + n, begin) - rows;
+        last = std::lower_bound(rows + first, rows + n, end) - rows;
+      }
+      for (int64_t i = first; i < last; ++i) {
         const int64_t r = rows[i];
         if (r < begin || r >= end) continue;
+        if (i + kAhead < last) prefetch(ids[i + kAhead]);
         const float* __restrict src = table + ids[i] * dim;
         float* __restrict dst = out + r * dim;
         const float g = gains ? gains[i] : 1.0f;
@@ -186,7 +207,14 @@ class LookupOp : public OpKernel {
     // Cost of one output row: its share of the occurrences' row reads.
     const int64_t per_row =
         dim * (num_rows > 0 ? std::max<int64_t>(1, n / num_rows) : 1) * 4;
-    Shard(workers.num_threads, workers.workers, num_rows, per_row, work);
+    // One feature of a step is small work, and the step runs several
+    // features' ops at once: splitting one costs more in hand-offs than it
+    // gains (measured on W2); large features are split.
+    if (n * dim < (int64_t{1} << 21)) {
+      work(0, num_rows);
+    } else {
+      Shard(workers.num_threads, workers.workers, num_rows, per_row, work);
+    }
   }
 
  private:
@@ -196,6 +224,93 @@ class LookupOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("TpuEmbedExtLookup").Device(DEVICE_CPU), LookupOp);
+
+}  // namespace
+}  // namespace tensorflow
+
+// TpuEmbedExtRaggedGains: the occurrence form of one ragged feature, what
+// lookups._ragged / _combined compute with TensorFlow ops: the output row
+// of every id (value_rowids) and the combiner's gain per id, with the same
+// float32 operations in the same order (per-row sums start at 0 and add in
+// input order, as unsorted_segment_sum; divide_no_nan; sqrt), so the
+// same bits. combiner: 0 sum (gains = the weights), 1 mean, 2 sqrtn.
+namespace tensorflow {
+namespace {
+
+REGISTER_OP("TpuEmbedExtRaggedGains")
+    .Input("row_splits: int64")
+    .Input("weights: float")
+    .Output("rows: int64")
+    .Output("gains: float")
+    .Attr("combiner: int")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Vector(shape_inference::InferenceContext::kUnknownDim));
+      c->set_output(1, c->Vector(shape_inference::InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc("value_rowids and combiner gains of a ragged feature (tpu_embed_ext).");
+
+class RaggedGainsOp : public OpKernel {
+ public:
+  explicit RaggedGainsOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("combiner", &combiner_));
+    OP_REQUIRES(c, combiner_ >= 0 && combiner_ <= 2,
+                errors::InvalidArgument("combiner must be 0, 1 or 2"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& splits_t = ctx->input(0);
+    const Tensor& weights_t = ctx->input(1);
+    OP_REQUIRES(ctx, splits_t.dims() == 1 && splits_t.NumElements() >= 1,
+                errors::InvalidArgument("row_splits must be a non-empty vector"));
+    const int64_t* splits = splits_t.flat<int64_t>().data();
+    const int64_t batch = splits_t.NumElements() - 1;
+    const int64_t n = splits[batch];
+    OP_REQUIRES(ctx, splits[0] == 0,
+                errors::InvalidArgument("row_splits must start at 0"));
+    for (int64_t r = 0; r < batch; ++r) {
+      OP_REQUIRES(ctx, splits[r] <= splits[r + 1],
+                  errors::InvalidArgument("row_splits must not decrease"));
+    }
+    const bool weighted = weights_t.NumElements() > 0;
+    OP_REQUIRES(ctx, !weighted || weights_t.NumElements() == n,
+                errors::InvalidArgument("weights must be empty or one per id: ",
+                                        weights_t.NumElements(), " vs ", n));
+    Tensor *rows_t, *gains_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &rows_t));
+    const bool ones = combiner_ == 0 && !weighted;  // gains of 1: none
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({ones ? 0 : n}),
+                                             &gains_t));
+    int64_t* rows = rows_t->flat<int64_t>().data();
+    float* gains = gains_t->flat<float>().data();
+    const float* w = weighted ? weights_t.flat<float>().data() : nullptr;
+    for (int64_t r = 0; r < batch; ++r) {
+      const int64_t begin = splits[r], end = splits[r + 1];
+      for (int64_t i = begin; i < end; ++i) rows[i] = r;
+      if (ones) continue;
+      if (combiner_ == 0) {
+        for (int64_t i = begin; i < end; ++i) gains[i] = w[i];
+        continue;
+      }
+      float total = 0.0f;
+      for (int64_t i = begin; i < end; ++i) {
+        const float x = w ? w[i] : 1.0f;
+        total += combiner_ == 2 ? x * x : x;
+      }
+      if (combiner_ == 2) total = std::sqrt(total);
+      for (int64_t i = begin; i < end; ++i) {
+        const float x = w ? w[i] : 1.0f;
+        gains[i] = total == 0.0f ? 0.0f : x / total;  // divide_no_nan
+      }
+    }
+  }
+
+ private:
+  int combiner_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("TpuEmbedExtRaggedGains").Device(DEVICE_CPU),
+                        RaggedGainsOp);
 
 }  // namespace
 }  // namespace tensorflow

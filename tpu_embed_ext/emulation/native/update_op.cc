@@ -101,42 +101,53 @@ REGISTER_OP("TpuEmbedExtApplyStep")
 
 int NumSlots(int kind) { return kind == kSGD ? 0 : (kind == kAdagrad ? 1 : 2); }
 
-// Id -> slot (first-occurrence order); open addressing, cleared in O(1) by
+// Id -> slot (first-occurrence order); open addressing over one array of
+// {key, slot, stamp} entries (one cache line per probe), cleared in O(1) by
 // a generation stamp, reused across steps by each thread.
 class IdMap {
  public:
-  void Reset(int64_t expected) {
+  // expected: the number of ids to come; vocab: ids are in [0, vocab). A
+  // small vocabulary is indexed directly (no hashing, no probing).
+  void Reset(int64_t expected, int64_t vocab) {
     int64_t cap = 16;
     int bits = 4;
     while (cap < 2 * expected) { cap <<= 1; ++bits; }
-    if (static_cast<int64_t>(keys_.size()) < cap) {
-      keys_.assign(cap, 0);
-      slots_.assign(cap, 0);
-      stamps_.assign(cap, 0);
+    direct_ = vocab <= std::max<int64_t>(cap, int64_t{1} << 16);
+    if (direct_) cap = std::max<int64_t>(vocab, 1);
+    if (static_cast<int64_t>(entries_.size()) < cap) {
+      entries_.assign(cap, Entry{0, 0, 0});
       generation_ = 0;
     }
-    mask_ = cap - 1;
+    mask_ = direct_ ? ~uint64_t{0} : cap - 1;
     shift_ = 64 - bits;
     if (++generation_ == 0) {
-      std::fill(stamps_.begin(), stamps_.end(), 0);
+      for (Entry& e : entries_) e.stamp = 0;
       generation_ = 1;
     }
     ids.clear();
   }
 
+  inline uint64_t Bucket(int64_t id) const {
+    if (direct_) return static_cast<uint64_t>(id);
+    return ((static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull) >> shift_) & mask_;
+  }
+
+  // Asks for id's bucket ahead of Find (the map is larger than L1).
+  inline void Prefetch(int64_t id) const { __builtin_prefetch(&entries_[Bucket(id)], 1, 3); }
+
   // The slot of id, inserted (as the next slot) if new.
   inline int64_t Find(int64_t id) {
-    uint64_t h = (static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull) >> shift_;
-    h &= mask_;
+    uint64_t h = Bucket(id);
     while (true) {
-      if (stamps_[h] != generation_) {
-        stamps_[h] = generation_;
-        keys_[h] = id;
-        slots_[h] = static_cast<int64_t>(ids.size());
+      Entry& e = entries_[h];
+      if (e.stamp != generation_) {
+        e.stamp = generation_;
+        e.key = id;
+        e.slot = static_cast<uint32_t>(ids.size());
         ids.push_back(id);
-        return slots_[h];
+        return e.slot;
       }
-      if (keys_[h] == id) return slots_[h];
+      if (e.key == id) return e.slot;
       h = (h + 1) & mask_;
     }
   }
@@ -144,11 +155,16 @@ class IdMap {
   std::vector<int64_t> ids;  // distinct ids, by slot
 
  private:
-  std::vector<int64_t> keys_, slots_;
-  std::vector<uint32_t> stamps_;
+  struct Entry {
+    int64_t key;
+    uint32_t slot;  // < 2^32 occurrences per table and step (checked)
+    uint32_t stamp;
+  };
+  std::vector<Entry> entries_;
   uint32_t generation_ = 0;
   uint64_t mask_ = 0;
   int shift_ = 60;
+  bool direct_ = false;
 };
 
 struct Segment {
@@ -176,6 +192,16 @@ struct Table {
   std::vector<int64_t> rounds;    // and the size of every round
   std::vector<std::vector<float>> rows;
 };
+
+// How many rows ahead the random row reads and writes prefetch.
+constexpr int64_t kAhead = 8;
+
+// Every cache line of one row of dim floats.
+inline void Prefetch(const float* row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  const char* end = reinterpret_cast<const char*>(row + dim);
+  for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+}
 
 inline bool AllFinite(const float* x, int64_t n) {
   // NaN and Inf have every exponent bit set; an integer test vectorises.
@@ -287,18 +313,14 @@ inline int64_t ExactFrom(int64_t r, int64_t n, int64_t dim) {
   return std::max<int64_t>(0, std::min<int64_t>(dim, cutoff));
 }
 
-std::vector<float>& Buffer(int which, int64_t dim) {
-  static thread_local std::vector<float> buffers[3];
-  if (static_cast<int64_t>(buffers[which].size()) < dim) buffers[which].resize(dim);
-  return buffers[which];
-}
 
 // update_rules.apply_update on one row, in place on w / s0 / s1 (copies of
 // the variables' rows); g is clipped in place. Every expression follows
 // update_rules.py's order of operations, in float32. exact_from: see
-// ExactFrom.
+// ExactFrom. scratch: 3 * dim floats of the caller's.
 void ApplyRow(const Table& t, float* __restrict g, float* __restrict w,
-              float* __restrict s0, float* __restrict s1, int64_t exact_from) {
+              float* __restrict s0, float* __restrict s1, int64_t exact_from,
+              float* __restrict scratch) {
   const int64_t dim = t.dim;
   const float* p = t.p;
   const int f = t.flags;
@@ -320,7 +342,7 @@ void ApplyRow(const Table& t, float* __restrict g, float* __restrict w,
       for (int64_t k = 0; k < dim; ++k) w[k] = w[k] - lr * g[k];
       break;
     case kAdagrad: {
-      float* __restrict r = Buffer(0, dim).data();
+      float* __restrict r = scratch + 0 * dim;
       for (int64_t k = 0; k < dim; ++k) s0[k] = s0[k] + g[k] * g[k];
       LikeTf<kRsqrt>(s0, 0.0f, r, dim, exact_from);
       for (int64_t k = 0; k < dim; ++k) w[k] = w[k] - lr * g[k] * r[k];
@@ -329,8 +351,8 @@ void ApplyRow(const Table& t, float* __restrict g, float* __restrict w,
     case kAdagradMomentum: {
       const float beta2 = p[kA], one_minus_beta2 = p[kB], eps = p[kC];
       const float power = p[kD], momentum = p[kE];
-      float* __restrict x = Buffer(0, dim).data();
-      float* __restrict scaled = Buffer(1, dim).data();
+      float* __restrict x = scratch + 0 * dim;
+      float* __restrict scaled = scratch + 1 * dim;
       if (f & kBeta2IsOne) {
         for (int64_t k = 0; k < dim; ++k) s0[k] = s0[k] + g[k] * g[k];
       } else {
@@ -358,8 +380,8 @@ void ApplyRow(const Table& t, float* __restrict g, float* __restrict w,
         s1[k] = b2 * s1[k] + one_minus_b2 * g[k] * g[k];
       }
       if (inside && (f & kRsqrtMul)) {  // lr * m * rsqrt(v + eps^2)
-        float* __restrict x = Buffer(0, dim).data();
-        float* __restrict r = Buffer(1, dim).data();
+        float* __restrict x = scratch + 0 * dim;
+        float* __restrict r = scratch + 1 * dim;
         for (int64_t k = 0; k < dim; ++k) x[k] = s1[k] + eps_squared;
         LikeTf<kRsqrt>(x, 0.0f, r, dim, exact_from);
         for (int64_t k = 0; k < dim; ++k) w[k] = w[k] - lr * s0[k] * r[k];
@@ -379,9 +401,9 @@ void ApplyRow(const Table& t, float* __restrict g, float* __restrict w,
       const bool has_l1 = f & kL1;
       const float bound = times_lr ? lr * l1 : l1;
       const float two_lr_l2 = 2.0f * lr * l2;
-      float* __restrict acc_new = Buffer(0, dim).data();
-      float* __restrict pow_new = Buffer(1, dim).data();
-      float* __restrict pow_old = Buffer(2, dim).data();
+      float* __restrict acc_new = scratch + 0 * dim;
+      float* __restrict pow_new = scratch + 1 * dim;
+      float* __restrict pow_old = scratch + 2 * dim;
       for (int64_t k = 0; k < dim; ++k) acc_new[k] = s0[k] + g[k] * g[k];
       PowLikeTf(acc_new, power, pow_new, dim, exact_from, f & kGraphPow);
       PowLikeTf(s0, power, pow_old, dim, exact_from, f & kGraphPow);
@@ -565,6 +587,13 @@ class ApplyStepOp : public OpKernel {
       }
       t.segments.push_back(s);
     }
+    for (int i = 0; i < num_tables; ++i) {  // IdMap's 32-bit slots
+      int64_t n = 0;
+      for (int s : tables[i].segments) n += segments[s].n;
+      OP_REQUIRES(ctx, n < (int64_t{1} << 32),
+                  errors::InvalidArgument("table ", i, ": ", n, " ids in one "
+                                          "step; at most 2^32 - 1 are supported"));
+    }
 
     Tensor *accepted_t, *gradient_ok_t, *update_ok_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &accepted_t));
@@ -597,7 +626,11 @@ class ApplyStepOp : public OpKernel {
       ok = ok && gradient_ok(i);
     }
     if (!ok) return;
-    // 2. The new rows of every table, into scratch.
+    // 2. The new rows of every table: tables without gradient accumulation
+    // and non-lazy Adam into scratch; the others (one update per touched
+    // row) in place, their old rows kept to be put back if the step fails.
+    // Nothing outside this op can see the variables meanwhile: it holds
+    // every variable's exclusive lock until it returns.
     for_each_table([&](int i) {
       Table& t = tables[i];
       std::vector<bool> finite(t.num_variables, true);
@@ -608,10 +641,16 @@ class ApplyStepOp : public OpKernel {
       update_ok(v) = finite_update[v] || !check_finite_;
       ok = ok && update_ok(v);
     }
-    if (!ok) return;
-    // 3. Commit every table and slot.
+    if (!ok) {
+      for (int i = 0; i < num_tables; ++i) {
+        if (tables[i].mode == kSums) Restore(&tables[i], vars);
+      }
+      return;
+    }
+    // 3. Commit the scratch rows.
     for (int i = 0; i < num_tables; ++i) {
       Table& t = tables[i];
+      if (t.mode == kSums) continue;  // already in place
       for (int j = 0; j < t.num_variables; ++j) {
         Var* var = vars[t.first_variable + j].get();
         // In place, as TensorFlow's sparse-apply kernels write: the variable
@@ -625,8 +664,10 @@ class ApplyStepOp : public OpKernel {
           continue;
         }
         const int64_t u = static_cast<int64_t>(t.map.ids.size());
+        const int64_t* ids = t.map.ids.data();
         for (int64_t r = 0; r < u; ++r) {
-          std::memcpy(dst + t.map.ids[r] * t.dim, src + r * t.dim,
+          if (r + kAhead < u) Prefetch(dst + ids[r + kAhead] * t.dim, t.dim);
+          std::memcpy(dst + ids[r] * t.dim, src + r * t.dim,
                       t.dim * sizeof(float));
         }
       }
@@ -665,7 +706,7 @@ class ApplyStepOp : public OpKernel {
       }
       return AllFinite(t->g.data(), t->vocab * dim);
     }
-    t->map.Reset(n);
+    t->map.Reset(n, t->vocab);
     if (t->mode == kRounds) {
       // Every contribution, in input order, with the slot of its id.
       t->g.resize(n * dim);
@@ -681,34 +722,43 @@ class ApplyStepOp : public OpKernel {
       return AllFinite(t->g.data(), n * dim);
     }
     // Sums start at +0 and add each contribution in input order, as
-    // unsorted_segment_sum does (so -0 + -0 sums to +0 there and here).
+    // unsorted_segment_sum does (so -0 + -0 sums to +0 there and here); a
+    // contribution is gain * grad rounded to float32 first, as the TF-op
+    // path's grad * gains[:, None] (built with -ffp-contract=off).
     t->g.resize(n * dim);
-    std::vector<float>& row = RowBuffer(dim);
+    float* const sums = t->g.data();
     for (int s : t->segments) {
       const Segment& seg = segments[s];
       for (int64_t i = 0; i < seg.n; ++i) {
+        if (i + 16 < seg.n) t->map.Prefetch(seg.ids[i + 16]);
         const int64_t before = static_cast<int64_t>(t->map.ids.size());
         const int64_t slot = t->map.Find(seg.ids[i]);
-        float* __restrict dst = t->g.data() + slot * dim;
-        if (slot == before) std::fill(dst, dst + dim, 0.0f);
-        Contribution(seg, i, dim, row.data());
-        for (int64_t k = 0; k < dim; ++k) dst[k] += row[k];
+        float* __restrict dst = sums + slot * dim;
+        const float* __restrict src = seg.grads + (seg.rows ? seg.rows[i] : i) * dim;
+        if (slot == before) {
+          if (seg.gains) {
+            const float gain = seg.gains[i];
+            for (int64_t k = 0; k < dim; ++k) dst[k] = 0.0f + src[k] * gain;
+          } else {
+            for (int64_t k = 0; k < dim; ++k) dst[k] = 0.0f + src[k];
+          }
+        } else if (seg.gains) {
+          const float gain = seg.gains[i];
+          for (int64_t k = 0; k < dim; ++k) dst[k] += src[k] * gain;
+        } else {
+          for (int64_t k = 0; k < dim; ++k) dst[k] += src[k];
+        }
       }
     }
     const int64_t u = static_cast<int64_t>(t->map.ids.size());
     return AllFinite(t->g.data(), u * dim);
   }
 
-  static std::vector<float>& RowBuffer(int64_t dim) {
-    static thread_local std::vector<float> row;
-    if (static_cast<int64_t>(row.size()) < dim) row.resize(dim);
-    return row;
-  }
-
   // New rows of every variable of the table into t->rows (copies of the
   // touched rows, updated in place); finite[j]: variable j's are finite.
   void Update(Table* t, const std::vector<core::RefCountPtr<Var>>& vars,
               std::vector<bool>* finite) {
+    if (t->mode == kSums) return UpdateInPlace(t, vars, finite);
     const int64_t dim = t->dim;
     const bool every_row = t->mode == kEveryRow;
     const int64_t u = every_row ? t->vocab : static_cast<int64_t>(t->map.ids.size());
@@ -720,8 +770,10 @@ class ApplyStepOp : public OpKernel {
       if (every_row) {
         std::memcpy(dst.data(), src, u * dim * sizeof(float));
       } else {
+        const int64_t* ids = t->map.ids.data();
         for (int64_t r = 0; r < u; ++r) {
-          std::memcpy(dst.data() + r * dim, src + t->map.ids[r] * dim,
+          if (r + kAhead < u) Prefetch(src + ids[r + kAhead] * dim, dim);
+          std::memcpy(dst.data() + r * dim, src + ids[r] * dim,
                       dim * sizeof(float));
         }
       }
@@ -730,6 +782,7 @@ class ApplyStepOp : public OpKernel {
     float* s0 = t->num_variables > 1 ? t->rows[1].data() : nullptr;
     float* s1 = t->num_variables > 2 ? t->rows[2].data() : nullptr;
     auto at = [dim](float* base, int64_t r) { return base ? base + r * dim : nullptr; };
+    std::vector<float> scratch(3 * dim);
     if (t->mode == kRounds) {
       // Round k of updates._in_rounds applies the k-th contribution of every
       // id, as an [ids with a k-th contribution, dim] tensor in input order;
@@ -749,16 +802,66 @@ class ApplyStepOp : public OpKernel {
       for (int64_t c = 0; c < n; ++c) {
         const int64_t r = t->order[c];
         ApplyRow(*t, t->g.data() + c * dim, at(w, r), at(s0, r), at(s1, r),
-                 ExactFrom(t->position[c], t->rounds[t->round_of[c]], dim));
+                 ExactFrom(t->position[c], t->rounds[t->round_of[c]], dim),
+                 scratch.data());
       }
     } else {
       for (int64_t r = 0; r < u; ++r) {
         ApplyRow(*t, t->g.data() + r * dim, at(w, r), at(s0, r), at(s1, r),
-                 ExactFrom(r, u, dim));
+                 ExactFrom(r, u, dim), scratch.data());
       }
     }
     for (int j = 0; j < t->num_variables; ++j) {
       (*finite)[j] = AllFinite(t->rows[j].data(), u * dim);
+    }
+  }
+
+  // SUMS: every touched row once, updated in place in the variables (each
+  // row is read from memory once, the step's one random access per row),
+  // after its old values went to t->rows (the undo log, see Restore); each
+  // new row is checked while it is in cache.
+  void UpdateInPlace(Table* t, const std::vector<core::RefCountPtr<Var>>& vars,
+                     std::vector<bool>* finite) {
+    const int64_t dim = t->dim;
+    const int nv = t->num_variables;
+    const int64_t u = static_cast<int64_t>(t->map.ids.size());
+    const int64_t* ids = t->map.ids.data();
+    float* var[3] = {nullptr, nullptr, nullptr};
+    float* log[3] = {nullptr, nullptr, nullptr};
+    t->rows.resize(nv);
+    for (int j = 0; j < nv; ++j) {
+      var[j] = vars[t->first_variable + j]->tensor()->flat<float>().data();
+      t->rows[j].resize(u * dim);
+      log[j] = t->rows[j].data();
+    }
+    std::vector<float> scratch(3 * dim);
+    bool bad[3] = {false, false, false};
+    for (int64_t r = 0; r < u; ++r) {
+      if (r + kAhead < u) {
+        for (int j = 0; j < nv; ++j) Prefetch(var[j] + ids[r + kAhead] * dim, dim);
+      }
+      float* row[3] = {nullptr, nullptr, nullptr};
+      for (int j = 0; j < nv; ++j) {
+        row[j] = var[j] + ids[r] * dim;
+        std::memcpy(log[j] + r * dim, row[j], dim * sizeof(float));
+      }
+      ApplyRow(*t, t->g.data() + r * dim, row[0], row[1], row[2],
+               ExactFrom(r, u, dim), scratch.data());
+      for (int j = 0; j < nv; ++j) bad[j] = bad[j] || !AllFinite(row[j], dim);
+    }
+    for (int j = 0; j < nv; ++j) (*finite)[j] = !bad[j];
+  }
+
+  // Puts back the rows UpdateInPlace changed (a rejected step).
+  static void Restore(Table* t, const std::vector<core::RefCountPtr<Var>>& vars) {
+    const int64_t dim = t->dim;
+    const int64_t u = static_cast<int64_t>(t->map.ids.size());
+    for (int j = 0; j < t->num_variables; ++j) {
+      float* var = vars[t->first_variable + j]->tensor()->flat<float>().data();
+      const float* log = t->rows[j].data();
+      for (int64_t r = 0; r < u; ++r) {
+        std::memcpy(var + t->map.ids[r] * dim, log + r * dim, dim * sizeof(float));
+      }
     }
   }
 
