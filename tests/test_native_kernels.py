@@ -87,6 +87,52 @@ def test_ragged_combiners_match_numpy_and_tf_path_bitwise(combiner, weighted, fu
 
 
 @needs_native
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_ragged_gains_op_equals_the_tf_ops_bitwise(combiner, weighted):
+  """TpuEmbedExtRaggedGains against lookups._combined (value_rowids,
+  segment sums, divide_no_nan) and numpy: a row whose weights sum to zero
+  (gains 0), empty rows, int32 row splits."""
+  from tpu_embed_ext.emulation import lookups
+  from tpu_embed_ext.emulation.native import lookup as native_lookup
+  rows = [[1, 2, 2], [], [3, 4], [5], [], [6, 7, 8, 9]]
+  weights = [[.5, 2., .25], [], [1., -1.], [3.], [], [.1, .2, .3, 1e-3]]
+  ids = tf.ragged.constant(rows, tf.int64, row_splits_dtype=tf.int32)
+  w = tf.constant([x for r in weights for x in r], tf.float32) if weighted else None
+  got_rows, got = native_lookup.ragged_gains(ids.row_splits, w, combiner)
+  table = api.TableConfig(VOCAB, DIM, combiner=combiner, name="t")
+  want = lookups._combined(api.FeatureConfig(table), ids.values, ids.value_rowids(),
+                           w, ids.nrows(), [6])
+  np.testing.assert_array_equal(got_rows.numpy(), want.rows.numpy())
+  if combiner == "sum" and not weighted:
+    assert got is None  # all ones: the kernels read an absent gain as 1
+    return
+  np.testing.assert_array_equal(got.numpy(), want.gains.numpy())
+  flat = [x for r in (weights if weighted else [[1.] * len(r) for r in rows]) for x in r]
+  lengths = [len(r) for r in rows]
+  expected = []
+  for r, n in enumerate(lengths):
+    ws = np.array(flat[sum(lengths[:r]):sum(lengths[:r]) + n], np.float64)
+    total = {"sum": 1.0, "mean": ws.sum(), "sqrtn": np.sqrt((ws ** 2).sum())}[combiner]
+    expected += list(ws / total if total else np.zeros(n))
+  np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+def test_ragged_gains_op_refuses_bad_row_splits():
+  ops = native.load()
+  with pytest.raises(tf.errors.InvalidArgumentError, match="row_splits must not decrease"):
+    ops.tpu_embed_ext_ragged_gains(tf.constant([0, 3, 2], tf.int64),
+                                   tf.zeros([0]), combiner=1)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="row_splits must start at 0"):
+    ops.tpu_embed_ext_ragged_gains(tf.constant([1, 3], tf.int64),
+                                   tf.zeros([0]), combiner=1)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="weights must be empty or one per id"):
+    ops.tpu_embed_ext_ragged_gains(tf.constant([0, 3], tf.int64),
+                                   tf.zeros([2]), combiner=1)
+
+
+@needs_native
 @pytest.mark.parametrize("shape", [[6], [6, 1], [2, 3, 1]])
 def test_dense_ids_of_every_rank_gather_rows(shape):
   ids = np.arange(6).reshape(shape) * 5 % VOCAB
