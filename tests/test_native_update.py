@@ -256,14 +256,28 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("mode", ["eager", "tf_function"])
-@pytest.mark.parametrize("name", sorted(OPTIONS))
+# Inside tf.function the kernel mirrors Grappler's rewrites of the TF-op
+# path (pow constants, rsqrt, 1 / lr) and the engine routes tables without
+# accumulation to TF ops: these options run there too (every option runs
+# eagerly). The others' graph step is the eager one (test_tf_function_*,
+# the mirrored tests and the engine modules' [native] runs trace it).
+GRAPH_OPTIONS = {"clip_weights", "weight_decay", "weight_decay_times_lr",
+                 "dynamic_lr", "adam_bias_correction", "no_accumulation_ftrl",
+                 "momentum_exponent_2", "momentum_exponent_1", "ftrl_power_1",
+                 "ftrl_power_2", "ftrl_power_3"}
+GRAPH_STEPS = 5  # a rewrite shows from the first step; 5 still moves rates
+
+
+@pytest.mark.parametrize("name,mode", [(n, "eager") for n in sorted(OPTIONS)] + [
+    (n, "tf_function") for n in sorted(GRAPH_OPTIONS)])
 def test_option_equals_tf_ops_bit_for_bit(name, mode):
   _STEP.assign(0)
   ours, theirs = _engines(OPTIONS[name]())
+  function = mode == "tf_function"
   for emb in (ours, theirs):
     _STEP.assign(0)
-    _run_eager(emb, np.random.RandomState(11), function=mode == "tf_function",
+    _run_eager(emb, np.random.RandomState(11), function=function,
+               steps=GRAPH_STEPS if function else STEPS,
                after=lambda: _STEP.assign_add(1))
   _assert_same(_state(ours), _state(theirs))
 
