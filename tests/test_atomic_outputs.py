@@ -9,7 +9,6 @@ tmpfs mounts where the test may mount (root in a container); elsewhere those
 cases are skipped, and the monkeypatched ENOSPC test still runs.
 """
 
-import errno
 import os
 import subprocess
 import sys

@@ -14,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from tpu_embed_ext import __main__ as cli
+from tests import jobs
 from tpu_embed_ext import model_dir as model_dir_lib
 
 TINY = "configs/tiny.yaml"
@@ -42,24 +42,8 @@ def _config(tmp_path, data_dir, edit=None, name="c.yaml"):
   return str(path)
 
 
-def _cli(capsys, command, *flags):
-  """(exit status, stdout, stderr) of ``python -m tpu_embed_ext command flags``."""
-  try:
-    argv = cli.FLAGS(["tpu_embed_ext", command, *flags])
-    status = cli.main(argv)
-  finally:
-    cli.FLAGS.unparse_flags()
-  out = capsys.readouterr()
-  return status, out.out, out.err
-
-
-def _one_line_error(capsys, command, *flags):
-  status, _, err = _cli(capsys, command, *flags)
-  assert status == 2
-  lines = err.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith("error: "), err
-  assert lines[0].endswith(" (--verbose shows the traceback)")
-  return lines[0][len("error: "):-len(" (--verbose shows the traceback)")]
+_cli = jobs.run_cli
+_one_line_error = jobs.one_line_error
 
 
 def _set(path, value):

@@ -13,7 +13,7 @@ import tensorflow as tf
 import yaml
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import __main__ as cli
+from tests import jobs
 from tpu_embed_ext import config_files, derived_names
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.topology import Topology, parse_topology
@@ -22,14 +22,7 @@ api = tf.tpu.experimental.embedding
 TINY = "configs/tiny.yaml"
 
 
-def _cli(capsys, *args):
-  try:
-    argv = cli.FLAGS(["tpu_embed_ext", *args])
-    status = cli.main(argv)
-  finally:
-    cli.FLAGS.unparse_flags()
-  out = capsys.readouterr()
-  return status, out.out, out.err
+_cli = jobs.run_cli
 
 
 def _write(tmp_path, config, name="c.yaml"):
@@ -45,11 +38,8 @@ def _small(**table):
 
 
 def _one_line(capsys, message, *args):
-  status, _, err = _cli(capsys, *args)
-  lines = err.strip().splitlines()
-  assert status == 2, err
-  assert len(lines) == 1 and lines[0].startswith("error: "), err
-  assert message in lines[0], lines[0]
+  line = jobs.one_line_error(capsys, *args)
+  assert message in line, line
 
 
 CASES = {

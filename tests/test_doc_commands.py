@@ -23,7 +23,6 @@ Also here: ``plan --data`` on every shipped config, and the help of the
 installed ``tpu-embed`` equal to that of ``python -m tpu_embed_ext``.
 """
 
-import os
 import pathlib
 import re
 import shlex

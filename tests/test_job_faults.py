@@ -21,9 +21,8 @@ from tests import mounts
 import tensorflow as tf
 import yaml
 
-from tpu_embed_ext import __main__ as cli
+from tests import jobs
 from tpu_embed_ext import atomic
-from tpu_embed_ext import errors
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext import train as train_lib
 
@@ -46,13 +45,7 @@ def _run(model_dir, data_dir, steps, config=CONFIG):
   return metrics, "\n".join(lines)
 
 
-def _variables(prefix):
-  return {k: tf.train.load_variable(prefix, k) for k, _ in tf.train.list_variables(prefix)
-          if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
-
-
-def _ckpt(model_dir, step):
-  return os.path.join(str(model_dir), "checkpoints", f"ckpt-{step}")
+_variables, _ckpt = jobs.variables, jobs.checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -186,21 +179,8 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoints(
   _assert_equal_to_straight(model_dir, straight_dir)
 
 
-def _cli(capsys, command, *flags):
-  try:
-    argv = cli.FLAGS(["tpu_embed_ext", command, *flags])
-    status = cli.main(argv)
-  finally:
-    cli.FLAGS.unparse_flags()
-  out = capsys.readouterr()
-  return status, out.out, out.err
-
-
-def _one_line(capsys, command, *flags):
-  status, _, err = _cli(capsys, command, *flags)
-  lines = err.strip().splitlines()
-  assert status == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
-  return lines[0][len("error: "):-len(" (--verbose shows the traceback)")]
+_cli = jobs.run_cli
+_one_line = jobs.one_line_error
 
 
 def _config(tmp_path, data_dir, edit=None):
@@ -219,7 +199,7 @@ def test_real_full_disk_during_training_is_one_line(tmp_path, data_dir, capsys):
   with mounts.tmpfs(tmp_path / "small", size="300k") as small:
     line = _one_line(capsys, "train", "--config", config, "--tpu", "none", "--steps",
                      "5", "--model_dir", str(small))
-    assert line.startswith(f"cannot write ")
+    assert line.startswith("cannot write ")
     assert "No space left on device" in line
     assert line.endswith("The checkpoints before it are intact; run the same command "
                          "again to resume from the newest one. Fix: free space on that "

@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 import yaml
 
+from tests import jobs
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext import train as train_lib
 
@@ -37,14 +38,7 @@ def _run(model_dir, data_dir, steps, config=CONFIG, **overrides):
   return metrics, "\n".join(lines)
 
 
-def _variables(prefix):
-  """Every variable of a checkpoint, by key."""
-  return {k: tf.train.load_variable(prefix, k) for k, _ in tf.train.list_variables(prefix)
-          if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
-
-
-def _ckpt(model_dir, step):
-  return os.path.join(str(model_dir), "checkpoints", f"ckpt-{step}")
+_variables, _ckpt = jobs.variables, jobs.checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -129,6 +129,7 @@ features = {t.name: tf.tpu.experimental.embedding.FeatureConfig(
 layouts = sc_layout.compute_layouts(sc_layout.stacking_inputs(features),
                                     parse_topology("v6e:8"))
 print(",".join(dict.fromkeys(l.stack for l in layouts)))
+print(",".join(sc_layout.layouts_by_stack(layouts)))
 sys.stdout.flush()
 sys.stdout.buffer.write(sc_layout.layouts_to_proto(layouts).SerializeToString().hex().encode())
 """
@@ -138,16 +139,17 @@ def test_layouts_are_the_same_bytes_in_every_process():
   # Stacks are grouped by hash(optimizer), which Python seeds per process: the
   # stacker's order of stacks differs between processes, the saved bytes
   # (checkpoints, conversions) must not.
-  orders, values = set(), set()
+  orders, plans, values = set(), set(), set()
   for seed in range(3):  # seeds whose stack orders differ
     out = subprocess.run(
         [sys.executable, "-c", _LAYOUT_BYTES], capture_output=True, check=True,
         env={**os.environ, "PYTHONHASHSEED": str(seed), "TF_CPP_MIN_LOG_LEVEL": "3"},
         timeout=300).stdout.decode().split("\n")
     orders.add(out[0])
-    values.add(out[1])
+    plans.add(out[1])
+    values.add(out[2])
   assert len(orders) > 1, "the stack order did not vary: the test shows nothing"
-  assert len(values) == 1
+  assert len(plans) == 1 and len(values) == 1
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=str)

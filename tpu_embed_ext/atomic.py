@@ -42,13 +42,13 @@ import itertools
 import os
 import re
 import shutil
-from typing import IO, Iterable, Iterator, List, Optional, Sequence
+from typing import IO, Iterator, List, Sequence
 
 from tpu_embed_ext import errors
 
 __all__ = ["OutputError", "temporary_name", "write_file", "write_text", "write_dir", "write_prefix",
            "prefix_files", "recover", "clean", "check_no_overlap", "check_writable",
-           "io_error", "is_write_error"]
+           "probe_write", "io_error", "is_write_error"]
 
 _counter = itertools.count()
 _RENAME_EXCHANGE = 2
@@ -334,12 +334,19 @@ def check_writable(flag: str, path: str, *, directory: bool = False) -> None:
     raise OutputError(f"{flag} {path} is a directory; the output is a checkpoint "
                       f"prefix (<dir>/<name>, written as <name>.index and "
                       f"<name>.data-*). Fix: pass e.g. {os.path.join(path, 'ckpt')}.")
-  parent = os.path.dirname(path)
-  probe = _tmp_name(path, "tmp")
   try:
-    os.makedirs(parent, exist_ok=True)
-    with open(probe, "w") as f:
-      f.write("ok")
-    os.remove(probe)
+    probe_write(_tmp_name(path, "tmp"))
   except OSError as e:
     raise io_error(e, flag, path) from None
+
+
+def probe_write(probe: str) -> None:
+  """Writes and removes file ``probe``, making its directory; OSError if it cannot.
+
+  A real write, not ``os.access``: root passes ``os.access`` on a read-only
+  mount or an immutable directory.
+  """
+  os.makedirs(os.path.dirname(probe), exist_ok=True)
+  with open(probe, "w") as f:
+    f.write("ok")
+  os.remove(probe)

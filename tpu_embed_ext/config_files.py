@@ -185,8 +185,8 @@ def _load_yaml(text: str):
     return loader.construct_document(node)
   except RecursionError:
     raise errors.ConfigError(
-        f"the YAML is nested deeper than Python can read. Fix: flatten it "
-        f"(a config nests a few levels).") from None
+        "the YAML is nested deeper than Python can read. Fix: flatten it "
+        "(a config nests a few levels).") from None
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

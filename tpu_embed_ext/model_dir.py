@@ -83,17 +83,9 @@ class lock:
 
 
 def check_writable(model_dir: str, what: str = "model_dir") -> None:
-  """ModelDirError unless files can be created in ``model_dir`` (made if absent).
-
-  A probe file, not ``os.access``: root passes ``os.access`` on a read-only
-  mount or an immutable directory.
-  """
-  probe = os.path.join(model_dir, f".write_probe_{os.getpid()}")
+  """ModelDirError unless files can be created in ``model_dir`` (made if absent)."""
   try:
-    os.makedirs(model_dir, exist_ok=True)
-    with open(probe, "w") as f:
-      f.write("ok")
-    os.remove(probe)
+    atomic.probe_write(os.path.join(model_dir, f".write_probe_{os.getpid()}"))
   except OSError as e:
     raise ModelDirError(
         f"cannot write to {what} {model_dir}: {e.strerror or e}. Fix: pass a "

@@ -251,9 +251,14 @@ def stacking_inputs(feature_config, optimizer=None,
 
 
 def layouts_by_stack(layouts: Sequence[TableLayout]) -> Dict[str, List[TableLayout]]:
-  """``{stack: [layouts in stack order]}``, stacks in first-seen order."""
+  """``{stack: [layouts in row order]}``, stacks in name order.
+
+  Not the stacker's order, which follows ``hash(optimizer)`` and so differs
+  between processes: plans, object graphs and conversions come out the same
+  in every run.
+  """
   out: Dict[str, List[TableLayout]] = {}
-  for layout in layouts:
+  for layout in sorted(layouts, key=lambda l: (l.stack, l.row_offset)):
     out.setdefault(layout.stack, []).append(layout)
   return out
 
@@ -268,7 +273,7 @@ def layouts_to_proto(layouts: Sequence[TableLayout]):
   """
   from tensorflow.core.tpu.kernels import sparse_core_layout_pb2  # pylint: disable=g-import-not-at-top
   proto = sparse_core_layout_pb2.SparseCoreTableLayouts()
-  for l in sorted(layouts, key=lambda l: (l.stack, l.row_offset)):
+  for l in (l for ls in layouts_by_stack(layouts).values() for l in ls):
     proto.tables.add(
         table_name=l.table, stacked_table_name=l.stack,
         num_sparse_cores=l.num_sparse_cores, num_partitions=l.num_partitions,

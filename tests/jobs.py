@@ -1,0 +1,40 @@
+"""What the job tests share: the CLI in-process, its one-line errors, checkpoints."""
+
+import os
+
+import tensorflow as tf
+
+from tpu_embed_ext import __main__ as cli
+
+_SUFFIX = " (--verbose shows the traceback)"
+
+
+def run_cli(capsys, *args):
+  """(exit status, stdout, stderr) of ``python -m tpu_embed_ext args``, in-process."""
+  try:
+    argv = cli.FLAGS(["tpu_embed_ext", *args])
+    status = cli.main(argv)
+  finally:
+    cli.FLAGS.unparse_flags()
+  out = capsys.readouterr()
+  return status, out.out, out.err
+
+
+def one_line_error(capsys, *args) -> str:
+  """The message of the one ``error: ...`` line a failing command prints (exit 2)."""
+  status, _, err = run_cli(capsys, *args)
+  lines = err.strip().splitlines()
+  assert status == 2, err
+  assert len(lines) == 1 and lines[0].startswith("error: "), err
+  assert lines[0].endswith(_SUFFIX), lines[0]
+  return lines[0][len("error: "):-len(_SUFFIX)]
+
+
+def variables(prefix):
+  """Every variable of a checkpoint, by key."""
+  return {k: tf.train.load_variable(prefix, k) for k, _ in tf.train.list_variables(prefix)
+          if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
+
+
+def checkpoint(model_dir, step):
+  return os.path.join(str(model_dir), "checkpoints", f"ckpt-{step}")
