@@ -356,6 +356,18 @@ def markdown(results) -> str:
               f"TF-op path {f['embedding_layer_tf_ops']:.2f} "
               f"({f['tf_ops/native']:.2f}x native), `keras.layers.Embedding` "
               f"{f['keras_embedding']:.2f} ({f['keras_embedding/native']:.2f}x native).", ""]
+  goals = []
+  for key, runs in results["steps"].items():
+    if not key.startswith("W2/"):
+      continue
+    goal = 0.35 if key.endswith("/adagrad") else 0.5
+    ratios = [r["native/floor"] for r in runs]
+    verdict = ("met in every run" if max(ratios) <= goal else
+               "met in no run" if min(ratios) > goal else "met in some runs only")
+    goals.append(f"{key} {min(ratios):.2f}-{max(ratios):.2f} (goal <= {goal}: {verdict})")
+  if goals:
+    lines += ["Against issue 23's goals, native / floor per run: " + "; ".join(goals)
+              + ".", ""]
   la, lb = results["load_average_start"], results["load_average_end"]
   lines += [f"{results['runs']} run(s) of {results['repeats']} round-robin repeats after "
             f"{results['warmup']} warm-up steps, one process per row; load average {la[0]:.1f} at the start, "
