@@ -5,10 +5,12 @@ what ``updates.prepare`` and the engine's checks do with TensorFlow ops: the
 per-occurrence gradients (``gain * dL/dact[row]``, as
 ``lookups.occurrence_gradients``), per-id sums in input order (or the
 rounds of ``use_gradient_accumulation=False``, or every row for non-lazy
-Adam), ``update_rules.apply_update`` on copies of the touched rows, the
-checks of what is applied and what would be written, and only then the
-writes of every table and slot. Same float32 operations in the same order,
-so the same numbers bit for bit (docs/native_kernels.md).
+Adam), ``update_rules.apply_update`` on the touched rows, and the checks of
+what is applied and what is written: a step that fails one leaves every
+table and slot as it was (rows updated in place are put back from the op's
+undo log; rows computed in scratch are never written). Same float32
+operations in the same order, so the same numbers bit for bit
+(docs/native_kernels.md).
 
 A step that fails a check writes nothing; the op says which table and
 variable failed, and the engine's own checks (``validation.check_finite``)

@@ -11,14 +11,17 @@
 //      contribution apart (ROUNDS: use_gradient_accumulation=False, applied
 //      in input order, which equals updates._in_rounds), or sums into every
 //      row of the table (EVERY_ROW: non-lazy Adam);
-//   2. runs update_rules.apply_update on copies of the touched rows, in
-//      float32 and in the same order of operations (bit-identical results;
-//      built with -ffp-contract=off so no multiply-add is fused);
-//   3. checks what it applies and what it would write, for ALL tables,
-//      and only then writes every table and slot, under exclusive locks of
-//      all the step's variables (copy-on-read as TensorFlow's own sparse
-//      training ops do, training_op_helpers.h).
-// A step that fails a check writes nothing and says which table and
+//   2. runs update_rules.apply_update on the touched rows, in float32 and
+//      in the same order of operations (bit-identical results; built with
+//      -ffp-contract=off so no multiply-add is fused): in place after
+//      logging the old rows (SUMS), or into scratch (ROUNDS, EVERY_ROW);
+//   3. checks what it applies (before any row changes) and what it writes,
+//      for ALL tables; if everything is finite it writes the scratch rows,
+//      else it puts the logged rows back. All of it under exclusive locks
+//      of all the step's variables (copy-on-read as TensorFlow's own sparse
+//      training ops do, training_op_helpers.h), so no reader sees a row in
+//      between.
+// A step that fails a check changes nothing and says which table and
 // variable failed (outputs); update.py raises the engine's usual messages.
 
 #ifndef EIGEN_USE_THREADS
