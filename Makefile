@@ -14,6 +14,9 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 # TensorFlow into this repo-local cache, by `make install` and on first use;
 # `make test` uses the same cache (tests never read ~/.cache).
 export TPU_EMBED_EXT_CACHE_DIR ?= $(CURDIR)/.cache
+# Test processes (pytest-xdist): each takes whole test files (--dist loadfile),
+# so a module's fixtures (a trained model_dir, say) are built once.
+TEST_WORKERS ?= 2
 
 .PHONY: run test bench docs install clean
 
@@ -31,7 +34,7 @@ run: install
 
 test: install
 	$(PY) -m tpu_embed_ext.emulation.native build
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(PIP) install -e '.[$(TF_FLAVOUR),test,bench]' 2>&1 | sed '/is ignored: it is neither/d'

@@ -51,6 +51,8 @@ setuptools.setup(
         "docs": _DOCS,
         "test": [
             "pytest>=7",
+            # `make test` runs the suite on two processes, a test file each.
+            "pytest-xdist>=3",
             "hypothesis>=6",
             "nbclient>=0.7",
             "nbformat>=5",

@@ -264,7 +264,9 @@ def train(engine, use_function):
     engine.enqueue(features, weights, training=True)
     train_dequeued(engine, constant)
 
-  run = tf.function(step_fn) if use_function else step_fn
+  # reduce_retracing, as Keras compiles its train step: one trace of exact
+  # shapes, then one of relaxed shapes serves every later batch.
+  run = tf.function(step_fn, reduce_retracing=True) if use_function else step_fn
   for step in range(STEPS):
     features, weights, raw, w = make_batch(step)
     # The same C as upstream_gradient: draw it for the activation shapes.
