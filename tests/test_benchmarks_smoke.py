@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from benchmarks import run_all, workloads
+from tpu_embed_ext.emulation import native as native_kernels
 
 
 def test_quick_benchmark_writes_json_and_tables(tmp_path):
@@ -72,6 +73,8 @@ def test_every_contender_takes_the_same_sgd_steps(name):
                                rtol=rtol, atol=1e-9, err_msg=f"{name} {table.name}")
 
 
+@pytest.mark.skipif(native_kernels.load() is None,
+                    reason=f"native kernels unavailable: {native_kernels.why_not()}")
 def test_quick_native_benchmark_writes_json_and_tables(tmp_path):
   from benchmarks import native  # pylint: disable=import-outside-toplevel
   subprocess.run([sys.executable, "-m", "benchmarks.native", "--quick",
