@@ -16,11 +16,10 @@ import textwrap
 
 import numpy as np
 import pytest
-
-from tests import mounts
 import tensorflow as tf
 
 import tpu_embed_ext as tee
+from tests import mounts
 from tpu_embed_ext import atomic
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext.sparsecore import convert_checkpoint

@@ -16,12 +16,10 @@ import shutil
 
 import numpy as np
 import pytest
-
-from tests import mounts
 import tensorflow as tf
 import yaml
 
-from tests import jobs
+from tests import jobs, mounts
 from tpu_embed_ext import atomic
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext import train as train_lib

@@ -757,8 +757,10 @@ class ApplyStepOp : public OpKernel {
     return AllFinite(t->g.data(), u * dim);
   }
 
-  // New rows of every variable of the table into t->rows (copies of the
-  // touched rows, updated in place); finite[j]: variable j's are finite.
+  // New rows of every variable of the table: ROUNDS and EVERY_ROW into
+  // t->rows (copies of the touched rows, updated there; step 3 commits
+  // them), SUMS in the variables themselves with t->rows as the undo log
+  // (UpdateInPlace); finite[j]: variable j's new rows are finite.
   void Update(Table* t, const std::vector<core::RefCountPtr<Var>>& vars,
               std::vector<bool>* finite) {
     if (t->mode == kSums) return UpdateInPlace(t, vars, finite);
