@@ -153,6 +153,9 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           for t in self._tables})
       if self._sparsecore is not None:
         self._sparsecore.track(self, self._variables)
+      if self._kernels == "native":  # large tables on huge pages
+        native.use_huge_pages([v for variables in self._variables.values()
+                               for v in variables.values()])
 
   @property
   def variables(self) -> Dict[str, Dict[str, tf.Variable]]:

@@ -30,6 +30,10 @@
 #include "tensorflow/core/kernels/training_op_helpers.h"
 #include "tensorflow/core/util/work_sharder.h"
 
+namespace tpu_embed_ext {
+void UseHugePages(const void* data, std::size_t bytes);  // huge_pages.cc
+}  // namespace tpu_embed_ext
+
 namespace tensorflow {
 namespace {
 
@@ -130,6 +134,8 @@ class LookupOp : public OpKernel {
                                         dim_, "], got ",
                                         table_t->shape().DebugString()));
     const int64_t vocab = table_t->dim_size(0);
+    // A buffer new since build (a restore): on huge pages from now on.
+    tpu_embed_ext::UseHugePages(table_t->tensor_data().data(), table_t->TotalBytes());
     // The message of TensorFlow's gather, which the TF-op path raises.
     for (int64_t i = 0; i < n; ++i) {
       OP_REQUIRES(ctx, ids[i] >= 0 && ids[i] < vocab,

