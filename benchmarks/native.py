@@ -5,10 +5,11 @@ in fresh processes, contenders stepped round robin on the same batches:
 
 * ``steps``: W1 (10^7 rows) and W2, every benchmarked optimizer:
   ``native`` (``CPUEmbedding(kernels="native")``), ``tf_ops``
-  (``kernels="tf"``, the path before the kernels) and ``sparse_floor``
-  (``workloads.sparse_floor``). One fresh process per workload and
-  optimizer, three runs in it; per run the median over repeats of the
-  per-repeat ratio native / floor.
+  (``kernels="tf"``, the path before the kernels), ``sparse_floor``
+  (``workloads.sparse_floor``) and ``floor_huge_pages`` (the same floor
+  with its tables on 2 MiB pages, as the native path puts its own). One
+  fresh process per workload and optimizer, three runs in it; per run the
+  median over repeats of the per-repeat ratio native / floor.
 * ``breakdown``: where a native W2 step's time goes (lookup only, lookup +
   loss + gradient, the whole step, an empty ``tf.function`` call), against
   a memory-bound estimate: the bytes the step must touch at this machine's
@@ -57,6 +58,8 @@ def _contenders(workload, optimizer):
     assert emb.kernels == kernels
     out[name] = _cpu_step(emb, workload)
   out["sparse_floor"] = workloads.sparse_floor(workload, optimizer)[0]
+  out["floor_huge_pages"] = workloads.sparse_floor(workload, optimizer,
+                                                   huge_pages=True)[0]
   return out
 
 
@@ -112,6 +115,8 @@ def compare(workload_expr: str, optimizer: str, repeats: int, warmup: int,
       r[f"{name}/floor_p90"] = float(np.percentile(ratios, 90))
     r["native/tf_ops"] = statistics.median(
         [a / b for a, b in zip(times["native"], times["tf_ops"])])
+    r["native/floor_huge_pages"] = statistics.median(
+        [a / b for a, b in zip(times["native"], times["floor_huge_pages"])])
     out.append(r)
   return out
 
@@ -331,14 +336,16 @@ def markdown(results) -> str:
   lines = []
   if results["steps"]:
     lines += ["| workload / optimizer | native ms | TF-op path ms | floor ms | "
-              "native / floor, per run | TF-op path / floor | native / TF-op path |",
-              "|---|---|---|---|---|---|---|"]
+              "native / floor, per run | TF-op path / floor | native / TF-op path | "
+              "floor on huge pages ms | native / it |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for key, runs in results["steps"].items():
       med = lambda k: statistics.median(r[k] for r in runs)  # pylint: disable=cell-var-from-loop
       per_run = ", ".join(f"{r['native/floor']:.2f}" for r in runs)
       lines.append(f"| {key} | {med('native'):.2f} | {med('tf_ops'):.2f} | "
                    f"{med('sparse_floor'):.2f} | **{per_run}** | "
-                   f"{med('tf_ops/floor'):.2f} | {med('native/tf_ops'):.2f} |")
+                   f"{med('tf_ops/floor'):.2f} | {med('native/tf_ops'):.2f} | "
+                   f"{med('floor_huge_pages'):.2f} | {med('native/floor_huge_pages'):.2f} |")
     lines.append("")
   b = results.get("breakdown")
   if b:

@@ -227,14 +227,21 @@ def keras_rs(workload: Workload, optimizer: str):
           {v.path.split("/")[-2]: v for v in layer.trainable_variables})
 
 
-def sparse_floor(workload: Workload, optimizer: str):
-  """Per table: unique + segment sum + one fused sparse-apply kernel."""
+def sparse_floor(workload: Workload, optimizer: str, huge_pages: bool = False):
+  """Per table: unique + segment sum + one fused sparse-apply kernel.
+
+  ``huge_pages``: its tables and slots on 2 MiB pages too, as the native
+  path puts its own (``native.use_huge_pages``), to tell that gain apart.
+  """
   slots = SLOT_INITIAL_VALUES[optimizer]
   tables = {}
   for t in workload.tables:
     shape = [t.vocab, t.dim]
     tables[t.name] = (t, tf.Variable(tf.fill(shape, INIT)),
                       [tf.Variable(tf.fill(shape, v)) for v in slots])
+  if huge_pages:
+    from tpu_embed_ext.emulation import native  # pylint: disable=import-outside-toplevel
+    native.use_huge_pages([v for _, var, s in tables.values() for v in (var, *s)])
 
   def update(var, slots, unique, g):
     if optimizer == "sgd":
