@@ -182,6 +182,37 @@ def test_sequence_features_place_positions_and_truncate(sparse):
 
 
 @needs_native
+@pytest.mark.parametrize("kind", ["dense", "ragged", "shuffled_sparse"])
+def test_large_lookups_split_across_threads_stay_bitwise(kind):
+  # 20,000 rows of DIM floats: over the 65,536 floats from which the op
+  # splits output rows across threads. Shuffled sparse indices give output
+  # rows out of order, so every thread scans all occurrences.
+  rng = np.random.RandomState(3)
+  batch = 20000
+  if kind == "dense":
+    ids = tf.constant(rng.randint(0, VOCAB, batch), tf.int64)
+    rows, weights = [[i] for i in ids.numpy()], [[1.0]] * batch
+    w = None
+  else:
+    lengths = rng.randint(0, 5, batch)
+    rows = [list(rng.randint(0, VOCAB, k)) for k in lengths]
+    weights = [list(rng.uniform(0.1, 2.0, k).astype(np.float32)) for k in lengths]
+    ids = tf.ragged.constant(rows, tf.int64, row_splits_dtype=tf.int64)
+    w = tf.ragged.constant(weights, tf.float32, row_splits_dtype=tf.int64)
+    if kind == "shuffled_sparse":
+      ids, w = ids.to_sparse(), w.to_sparse()
+      order = rng.permutation(int(ids.values.shape[0]))
+      ids = tf.SparseTensor(tf.gather(ids.indices, order), tf.gather(ids.values, order),
+                            ids.dense_shape)
+      w = tf.SparseTensor(tf.gather(w.indices, order), tf.gather(w.values, order),
+                          w.dense_shape)
+  ours = _lookup(_engine("native", "mean"), ids, w)
+  np.testing.assert_allclose(ours, _combine(_values(), rows, weights, "mean"),
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(ours, _lookup(_engine("tf", "mean"), ids, w))
+
+
+@needs_native
 @pytest.mark.parametrize("combiner", ["sum", "mean"])
 def test_simulated_quantization_runs_in_the_kernel_bitwise(combiner):
   q = api.QuantizationConfig(num_buckets=7, lower=-1.5, upper=1.25)
