@@ -63,7 +63,7 @@ def _machine_can_collapse():
   only where the kernel demonstrably grants it."""
   if _thp_mode() in (None, "never") or not _collapse_supported():
     return False
-  region = mmap.mmap(-1, 8 * MIB)
+  region = mmap.mmap(-1, 8 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
   try:
     region.write(b"\1" * (8 * MIB))
     before = _anon_huge_mib()
