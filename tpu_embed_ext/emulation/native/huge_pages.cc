@@ -12,9 +12,11 @@
 // to come, then MADV_COLLAPSE for the ones already there (Linux 6.1+; it
 // copies them, once). Both are hints: the contents never change, and where
 // huge pages are off ("never"), unavailable or unsupported, nothing happens.
-// It runs once per buffer: the engine calls TpuEmbedExtUseHugePages on its
-// variables when it builds them (update.py), and the lookup and update ops
-// call it on every buffer they use, for buffers replaced since (a restore).
+// The engine calls TpuEmbedExtUseHugePages on its variables when it builds
+// them (native/__init__.py); that call always asks. The lookup and update
+// ops call it on every buffer they use, for buffers replaced since (a
+// restore); they ask once per address range, so a new buffer at a range
+// seen before (freed, then allocated again) is not asked for there.
 // TPU_EMBED_EXT_HUGE_PAGES=0 in the environment turns it off.
 
 #include <cstddef>
@@ -41,7 +43,7 @@ bool HugePagesWanted() {
   return value == nullptr || std::strcmp(value, "0") != 0;
 }
 
-void UseHugePages(const void* data, std::size_t bytes) {
+void UseHugePages(const void* data, std::size_t bytes, bool again) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
   if (bytes < 4 * kHuge) return;  // a small table stays in the caches
@@ -52,7 +54,7 @@ void UseHugePages(const void* data, std::size_t bytes) {
   static std::set<std::pair<std::uintptr_t, std::uintptr_t>> advised;
   {
     std::lock_guard<std::mutex> lock(mu);
-    if (advised.count({begin, end}) || !HugePagesWanted()) return;
+    if ((!again && advised.count({begin, end})) || !HugePagesWanted()) return;
     advised.emplace(begin, end);
   }
   void* p = reinterpret_cast<void*>(begin);
@@ -64,6 +66,7 @@ void UseHugePages(const void* data, std::size_t bytes) {
 #else
   (void)data;
   (void)bytes;
+  (void)again;
 #endif
 }
 
@@ -90,7 +93,8 @@ class UseHugePagesOp : public OpKernel {
       tf_shared_lock lock(*var->mu());
       const Tensor* t = var->tensor();
       if (t->IsInitialized()) {
-        tpu_embed_ext::UseHugePages(t->tensor_data().data(), t->TotalBytes());
+        tpu_embed_ext::UseHugePages(t->tensor_data().data(), t->TotalBytes(),
+                                    /*again=*/true);
       }
     }
   }

@@ -49,7 +49,8 @@
 #include "tensorflow/core/platform/threadpool.h"
 
 namespace tpu_embed_ext {
-void UseHugePages(const void* data, std::size_t bytes);  // huge_pages.cc
+void UseHugePages(const void* data, std::size_t bytes,  // huge_pages.cc
+                  bool again = false);
 }  // namespace tpu_embed_ext
 
 namespace tensorflow {
