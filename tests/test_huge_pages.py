@@ -40,15 +40,6 @@ def _thp_mode():
     return None
 
 
-def _collapse_supported():
-  """MADV_COLLAPSE, which moves pages already in use, came in Linux 6.1."""
-  release = platform.release().split(".")
-  try:
-    return (int(release[0]), int(release[1].split("-")[0])) >= (6, 1)
-  except (ValueError, IndexError):
-    return False
-
-
 def _anon_huge_mib():
   with open("/proc/self/smaps_rollup") as f:
     for line in f:
@@ -60,8 +51,9 @@ def _anon_huge_mib():
 def _machine_can_collapse():
   """Whether this machine, now, moves 8 MiB of pages in use onto huge pages
   (it needs free 2 MiB blocks): the tests below assert what the engine gets
-  only where the kernel demonstrably grants it."""
-  if _thp_mode() in (None, "never") or not _collapse_supported():
+  only where the kernel demonstrably grants it. Before Linux 6.1 there is no
+  MADV_COLLAPSE: the probe's madvise fails."""
+  if _thp_mode() in (None, "never"):
     return False
   region = mmap.mmap(-1, 8 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
   try:

@@ -37,11 +37,14 @@
 #include "tensorflow/core/framework/resource_var.h"
 
 namespace tpu_embed_ext {
+namespace {
 
 bool HugePagesWanted() {
   const char* value = std::getenv("TPU_EMBED_EXT_HUGE_PAGES");
   return value == nullptr || std::strcmp(value, "0") != 0;
 }
+
+}  // namespace
 
 void UseHugePages(const void* data, std::size_t bytes, bool again) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
