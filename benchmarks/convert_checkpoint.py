@@ -30,6 +30,7 @@ import tempfile
 import numpy as np
 
 from benchmarks.run_all import HERE, _run_python
+from tpu_embed_ext import atomic
 
 _PRELUDE = (
     "import time, json\n"
@@ -42,7 +43,9 @@ _PRELUDE = (
     "    if line.startswith(key + ':'):\n"
     "      return int(line.split()[1]) / 1024\n"
     "w = workloads.w2({cap})\n"
-    "config = workloads._feature_config(w)\n"
+    # TPUEmbeddingV2 (engine='v2') needs every feature's output shape.
+    "config = {{n: E.FeatureConfig(f.table, name=f.name, output_shape=[w.batch])\n"
+    "          for n, f in workloads._feature_config(w).items()}}\n"
     "optimizer = E.Adagrad(0.1, initial_accumulator_value=0.1)\n")
 
 _MEASURE = (
@@ -144,8 +147,7 @@ def main():
       shutil.rmtree(folder, ignore_errors=True)
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "convert_quick.json" if args.quick else "convert.json")
-  with open(path, "w") as f:
-    json.dump(result, f, indent=2)
+  atomic.write_text(path, json.dumps(result, indent=2))
   print(json.dumps(result, indent=2))
 
 
