@@ -287,6 +287,7 @@ def _call(function: str, *args) -> dict:
 
 
 def main():
+  from tpu_embed_ext import atomic  # pylint: disable=import-outside-toplevel
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--optimizers", default="sgd,adagrad,adam,ftrl")
@@ -316,8 +317,8 @@ def main():
   results["load_average_end"] = os.getloadavg()
   os.makedirs(args.out, exist_ok=True)
   name = "native_quick" if quick else "native"
-  with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-    json.dump(results, f, indent=2)
+  atomic.write_text(os.path.join(args.out, f"{name}.json"),
+                    json.dumps(results, indent=2))
   text = markdown(results)
   print(text)
   if not quick and set(parts) == {"steps", "breakdown", "fit"}:
@@ -328,8 +329,7 @@ def main():
       content = head + BEGIN + "\n" + text + END + rest.split(END, 1)[1]
     else:
       content += "\n" + BEGIN + "\n" + text + END + "\n"
-    with open(path, "w") as f:
-      f.write(content)
+    atomic.write_text(path, content)
 
 
 def markdown(results) -> str:

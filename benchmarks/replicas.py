@@ -34,6 +34,7 @@ tf.config.set_logical_device_configuration(
 
 import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
 from benchmarks import workloads  # pylint: disable=g-import-not-at-top
+from tpu_embed_ext import atomic  # pylint: disable=g-import-not-at-top
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MARK = "<!-- replicas -->"
@@ -124,11 +125,11 @@ def main():
   out = os.path.join(HERE, "results",
                      "replicas_quick.json" if args.quick else "replicas.json")
   os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, "w") as f:
-    json.dump({"machine": platform.processor() or platform.machine(),
-               "cpus": os.cpu_count(), "tensorflow": tf.__version__,
-               "batch": workloads.BATCH, "repeats": repeats,
-               "results": results}, f, indent=1)
+  atomic.write_text(out, json.dumps(
+      {"machine": platform.processor() or platform.machine(),
+       "cpus": os.cpu_count(), "tensorflow": tf.__version__,
+       "batch": workloads.BATCH, "repeats": repeats, "results": results},
+      indent=1))
   table = markdown(results)
   print(table)
   if not args.quick:
@@ -138,8 +139,7 @@ def main():
       head, _, rest = text.partition(MARK)
       _, _, tail = rest.partition(MARK)
       text = f"{head}{MARK}\n{table}\n{MARK}{tail}"
-      with open(path, "w") as f:
-        f.write(text)
+      atomic.write_text(path, text)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from benchmarks import workloads
+from tpu_embed_ext import atomic
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MARK = "<!-- results -->"
@@ -180,16 +181,15 @@ def main():
       _PEAK_RSS_MIB[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
   os.makedirs(args.out, exist_ok=True)
   name = "bench_quick" if args.quick else "bench"
-  with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-    json.dump(results, f, indent=2)
+  atomic.write_text(os.path.join(args.out, f"{name}.json"),
+                    json.dumps(results, indent=2))
   text = markdown(results)
   print(text)
   if not args.quick:
     plot(results, os.path.join(args.out, "w1.png"))
     path = os.path.join(HERE, "RESULTS.md")
     head = open(path).read().split(MARK)[0] if os.path.exists(path) else ""
-    with open(path, "w") as f:
-      f.write(head + MARK + "\n" + text)
+    atomic.write_text(path, head + MARK + "\n" + text)
 
 
 def _ms(x):
