@@ -830,3 +830,90 @@ def test_matching_weights_train_as_numpy_over_steps(mode):
         table[i] -= 0.1 * wi
     np.testing.assert_allclose(emb.variables["t"]["parameters"].numpy(), table,
                                rtol=1e-6, atol=1e-7)
+
+
+# --- SparseTensor indices outside dense_shape, in every mode (issue 28) ---------
+
+# ids [[1, 2], [3]] of a batch of 2 with one index moved outside dense_shape.
+BAD_SPARSE = {
+    "row_too_large": ([[0, 0], [0, 1], [5, 0]], [2, 3], 5,
+                      "[2, 3] (index [5, 0]: 5 is not in [0, 2) in dimension 0)"),
+    "row_negative": ([[0, 0], [0, 1], [-1, 0]], [2, 3], -1,
+                     "[2, 3] (index [-1, 0]: -1 is not in [0, 2) in dimension 0)"),
+    "position_too_large": ([[0, 0], [0, 4], [1, 0]], [2, 3], 4,
+                           "[2, 3] (index [0, 4]: 4 is not in [0, 3) in dimension 1)"),
+}
+_SPARSE_REST = ("; its id would be looked up into, and trained by, another output "
+                "row. Fix: build the SparseTensor with every index in "
+                "[0, dense_shape) in its dimension")
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function", "xla"])
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+@pytest.mark.parametrize("case", sorted(BAD_SPARSE))
+def test_sparse_indices_outside_dense_shape_are_named_in_every_mode(case, combiner,
+                                                                    mode):
+  """Before: eagerly and in tf.function TensorFlow's "rows[1] = 5 is not in
+  [0, 2)" naming no feature; under XLA the id trained on another row's
+  gradient and raise_if_failed() stayed silent."""
+  indices, shape, value, detail = BAD_SPARSE[case]
+  table = api.TableConfig(6, 2, combiner=combiner, name="t",
+                          initializer=tf.constant_initializer(
+                              np.arange(12.).reshape(6, 2) / 10))
+  emb = tee.CPUEmbedding({"f": api.FeatureConfig(table, name="f")}, api.Adagrad(0.1))
+  good = tf.ragged.constant(IDS, tf.int64).to_sparse()
+  bad = tf.SparseTensor(indices, tf.constant([1, 2, 3], tf.int64), shape)
+
+  def step(ids):
+    emb.enqueue({"f": ids}, training=True)
+    acts = emb.dequeue()
+    emb.apply_gradients({"f": tf.ones_like(acts["f"])})
+    return acts["f"]
+
+  run = {"eager": step, "tf_function": tf.function(step),
+         "xla": tf.function(step, jit_compile=True)}[mode]
+  run(good)
+  before = _snapshot(emb)
+  head = (f"feature 'f' (table 't'): SparseTensor index {value} is outside the "
+          "dense_shape of the ids")
+  if mode == "eager":
+    with pytest.raises(tee.InputError, match=re.escape(head + " " + detail + _SPARSE_REST)):
+      run(bad)
+    with pytest.raises(tee.InputError, match=re.escape(head)):
+      emb({"f": bad})
+  elif mode == "tf_function":
+    graph_head = (r"feature \\'f\\' \(table \\'t\\'\): SparseTensor index \(below\) is "
+                  r"outside the dense_shape of the ids;.*Index outside:\] \[" + str(value))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=graph_head):
+      run(bad)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=graph_head):
+      tf.function(lambda i: emb({"f": i}))(bad)
+  else:
+    acts = run(bad)
+    assert np.isnan(acts.numpy()).all()
+    after = {k: v.numpy() for k, v in emb._variables["t"].items()}
+    for key in ("parameters", "accumulators"):
+      np.testing.assert_array_equal(after[key], before[f"t/{key}"], err_msg=key)
+    with pytest.raises(tee.InputError, match=re.escape(
+        "a step compiled with XLA was rejected and changed nothing: " + head + _SPARSE_REST)):
+      emb.raise_if_failed()
+  after = _snapshot(emb)
+  for key in before:
+    np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+  # The engine goes on: a good step after the rejected one trains as numpy.
+  run(good)
+  np.testing.assert_allclose(emb.variables["t"]["parameters"].numpy(),
+                             _adagrad_twice(combiner), rtol=1e-6)
+  assert int(emb.step.numpy()) == 2
+
+
+def _adagrad_twice(combiner):
+  """Two Adagrad(0.1) steps of ids [[1, 2], [3]] with dL/dact = 1 (numpy)."""
+  table = np.arange(12.).reshape(6, 2) / 10
+  acc = np.full((6, 2), 0.1)
+  gain = {1: 1.0, 2: 1.0, 3: 1.0} if combiner == "sum" else {1: 0.5, 2: 0.5, 3: 1.0}
+  for _ in range(2):
+    for i, g in gain.items():
+      acc[i] += g * g
+      table[i] -= 0.1 * g / np.sqrt(acc[i])
+  return table

@@ -49,6 +49,9 @@ class Occurrences(NamedTuple):
   kept: Optional[tf.Tensor] = None  # [n] bool
   # In a graph, whether the weights match the ids (validation.check_weights).
   weights_ok: Optional[tf.Tensor] = None
+  # In a graph, a sparse feature's indices against its dense_shape
+  # (validation.check_sparse_indices).
+  index_check: Optional[validation.IndexCheck] = None
 
 
 def as_ids(where: str, x):
@@ -191,6 +194,14 @@ def feature_occurrences(where: str, config, x, w, check: bool,
                        tf.size(ids, out_type=tf.int64), shape)
     occ = Occurrences(ids, None, None, tf.size(ids), shape)
   else:
+    index_check = None
+    if check and isinstance(x, tf.SparseTensor):
+      index_check = validation.check_sparse_indices(where, x)
+      if index_check is not None and index_check.assertion is not None:
+        # Every op that reads a row computed from the indices waits for the
+        # check (a combiner's segment sums, the gradients' gather).
+        with tf.control_dependencies([index_check.assertion]):
+          x = tf.SparseTensor(tf.identity(x.indices), x.values, x.dense_shape)
     weights_ok, weight = None, None
     if w is not None:
       weight = tf.cast(w.values, tf.float32)
@@ -203,7 +214,7 @@ def feature_occurrences(where: str, config, x, w, check: bool,
       occ = _ragged(where, config, x, weight, shape, native)
     else:
       occ = _sparse(where, config, x, weight, shape)
-    occ = occ._replace(weights_ok=weights_ok)
+    occ = occ._replace(weights_ok=weights_ok, index_check=index_check)
   return occ._replace(ids=tf.cast(occ.ids, tf.int64))
 
 

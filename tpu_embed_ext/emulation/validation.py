@@ -35,13 +35,16 @@ __all__ = ["Verdict", "in_xla_context", "check_structure", "check_ids",
            "check_same_indices", "IDS_OUT_OF_RANGE", "NOT_FINITE",
            "NOT_FINITE_UPDATE", "WEIGHTS_MISMATCH", "finite_message",
            "weights_layout_ok", "aligned_weights", "check_weights", "combine",
-           "failure_message", "check_gradient_type", "status"]
+           "failure_message", "check_gradient_type", "status",
+           "SPARSE_INDEX_OUT_OF_RANGE", "IndexCheck", "check_sparse_indices",
+           "check_indices", "sparse_index_message"]
 
 # Failure kinds recorded under XLA: (kind, index, value).
 IDS_OUT_OF_RANGE = 1   # index: feature, value: the offending id
 NOT_FINITE = 2         # index: table
 NOT_FINITE_UPDATE = 3  # index: table, value: variable (0: parameters, k: slot k)
 WEIGHTS_MISMATCH = 4   # index: feature
+SPARSE_INDEX_OUT_OF_RANGE = 5  # index: feature, value: the offending index
 
 
 class Verdict(NamedTuple):
@@ -346,6 +349,75 @@ def check_weights(wheres: List[str], oks: List[Optional[tf.Tensor]]) -> Optional
   return Verdict(ok, assertion, failure, per_item)
 
 
+class IndexCheck(NamedTuple):
+  """In a graph, one sparse feature's indices against its ``dense_shape``."""
+  ok: tf.Tensor                      # scalar bool
+  value: tf.Tensor                   # int64: the first index outside, if any
+  assertion: Optional[tf.Operation]  # None under XLA
+
+
+def sparse_index_message(where: str, value, detail: str = "") -> str:
+  return (f"{where}: SparseTensor index {value} is outside the dense_shape of "
+          f"the ids{detail}; its id would be looked up into, and trained by, "
+          "another output row. Fix: build the SparseTensor with every index in "
+          "[0, dense_shape) in its dimension (dense_shape[0] is the batch "
+          "size), e.g. with tf.sparse.from_dense or RaggedTensor.to_sparse().")
+
+
+def check_sparse_indices(where: str, x: tf.SparseTensor) -> Optional[IndexCheck]:
+  """Every index of ``x`` in ``[0, dense_shape)``, dimension by dimension.
+
+  Rows and sequence positions are computed from the indices; one outside
+  ``dense_shape`` would name another output row (TensorFlow's segment ops
+  raise a message naming no feature; XLA clamps or drops it, so the id
+  silently gets another row's gradient). Eagerly raises ``InputError``
+  (None returned); in a graph returns an ``IndexCheck`` whose assertion
+  (None under XLA) the feature's rows wait for.
+  """
+  indices = tf.convert_to_tensor(x.indices, tf.int64)
+  shape = tf.convert_to_tensor(x.dense_shape, tf.int64)
+  bad = tf.logical_or(indices < 0, indices >= shape[None, :])
+  if tf.executing_eagerly():
+    where_bad = tf.where(bad).numpy()
+    if where_bad.size:
+      i, d = (int(v) for v in where_bad[0])
+      value = int(indices[i, d])
+      raise errors.InputError(sparse_index_message(
+          where, value, f" {shape.numpy().tolist()} (index "
+          f"{indices[i].numpy().tolist()}: {value} is not in [0, "
+          f"{int(shape[d])}) in dimension {d})"))
+    return None
+  flat_bad = tf.reshape(bad, [-1])
+  ok = tf.logical_not(tf.reduce_any(flat_bad))
+  # Padded by one entry: argmax of an empty input is not defined.
+  flat = tf.concat([tf.reshape(indices, [-1]), [0]], 0)
+  first = tf.argmax(tf.cast(tf.concat([flat_bad, [False]], 0), tf.int32),
+                    output_type=tf.int64)
+  value = tf.gather(flat, first)
+  assertion = None
+  if not in_xla_context():
+    assertion = tf.debugging.Assert(
+        ok, [sparse_index_message(where, "(below)"), "Index outside:", value,
+             "dense_shape:", shape], summarize=8)
+  return IndexCheck(ok, value, assertion)
+
+
+def check_indices(checks: List[Optional[IndexCheck]]) -> Optional[Verdict]:
+  """In a graph: a Verdict that every sparse feature's indices are inside."""
+  if tf.executing_eagerly() or all(c is None for c in checks):
+    return None
+  per_item = tf.stack([tf.constant(True) if c is None else c.ok for c in checks])
+  values = tf.stack([tf.constant(0, tf.int64) if c is None else c.value
+                     for c in checks])
+  first = tf.argmax(tf.cast(tf.logical_not(per_item), tf.int32), output_type=tf.int64)
+  failure = tf.stack([tf.constant(SPARSE_INDEX_OUT_OF_RANGE, tf.int64), first,
+                      tf.gather(values, first)])
+  assertions = [c.assertion for c in checks
+                if c is not None and c.assertion is not None]
+  return Verdict(tf.reduce_all(per_item),
+                 tf.group(*assertions) if assertions else None, failure, per_item)
+
+
 def combine(verdicts: List[Optional[Verdict]]) -> Optional[Verdict]:
   """One Verdict for several checks of the same features (first failure wins)."""
   verdicts = [v for v in verdicts if v is not None]
@@ -388,6 +460,8 @@ def failure_message(kind: int, index: int, value: int, features, tables) -> str:
                        tables[feature.table].config.vocabulary_size, value)
   if kind == WEIGHTS_MISMATCH:
     return f"{features[index].where}: {WEIGHTS_MESSAGE}"
+  if kind == SPARSE_INDEX_OUT_OF_RANGE:
+    return sparse_index_message(features[index].where, value)
   table = tables[index]
   slots = table.optimizer.slot_names if table.optimizer is not None else ()
   return finite_message(kind, table.name, ("parameters", *slots)[value])
