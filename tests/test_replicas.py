@@ -497,3 +497,37 @@ def test_protocol_misuse_and_retry_under_two_replicas():
   with pytest.raises(tee.InputError, match=re.escape(
       "apply_gradients() called before enqueue().")):
     strategy.run(retry)
+
+
+# --- a SparseTensor index outside dense_shape on one replica (issue 28) ----------
+
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "tf_function"])
+def test_a_sparse_index_outside_dense_shape_on_one_replica_changes_nothing(
+    use_function):
+  strategy = mirrored(2)
+  engine = _video_engine(strategy)
+  good = tf.ragged.constant([[0, 1], [2]], tf.int64).to_sparse()
+  bad = tf.SparseTensor([[0, 0], [2, 0]], tf.constant([4, 5], tf.int64), [2, 2])
+
+  def step(batches):
+    engine.enqueue(distribute(strategy, batches), training=True)
+
+    def replica_step():
+      acts = engine.dequeue()
+      engine.apply_gradients({"watched": tf.ones_like(acts["watched"])})
+    strategy.run(replica_step)
+
+  run = tf.function(step) if use_function else step
+  before = {k: v.numpy() for k, v in engine.variables["video"].items()}
+  message = ("feature 'watched' \\(table 'video'\\): SparseTensor index "
+             + ("\\(below\\) is outside the dense_shape of the ids;.*Index outside:\\] "
+                "\\[2\\]" if use_function else
+                re.escape("2 is outside the dense_shape of the ids [2, 2]")))
+  error = tf.errors.InvalidArgumentError if use_function else tee.InputError
+  if use_function:
+    message = message.replace("'", "\\\\'")
+  with pytest.raises(error, match=message):
+    run([{"watched": good}, {"watched": bad}])
+  for k, v in engine.variables["video"].items():
+    np.testing.assert_array_equal(v.numpy(), before[k], err_msg=k)
+  assert int(engine.step.numpy()) == 0
