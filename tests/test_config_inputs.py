@@ -162,6 +162,63 @@ def test_recursive_alias_deep_nesting_and_size_are_refused(tmp_path):
     tee.EmbeddingSpec.from_file(str(big))
 
 
+def test_json_has_the_yaml_limit_on_values(tmp_path):
+  """A JSON file has no aliases, but 16 MiB of `0,` is 8 million values: the
+  YAML limit of 1,000,000 applies to it too; a config of normal size is read."""
+  boundaries = list(range(1, config_files.MAX_NODES + 2))
+  path = tmp_path / "big.json"
+  path.write_text('{"schedules": {"s": {"boundaries": %s}}}' % boundaries)
+  with pytest.raises(tee.ConfigError, match=re.escape(
+      "the config holds more than 1,000,000 values. Fix: name the config file")):
+    tee.EmbeddingSpec.from_file(str(path))
+  path.write_text('{"a": %s}' % boundaries[:10_000])
+  assert len(config_files.load(str(path))["a"]) == 10_000
+
+
+# --- the train: section's dense optimizer (issue 28) ------------------------------
+
+DENSE_OPTIMIZERS = {
+    # Before: KeyError: 'class_name' from Keras.
+    "no_class": ({"learning_rate": 0.002}, tee.ConfigError,
+                 "train.dense_optimizer: the dense optimizer {'learning_rate': 0.002} "
+                 "has no `class`. Fix: write e.g. {class: Adam, learning_rate: 0.001}"),
+    # Before: KeyError: 'inner_optimizer'.
+    "loss_scale_optimizer": (
+        {"class": "LossScaleOptimizer"}, tee.ConfigError,
+        "train.dense_optimizer: Keras cannot build the dense optimizer {'class': "
+        "'LossScaleOptimizer'}: it needs the argument 'inner_optimizer', which the "
+        "job cannot give. Fix: write e.g. {class: Adam, learning_rate: 0.001}"),
+    # Before: the string turned AMSGrad on.
+    "amsgrad_string": (
+        {"class": "Adam", "amsgrad": "false"}, tee.ConfigTypeError,
+        "train.dense_optimizer.amsgrad: amsgrad must be true or false, got str "
+        "'false'. Fix: write true or false (unquoted)."),
+    "nesterov_int_keras_form": (
+        {"class_name": "SGD", "config": {"nesterov": 0}}, tee.ConfigTypeError,
+        "train.dense_optimizer.nesterov: nesterov must be true or false, got int 0."),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DENSE_OPTIMIZERS))
+def test_dense_optimizer_errors_are_one_line(name):
+  from tpu_embed_ext.job import config as job_config  # pylint: disable=g-import-not-at-top
+  optimizer, error, message = DENSE_OPTIMIZERS[name]
+  with pytest.raises(error) as info:
+    job_config.TrainConfig.from_dict({"dense_optimizer": optimizer})
+  assert str(info.value).startswith(message), str(info.value)
+  assert "\n" not in str(info.value)
+
+
+def test_dense_optimizer_booleans_that_are_bools_are_kept():
+  import keras  # pylint: disable=g-import-not-at-top
+  from tpu_embed_ext.job import config as job_config  # pylint: disable=g-import-not-at-top
+  for amsgrad in (False, True):
+    cfg = job_config.TrainConfig.from_dict(
+        {"dense_optimizer": {"class": "Adam", "amsgrad": amsgrad}})
+    built = keras.optimizers.get(job_config.keras_config(cfg.dense_optimizer))
+    assert built.amsgrad is amsgrad
+
+
 # --- derived names ---------------------------------------------------------------
 
 def test_table_and_slot_names_collide_at_engine_construction_from_tf_configs():

@@ -71,17 +71,27 @@ def _load_json(text: str):
   return data
 
 
-def _check_depth(data, depth=0):
-  if depth > MAX_DEPTH:
-    raise errors.ConfigError(
-        f"the config nests more than {MAX_DEPTH} levels. Fix: flatten it (a "
-        "config nests a few levels).")
-  if isinstance(data, dict):
-    for value in data.values():
-      _check_depth(value, depth + 1)
-  elif isinstance(data, list):
-    for value in data:
-      _check_depth(value, depth + 1)
+def _check_depth(data):
+  """The YAML limits for JSON: MAX_DEPTH levels and MAX_NODES values (a
+  16 MiB file of `0,` holds eight million, each of which the spec's checks
+  then visit)."""
+  stack, count = [(data, 0)], 0
+  while stack:
+    node, depth = stack.pop()
+    count += 1
+    if count > MAX_NODES:
+      raise errors.ConfigError(
+          f"the config holds more than {MAX_NODES:,} values. Fix: name the "
+          "config file (a config of 1,000 tables has about 10,000), not a "
+          "data file.")
+    if depth > MAX_DEPTH:
+      raise errors.ConfigError(
+          f"the config nests more than {MAX_DEPTH} levels. Fix: flatten it (a "
+          "config nests a few levels).")
+    if isinstance(node, dict):
+      stack.extend((v, depth + 1) for v in node.values())
+    elif isinstance(node, list):
+      stack.extend((v, depth + 1) for v in node)
 
 
 def _check_expansion(root) -> None:

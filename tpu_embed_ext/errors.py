@@ -109,3 +109,12 @@ def require_name(value, path: str, what: str) -> None:
     raise ConfigTypeError(
         f"{what} must be a name (a string), got {type(value).__name__} "
         f"{value!r}. Fix: write one of the names it accepts.", path=path)
+
+
+def require_bool(value, path: str, name: str) -> None:
+  """ConfigTypeError unless ``value`` is a bool: ``"false"`` is a non-empty
+  string, which Python (and so Keras) would take as true."""
+  if not isinstance(value, bool):
+    raise ConfigTypeError(
+        f"{name} must be true or false, got {type(value).__name__} "
+        f"{value!r}. Fix: write true or false (unquoted).", path=path)

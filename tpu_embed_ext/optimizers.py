@@ -149,11 +149,7 @@ class OptimizerSpec:
           "the name of an entry under `schedules:`).", path="learning_rate")
 
   def _check_bool(self, name: str):
-    value = getattr(self, name)
-    if not isinstance(value, bool):
-      raise errors.ConfigTypeError(
-          f"{name} must be true or false, got {type(value).__name__} "
-          f"{value!r}. Fix: write true or false.", path=name)
+    errors.require_bool(getattr(self, name), name, name)
 
   def _check_number(self, name: str) -> float:
     value = getattr(self, name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from typing import Any, Mapping, Optional
 
 import keras
@@ -98,20 +99,40 @@ def _positive(value, path: str, name: str) -> None:
 def _check_dense_optimizer(optimizer) -> None:
   if optimizer is None:
     return
+  names = sorted(n for n, c in vars(keras.optimizers).items()
+                 if isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer)
+                 and c is not keras.optimizers.Optimizer)
+  fix = (f"Fix: write e.g. {{class: Adam, learning_rate: 0.001}}; classes: "
+         f"{', '.join(names)}.")
+  path = "train.dense_optimizer"
+  if isinstance(optimizer, Mapping) and not ({"class", "class_name"} & set(optimizer)):
+    raise errors.ConfigError(
+        f"the dense optimizer {dict(optimizer)!r} has no `class`. {fix}", path=path)
   try:
-    keras.optimizers.get(keras_config(optimizer))
-  except (ValueError, TypeError) as e:
-    names = sorted(n for n, c in vars(keras.optimizers).items()
-                   if isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer)
-                   and c is not keras.optimizers.Optimizer)
+    built = keras.optimizers.get(keras_config(optimizer))
+  except (ValueError, TypeError, KeyError) as e:
     given = (optimizer.get("class") or optimizer.get("class_name")
              if isinstance(optimizer, Mapping) else optimizer)
-    hint = errors.did_you_mean(given, names) if isinstance(given, str) else ""
+    hint = (errors.did_you_mean(given, names)
+            if isinstance(given, str) and given not in names else "")
+    # A KeyError is an argument the class needs (LossScaleOptimizer's
+    # inner_optimizer), whose str() is only the quoted name.
+    why = (f"it needs the argument {e}, which the job cannot give"
+           if isinstance(e, KeyError) else str(e).splitlines()[0])
     raise errors.ConfigError(
-        f"Keras cannot build the dense optimizer {optimizer!r}: "
-        f"{str(e).splitlines()[0]}{hint} Fix: write e.g. {{class: Adam, "
-        f"learning_rate: 0.001}}; classes: {', '.join(names)}.",
-        path="train.dense_optimizer") from None
+        f"Keras cannot build the dense optimizer {optimizer!r}: {why}.{hint} "
+        f"{fix}", path=path) from None
+  _check_keras_bools(type(built), keras_config(optimizer), path)
+
+
+def _check_keras_bools(cls, config, path: str) -> None:
+  """Keras takes any truthy value for a flag (``amsgrad: "false"`` turns it
+  on); an argument whose default is a bool must be one."""
+  args = config.get("config", {}) if isinstance(config, Mapping) else {}
+  params = inspect.signature(cls.__init__).parameters
+  for key, value in (args.items() if isinstance(args, Mapping) else ()):
+    if key in params and isinstance(params[key].default, bool):
+      errors.require_bool(value, f"{path}.{key}", key)
 
 
 def _check_model(model) -> None:
