@@ -917,3 +917,68 @@ def _adagrad_twice(combiner):
       acc[i] += g * g
       table[i] -= 0.1 * g / np.sqrt(acc[i])
   return table
+
+
+# --- a callable learning rate out of range, in every mode (issue 28) -------------
+
+_RATE_RULE = re.escape(
+    "a rate must be a finite number in [0, 1e+06] (below 0 the step climbs the loss; "
+    "above, one step moves a weight by lr * g and float32 overflows). No table, slot "
+    "or step was changed.")
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function", "xla"])
+@pytest.mark.parametrize("bad", [-1.0, 1e30, float("nan")], ids=["negative", "1e30", "nan"])
+def test_a_callable_learning_rate_out_of_range_changes_nothing(bad, mode):
+  """Before: SGD(learning_rate=lambda: -1.0) climbed the loss and lambda: 1e30
+  moved rows by 1e30, on both kernel paths. The rate is read each step: good,
+  then bad (rejected: neither table changes), then good again."""
+  rate = tf.Variable(0.1)
+  tables = [api.TableConfig(6, 2, name=n, initializer=tf.constant_initializer(
+      np.arange(12.).reshape(6, 2) / 10)) for n in ("a", "b")]
+  tables[1] = api.TableConfig(6, 2, name="b", optimizer=api.SGD(0.5),
+                              initializer=tables[1].initializer)
+  emb = tee.CPUEmbedding({"x": api.FeatureConfig(tables[0], name="x"),
+                          "y": api.FeatureConfig(tables[1], name="y")},
+                         api.SGD(learning_rate=lambda: rate.read_value()))
+
+  def step():
+    emb.enqueue({"x": tf.constant([1, 2]), "y": tf.constant([3, 3])}, training=True)
+    acts = emb.dequeue()
+    emb.apply_gradients(tf.nest.map_structure(tf.ones_like, acts))
+
+  run = {"eager": step, "tf_function": tf.function(step),
+         "xla": tf.function(step, jit_compile=True)}[mode]
+  run()
+  before = _snapshot(emb)
+  rate.assign(bad)
+  shown = {-1.0: "-1", 1e30: "1e+30"}.get(bad, "nan")
+  eager_message = (re.escape(f"table 'a': its learning-rate callable gave {shown} "
+                             "this step; ") + _RATE_RULE)
+  if mode == "eager":
+    with pytest.raises(tee.InputError, match=eager_message):
+      run()
+  elif mode == "tf_function":
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="a learning-rate callable gave a rate out of range this "
+                       r"step; .*Tables and rates:\] \[table \\'a\\'\] \[" + re.escape(shown)):
+      run()
+  else:
+    run()
+    with pytest.raises(tee.InputError, match="a step compiled with XLA was rejected "
+                       "and changed nothing: " + eager_message):
+      emb.raise_if_failed()
+  after = _snapshot(emb)
+  for key in before:
+    np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+  rate.assign(0.2)
+  run()
+  a = np.arange(12.).reshape(6, 2) / 10
+  a[[1, 2]] -= 0.1 + 0.2  # two accepted steps: rates 0.1 and 0.2, gradient 1
+  b = np.arange(12.).reshape(6, 2) / 10
+  b[3] -= 2 * 0.5 * 2  # two steps of SGD(0.5), id 3 twice a step
+  np.testing.assert_allclose(emb.variables["a"]["parameters"].numpy(), a, rtol=1e-6,
+                             atol=1e-7)
+  np.testing.assert_allclose(emb.variables["b"]["parameters"].numpy(), b, rtol=1e-6,
+                             atol=1e-7)
+  assert int(emb.step.numpy()) == 2

@@ -531,3 +531,46 @@ def test_a_sparse_index_outside_dense_shape_on_one_replica_changes_nothing(
   for k, v in engine.variables["video"].items():
     np.testing.assert_array_equal(v.numpy(), before[k], err_msg=k)
   assert int(engine.step.numpy()) == 0
+
+
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "tf_function"])
+def test_a_callable_learning_rate_out_of_range_under_two_replicas(use_function):
+  strategy = mirrored(2)
+  rate = tf.Variable(0.1)
+  table = api.TableConfig(8, 4, name="video", initializer=tf.constant_initializer(
+      np.arange(32.).reshape(8, 4) / 10))
+  with strategy.scope():
+    engine = tee.CPUEmbedding({"watched": api.FeatureConfig(table, name="watched")},
+                              api.SGD(learning_rate=lambda: rate.read_value()))
+  batches = [{"watched": tf.ragged.constant([[0, 1], [2]], tf.int64)},
+             {"watched": tf.ragged.constant([[1], [7]], tf.int64)}]
+
+  def step():
+    engine.enqueue(distribute(strategy, batches), training=True)
+
+    def replica_step():
+      acts = engine.dequeue()
+      engine.apply_gradients({"watched": tf.ones_like(acts["watched"])})
+    strategy.run(replica_step)
+
+  run = tf.function(step) if use_function else step
+  before = {k: v.numpy() for k, v in engine.variables["video"].items()}
+  rate.assign(-1.0)
+  if use_function:
+    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(
+        "a learning-rate callable gave a rate out of range this step")):
+      run()
+  else:
+    with pytest.raises(tee.InputError, match=re.escape(
+        "table 'video': its learning-rate callable gave -1 this step")):
+      run()
+  for k, v in engine.variables["video"].items():
+    np.testing.assert_array_equal(v.numpy(), before[k], err_msg=k)
+  assert int(engine.step.numpy()) == 0
+  rate.assign(0.1)
+  run()
+  want = before["parameters"].astype(np.float64)
+  for i, g in {0: 0.5, 1: 1.5, 2: 1.0, 7: 1.0}.items():  # mean combiner
+    want[i] -= 0.1 * g
+  np.testing.assert_allclose(engine.variables["video"]["parameters"].numpy(), want,
+                             rtol=1e-6)

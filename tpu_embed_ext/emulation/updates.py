@@ -21,10 +21,10 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
-from tpu_embed_ext import errors, optimizers
+from tpu_embed_ext import errors, learning_rates as rates_lib, optimizers
 from tpu_embed_ext.emulation import update_rules, validation
 
-__all__ = ["Update", "apply_step", "prepare", "learning_rate"]
+__all__ = ["Update", "apply_step", "prepare", "learning_rate", "learning_rates"]
 
 
 class Update(NamedTuple):
@@ -53,7 +53,8 @@ def apply_step(payloads, tables, *, engine: str, validate: bool,
   the tables, slots and ``step`` change together or not at all.
   """
   status = tf.concat([p["status"] for p in payloads], 0)
-  rates = {}
+  names = [name for name, _, _ in tables]
+  rates, rate_verdict = learning_rates(names, [spec for _, spec, _ in tables])
   planned = []
   # Rows are read after the id check: a bad id fails with its message.
   with tf.control_dependencies([] if tf.executing_eagerly() else [status]):
@@ -61,16 +62,18 @@ def apply_step(payloads, tables, *, engine: str, validate: bool,
       ids = tf.concat([p["ids"][i] for p in payloads], 0)
       grads = tf.concat([p["grads"][i] for p in payloads], 0)
       planned.append(prepare(spec, variables[0], variables[1:], ids, grads,
-                             learning_rate(spec, rates), engine=engine,
-                             where=f"table '{name}'"))
-  verdicts = []
+                             rates[i], engine=engine, where=f"table '{name}'"))
+  verdicts = [rate_verdict] if rate_verdict is not None else []
   if validate:
-    names = [name for name, _, _ in tables]
-    verdicts.append(validation.check_finite(names, [[u.grads] for u in planned]))
+    # Each check's assertion runs after the one before: the first failure's
+    # message is the one raised (a rate of 1e30 also overflows the update).
+    after = rate_verdict.assertion if rate_verdict is not None else None
+    verdicts.append(validation.check_finite(names, [[u.grads] for u in planned],
+                                            after=after))
     verdicts.append(validation.check_finite(
         names, [list(u.values) for u in planned], validation.NOT_FINITE_UPDATE,
         [["parameters", *spec.slot_names] for _, spec, _ in tables],
-        after=verdicts[0].assertion if verdicts[0] is not None else None))
+        after=verdicts[-1].assertion if verdicts[-1] is not None else None))
 
   def write(accept=None):
     with tf.control_dependencies([w for w in (u.write(accept) for u in planned)
@@ -96,6 +99,27 @@ def apply_step(payloads, tables, *, engine: str, validate: bool,
     return
   with tf.control_dependencies([status] + [v.assertion for v in verdicts]):
     write()
+
+
+def learning_rates(names, specs):
+  """``(rates, verdict)``: this step's rate of every table, and the check
+  that every callable's rate is in range (``validation.check_rates``: eagerly
+  it raises, naming the table, before anything is computed or written)."""
+  cache = {}
+  rates = [learning_rate(spec, cache) for spec in specs]
+  verdict = validation.check_rates(
+      names, [r if _unchecked_callable(s.learning_rate) else None
+              for s, r in zip(specs, rates)])
+  return rates, verdict
+
+
+def _unchecked_callable(lr) -> bool:
+  """A user's callable rate: constants and schedules (``learning_rates``'s
+  bound callables carry theirs as ``.schedule``) were checked over their
+  whole range when the spec was made. Under Adam's bias correction a user's
+  callable is checked times the correction factor, the rate applied."""
+  return callable(lr) and not isinstance(getattr(lr, "schedule", None),
+                                         rates_lib.Schedule)
 
 
 def learning_rate(spec, cache: dict) -> tf.Tensor:

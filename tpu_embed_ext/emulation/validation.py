@@ -22,12 +22,14 @@ from __future__ import annotations
 
 from typing import List, NamedTuple, Optional
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.numeric_traps import MAX_LEARNING_RATE
 
 __all__ = ["Verdict", "in_xla_context", "check_structure", "check_ids",
            "check_finite", "check_gradient", "check_output_shape",
@@ -37,7 +39,8 @@ __all__ = ["Verdict", "in_xla_context", "check_structure", "check_ids",
            "weights_layout_ok", "aligned_weights", "check_weights", "combine",
            "failure_message", "check_gradient_type", "status",
            "SPARSE_INDEX_OUT_OF_RANGE", "IndexCheck", "check_sparse_indices",
-           "check_indices", "sparse_index_message"]
+           "check_indices", "sparse_index_message",
+           "LEARNING_RATE_OUT_OF_RANGE", "check_rates", "rate_message"]
 
 # Failure kinds recorded under XLA: (kind, index, value).
 IDS_OUT_OF_RANGE = 1   # index: feature, value: the offending id
@@ -45,6 +48,8 @@ NOT_FINITE = 2         # index: table
 NOT_FINITE_UPDATE = 3  # index: table, value: variable (0: parameters, k: slot k)
 WEIGHTS_MISMATCH = 4   # index: feature
 SPARSE_INDEX_OUT_OF_RANGE = 5  # index: feature, value: the offending index
+LEARNING_RATE_OUT_OF_RANGE = 6  # index: table, value: the rate's float32 bits
+
 
 
 class Verdict(NamedTuple):
@@ -418,6 +423,54 @@ def check_indices(checks: List[Optional[IndexCheck]]) -> Optional[Verdict]:
                  tf.group(*assertions) if assertions else None, failure, per_item)
 
 
+# A callable's rate is held at every step to the bounds a config's rate is
+# held to when the spec is made (optimizers.py: >= 0; numeric_traps.py).
+_RATE_RULE = (f"a rate must be a finite number in [0, {MAX_LEARNING_RATE:g}] "
+              "(below 0 the step climbs the loss; above, one step moves a weight "
+              "by lr * g and float32 overflows). No table, slot or step was "
+              "changed. Fix: make the callable return a rate in "
+              f"[0, {MAX_LEARNING_RATE:g}], such as 0.01.")
+
+
+def rate_message(table: str, value: float) -> str:
+  return f"table '{table}': its learning-rate callable gave {value:g} this step; {_RATE_RULE}"
+
+
+def check_rates(tables: List[str], rates: List[Optional[tf.Tensor]]) -> Optional[Verdict]:
+  """This step's rate of every table with a callable rate (None: a constant,
+  checked when the spec was made) in ``[0, MAX_LEARNING_RATE]``.
+
+  Eagerly raises ``InputError``; in a graph returns a Verdict whose failure is
+  ``(LEARNING_RATE_OUT_OF_RANGE, table, float32 bits of the rate)``.
+  """
+  checked = [(i, r) for i, r in enumerate(rates) if r is not None]
+  if not checked:
+    return None
+  if tf.executing_eagerly():
+    for i, rate in checked:
+      value = float(rate)
+      if not 0.0 <= value <= MAX_LEARNING_RATE:  # NaN fails both
+        raise errors.InputError(rate_message(tables[i], value))
+    return None
+  values = tf.stack([tf.cast(r, tf.float32) for _, r in checked])
+  per_item = tf.logical_and(values >= 0.0, values <= MAX_LEARNING_RATE)
+  ok = tf.reduce_all(per_item)
+  first = tf.argmax(tf.cast(tf.logical_not(per_item), tf.int32), output_type=tf.int64)
+  index = tf.gather(tf.constant([i for i, _ in checked], tf.int64), first)
+  bits = tf.cast(tf.bitcast(tf.gather(values, first), tf.int32), tf.int64)
+  failure = tf.stack([tf.constant(LEARNING_RATE_OUT_OF_RANGE, tf.int64), index, bits])
+  assertion = None
+  if not in_xla_context():
+    names = tf.constant([f"table '{tables[i]}'" for i, _ in checked])
+    assertion = tf.debugging.Assert(ok, [
+        f"a learning-rate callable gave a rate out of range this step; {_RATE_RULE} "
+        "Tables and rates:", tf.boolean_mask(names, tf.logical_not(per_item)),
+        tf.boolean_mask(values, tf.logical_not(per_item))])
+  per_table = tf.tensor_scatter_nd_update(
+      tf.ones([len(rates)], tf.bool), [[i] for i, _ in checked], per_item)
+  return Verdict(ok, assertion, failure, per_table)
+
+
 def combine(verdicts: List[Optional[Verdict]]) -> Optional[Verdict]:
   """One Verdict for several checks of the same features (first failure wins)."""
   verdicts = [v for v in verdicts if v is not None]
@@ -462,6 +515,9 @@ def failure_message(kind: int, index: int, value: int, features, tables) -> str:
     return f"{features[index].where}: {WEIGHTS_MESSAGE}"
   if kind == SPARSE_INDEX_OUT_OF_RANGE:
     return sparse_index_message(features[index].where, value)
+  if kind == LEARNING_RATE_OUT_OF_RANGE:
+    rate = np.array(value, np.int64).astype(np.int32).view(np.float32)
+    return rate_message(tables[index].name, float(rate))
   table = tables[index]
   slots = table.optimizer.slot_names if table.optimizer is not None else ()
   return finite_message(kind, table.name, ("parameters", *slots)[value])

@@ -151,15 +151,17 @@ def _describe(spec, engine: str, grappler=(False, False), constant_lr=False):
 
 def _learning_rates(tables: Sequence[Table]):
   """This step's rate of every table as one tensor (one evaluation per
-  distinct callable, as the TF-op path: ``updates.learning_rate``), and
-  whether each is a constant of the graph."""
+  distinct callable, as the TF-op path: ``updates.learning_rates``), and
+  whether each is a constant of the graph. A callable's rate out of range
+  raises eagerly; in a graph the op waits for its assertion."""
   specs = [t.optimizer for t in tables]
   if not any(callable(s.learning_rate) for s in specs):
     return (tf.constant([s.learning_rate for s in specs], tf.float32),
             [True] * len(specs))
-  cache = {}
-  rates = [updates.learning_rate(s, cache) for s in specs]
-  return tf.stack(rates), [tf.get_static_value(r) is not None for r in rates]
+  rates, verdict = updates.learning_rates([t.name for t in tables], specs)
+  constant = [tf.get_static_value(r) is not None for r in rates]
+  with tf.control_dependencies([verdict.assertion] if verdict is not None else []):
+    return tf.identity(tf.stack(rates)), constant
 
 
 def apply_step(payloads, tables: Sequence[Table], feature_tables: Sequence[int],
