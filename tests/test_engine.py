@@ -982,3 +982,44 @@ def test_a_callable_learning_rate_out_of_range_changes_nothing(bad, mode):
   np.testing.assert_allclose(emb.variables["b"]["parameters"].numpy(), b, rtol=1e-6,
                              atol=1e-7)
   assert int(emb.step.numpy()) == 2
+
+
+# --- a Keras schedule object as an optimizer's learning_rate (issue 28) ----------
+
+@pytest.mark.parametrize("kind", ["tf_optimizer", "our_spec"])
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+def test_a_keras_schedule_as_learning_rate_follows_the_engine_step(kind, mode):
+  """Before: TypeError "missing 1 required positional argument: 'step'" at the
+  first apply_gradients. Now bound to the engine's step, as a spec's schedules:
+  the rate at table step t is the schedule's value at t (numpy formula)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5)
+  opt = (api.Adagrad(learning_rate=schedule) if kind == "tf_optimizer"
+         else tee.optimizers.Adagrad(learning_rate=schedule))
+  table = api.TableConfig(6, 2, name="t", initializer=tf.zeros_initializer())
+  emb = tee.CPUEmbedding({"f": api.FeatureConfig(table, name="f")}, opt)
+
+  def step():
+    emb.enqueue({"f": tf.constant([1, 4])}, training=True)
+    acts = emb.dequeue()
+    emb.apply_gradients({"f": tf.ones_like(acts["f"])})
+
+  run = tf.function(step) if mode == "tf_function" else step
+  want, acc = np.zeros(2), np.full(2, 0.1)
+  for t in range(4):
+    run()
+    acc += 1.0
+    want -= 0.1 * 0.5 ** (t / 2) / np.sqrt(acc)
+    np.testing.assert_allclose(emb.variables["t"]["parameters"].numpy()[[1, 4]],
+                               [want, want], rtol=1e-6)
+
+
+def test_a_keras_schedule_out_of_range_is_refused_naming_the_table():
+  import keras  # pylint: disable=g-import-not-at-top
+  schedule = keras.optimizers.schedules.InverseTimeDecay(0.1, 10, decay_rate=-0.5)
+  table = api.TableConfig(6, 2, name="t")
+  with pytest.raises(tee.ConfigError, match=re.escape(
+      "table 't'.learning_rate: InverseTimeDecay gives the learning rate inf at "
+      "step 20;")):
+    tee.CPUEmbedding({"f": api.FeatureConfig(table, name="f")},
+                     api.SGD(learning_rate=schedule))

@@ -279,3 +279,46 @@ def test_shipped_configs_load_and_round_trip(path):
   spec = tee.EmbeddingSpec.from_file(path)
   assert tee.EmbeddingSpec.from_dict(spec.to_dict()) == spec
   assert len(spec.tables) == 26
+
+
+# --- a config dict or path where a spec is taken (issue 28) ----------------------
+
+_DICT = {"optimizer": {"type": "sgd", "learning_rate": 0.5},
+         "tables": {"t": {"vocabulary_size": 6, "dim": 2,
+                          "initializer": {"type": "constant", "value": 1.0}}},
+         "features": {"f": {"table": "t"}}}
+
+
+@pytest.mark.parametrize("form", ["dict", "path", "pathlib"])
+def test_a_config_dict_or_path_is_taken_where_a_spec_is(tmp_path, form):
+  """Before: AttributeError from CPUEmbedding, EmbeddingLayer and plan. A
+  config is unambiguous (plain data with tables/features), so it is built."""
+  path = tmp_path / "c.yaml"
+  path.write_text(yaml.safe_dump(_DICT))
+  given = {"dict": _DICT, "path": str(path), "pathlib": path}[form]
+  emb = tee.CPUEmbedding(given)
+  emb.enqueue({"f": tf.constant([1, 3])}, training=True)
+  emb.apply_gradients(tf.nest.map_structure(tf.ones_like, emb.dequeue()))
+  want = [[1.0, 1.0]] * 6
+  want[1] = want[3] = [0.5, 0.5]  # SGD(0.5), gradient 1, from the config
+  assert emb.variables["t"]["parameters"].numpy().tolist() == want
+  layer = tee.EmbeddingLayer(given)
+  assert layer.embedding.variables["t"]["parameters"].shape == (6, 2)
+  assert [r.name for r in tee.plan(given).tables] == ["t"]
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: tee.plan(42), "plan() takes an EmbeddingSpec, a config dict or a config "
+     "file path, got int. Fix: pass EmbeddingSpec.from_file(path), or the path itself."),
+    (lambda: tee.CPUEmbedding({"f": "t"}), "feature_config entry 'f' is a str, not a "
+     "FeatureConfig. Fix: pass a nested structure of "
+     "tf.tpu.experimental.embedding.FeatureConfig, or an EmbeddingSpec, a config "
+     "dict or a config file path."),
+    (lambda: tee.CPUEmbedding("no/such.yaml"), "no/such.yaml: config file not found."),
+    (lambda: tee.EmbeddingLayer({**_DICT, "tables": []}),
+     "tables: the tables must be a mapping, got list []."),
+], ids=["plan_of_an_int", "feature_config_of_strings", "missing_file", "bad_dict"])
+def test_what_is_not_a_spec_is_one_line(call, message):
+  with pytest.raises(tee.ConfigError) as info:
+    call()
+  assert str(info.value).startswith(message), str(info.value)

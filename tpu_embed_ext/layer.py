@@ -79,6 +79,7 @@ class EmbeddingLayer(keras.layers.Layer):
     # under mixed precision); the engine takes them in float32.
     self._convert_input_args = False
     self._serving = False
+    spec_or_feature_config = EmbeddingSpec.coerce(spec_or_feature_config)
     self._spec = (spec_or_feature_config
                   if isinstance(spec_or_feature_config, EmbeddingSpec) else None)
     self._engine_arg = engine

@@ -406,6 +406,15 @@ class RateBinder:
     return self._rates[key]
 
 
+  def schedule(self, schedule: Schedule):
+    """``schedule`` alone (no bias correction) as a zero-arg callable reading
+    ``step``: one callable per distinct schedule."""
+    key = (schedule, None)
+    if key not in self._rates:
+      self._rates[key] = _dynamic(schedule, None, self.step)
+    return self._rates[key]
+
+
 def _dynamic(lr, betas, step):
   def base():
     if isinstance(lr, Schedule):

@@ -8,7 +8,8 @@ from typing import Dict, List, Optional
 
 import tensorflow as tf
 
-from tpu_embed_ext import learning_rates, numeric_traps, optimizers, tf_config
+from tpu_embed_ext import errors, learning_rates, numeric_traps, optimizers, tf_config
+from tpu_embed_ext.spec import EmbeddingSpec
 from tpu_embed_ext.text_table import human_bytes as _human
 from tpu_embed_ext.text_table import lines as _table_lines
 
@@ -175,5 +176,12 @@ class Plan:
 
 
 def plan(spec) -> Plan:
-  """The plan of ``spec``: ``print(plan(spec))`` for the table."""
+  """The plan of ``spec`` (an ``EmbeddingSpec``, a config dict or a config
+  file path): ``print(plan(spec))`` for the table."""
+  spec = EmbeddingSpec.coerce(spec)
+  if not isinstance(spec, EmbeddingSpec):
+    raise errors.ConfigTypeError(
+        f"plan() takes an EmbeddingSpec, a config dict or a config file path, "
+        f"got {type(spec).__name__}. Fix: pass EmbeddingSpec.from_file(path), "
+        "or the path itself.")
   return Plan(spec)

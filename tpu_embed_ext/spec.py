@@ -98,6 +98,22 @@ class EmbeddingSpec:
   # --- parsing ---------------------------------------------------------------
 
   @classmethod
+  def coerce(cls, value):
+    """``value`` as a spec if it is one, a config file path or a config dict;
+    anything else (a nested structure of ``FeatureConfig``) unchanged.
+
+    A config dict is told from a ``FeatureConfig`` structure by its content:
+    plain data with ``tables`` or ``features``, and no TensorFlow object.
+    """
+    if isinstance(value, (str, os.PathLike)):
+      return cls.from_file(value)
+    if (isinstance(value, Mapping) and {"tables", "features"} & set(value)
+        and all(isinstance(leaf, (str, int, float, bool, type(None)))
+                for leaf in _leaves(value))):
+      return cls.from_dict(value)
+    return value
+
+  @classmethod
   def from_file(cls, path: str) -> "EmbeddingSpec":
     """Reads a ``.yaml``/``.yml`` or ``.json`` file (config_files.py: bounded
     in size, nesting and YAML alias expansion)."""
@@ -330,3 +346,16 @@ class EmbeddingSpec:
   def to_yaml(self) -> str:
     import yaml
     return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _leaves(value):
+  """Every non-container value of nested dicts and lists (iteratively)."""
+  stack = [value]
+  while stack:
+    node = stack.pop()
+    if isinstance(node, Mapping):
+      stack.extend(node.values())
+    elif isinstance(node, (list, tuple)):
+      stack.extend(node)
+    else:
+      yield node

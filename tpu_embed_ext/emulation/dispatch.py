@@ -9,6 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tpu_embed_ext import optimizers
+from tpu_embed_ext.spec import EmbeddingSpec
 from tpu_embed_ext.emulation import engine as engine_lib
 
 __all__ = ["create_embedding"]
@@ -35,6 +36,7 @@ def create_embedding(feature_config, optimizer=None, *, engine=None,
   that the caller must advance (``EmbeddingLayer`` does).
   """
   from tensorflow.python.distribute import tpu_strategy
+  feature_config = EmbeddingSpec.coerce(feature_config)
   strategy = strategy or tf.distribute.get_strategy()
   if isinstance(strategy, (tpu_strategy.TPUStrategy, tpu_strategy.TPUStrategyV2)):
     step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")

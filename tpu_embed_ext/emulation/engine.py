@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional
 import tensorflow as tf
 from tensorflow.python.trackable import autotrackable
 
-from tpu_embed_ext import errors
+from tpu_embed_ext import errors, spec as spec_lib
 from tpu_embed_ext.emulation import (lookups, native, protocol, replicas,
                                       shapes,
                                       sparsecore_limits, tables as tables_lib,
@@ -119,9 +119,11 @@ class CPUEmbedding(autotrackable.AutoTrackable):
                                         name="step"),
                  _failure=tf.Variable([0, 0, 0], dtype=tf.int64,
                                       trainable=False, name="failure"))
+    feature_config = spec_lib.EmbeddingSpec.coerce(feature_config)
     if hasattr(feature_config, "feature_config"):  # An EmbeddingSpec.
       feature_config = feature_config.feature_config(step=self.step)
     tables, features = tables_lib.resolve_all(feature_config, optimizer, engine)
+    tables = tables_lib.bind_schedules(tables, self.step)
     _untracked(self, _feature_config=feature_config, _tables=tables,
                _features=features, _variables=None,
                _batches=protocol.Batches(),

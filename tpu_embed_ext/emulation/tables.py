@@ -15,13 +15,15 @@ refuses to be created with it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Dict, List, NamedTuple, Tuple
 
+import keras
 import tensorflow as tf
 from tensorflow.python.util import nest
 
-from tpu_embed_ext import derived_names, errors, optimizers
+from tpu_embed_ext import derived_names, errors, learning_rates, optimizers
 from tpu_embed_ext.emulation import validation
 
 __all__ = ["Table", "Feature", "resolve_all", "resolve", "slot_names", "check_trainable", "name_of",
@@ -50,6 +52,12 @@ def resolve_all(feature_config, optimizer, engine: str
   features: List[Feature] = []
   index = {}
   for path, feature in nest.flatten_with_joined_string_paths(feature_config):
+    if not isinstance(feature, tf.tpu.experimental.embedding.FeatureConfig):
+      raise errors.ConfigTypeError(
+          f"feature_config entry '{path}' is a {type(feature).__name__}, not a "
+          "FeatureConfig. Fix: pass a nested structure of "
+          "tf.tpu.experimental.embedding.FeatureConfig, or an EmbeddingSpec, a "
+          "config dict or a config file path.")
     if id(feature.table) not in index:
       index[id(feature.table)] = len(tables)
       tables.append(resolve(feature.table, optimizer, len(tables), engine))
@@ -90,6 +98,31 @@ def resolve(table, global_optimizer, i: int, engine: str) -> Table:
         'decay, or emulate TPUEmbedding with engine="v1".')
   is_tf = not isinstance(tf_optimizer, optimizers.OptimizerSpec)
   return Table(table, name, spec, tf_optimizer if is_tf else None)
+
+
+def bind_schedules(tables: List[Table], step) -> List[Table]:
+  """Tables whose rate is a schedule object get it bound to ``step``.
+
+  ``TPUEmbedding`` takes a number or a zero-arg callable; a Keras
+  ``LearningRateSchedule`` (or a ``learning_rates.Schedule``) given as an
+  optimizer's ``learning_rate`` failed at the first step with a TypeError
+  about ``step``. As a Keras user expects, it follows the engine's step, as
+  an ``EmbeddingSpec``'s schedules do (checked over its whole range first).
+  """
+  binder = learning_rates.RateBinder(step)
+  out = []
+  for t in tables:
+    lr = t.optimizer.learning_rate if t.optimizer is not None else None
+    if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+      try:
+        lr = learning_rates.Schedule.from_keras(lr)
+      except errors.ConfigError as e:
+        raise e.at(f"table '{t.name}'.learning_rate") from None
+    if isinstance(lr, learning_rates.Schedule):
+      t = t._replace(optimizer=dataclasses.replace(
+          t.optimizer, learning_rate=binder.schedule(lr)))
+    out.append(t)
+  return out
 
 
 def slot_names(table: Table) -> Tuple[str, ...]:
