@@ -309,3 +309,35 @@ SERVING_CASES = [
 def test_exported_model_checks_every_input(exported, name, value, message):
   with pytest.raises(tf.errors.InvalidArgumentError, match=message):
     exported(**{**_inputs(), **value})
+
+
+# --- paths a run writes that are of the wrong kind (issue 28) ---------------------
+
+WRONG_KIND = ["metrics.json", "history.csv", "learning_curve.png", "run.json", ".lock",
+              "logs", "checkpoints"]
+
+
+@pytest.mark.parametrize("name", WRONG_KIND)
+def test_an_output_path_of_the_wrong_kind_is_one_line_before_any_work(
+    tmp_path, data_dir, capsys, name):
+  """Before: IsADirectoryError or FailedPreconditionError with a traceback,
+  for metrics.json and learning_curve.png after all the training; a
+  checkpoints file trained, failed, and said to run again."""
+  config = _config(tmp_path, data_dir)
+  model_dir = tmp_path / "run"
+  model_dir.mkdir()
+  is_dir = name in ("logs", "checkpoints")
+  if is_dir:
+    (model_dir / name).write_text("x")
+  else:
+    (model_dir / name).mkdir()
+  kind, other = ("file", "directory") if is_dir else ("directory", "file")
+  message = (f"{model_dir}/{name} is a {kind}, but a run writes its {name} "
+             f"{other} there. Fix: move it away, or pass another --model_dir; "
+             "nothing was written.")
+  with pytest.raises(model_dir_lib.ModelDirError) as info:
+    _run(model_dir, data_dir, 5, config=config)
+  assert str(info.value) == message
+  assert sorted(os.listdir(model_dir)) == [name]
+  assert _one_line(capsys, "train", "--config", config, "--tpu", "none",
+                   "--model_dir", str(model_dir)) == message

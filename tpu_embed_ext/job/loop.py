@@ -21,7 +21,8 @@ from tpu_embed_ext.job.config import check_steps, in_file, load
 from tpu_embed_ext.job.data import first_batch, input_datasets
 from tpu_embed_ext.job.evaluation import evaluate, planted_auc
 from tpu_embed_ext.job.memory import check_memory
-from tpu_embed_ext.job.outputs import (append_history, learning_rate_series,
+from tpu_embed_ext.job.outputs import (append_history, check_output_paths,
+                                       learning_rate_series,
                                        plot_learning_curve, purge_summaries,
                                        trim_history)
 from tpu_embed_ext.job.strategy import resolve_strategy
@@ -113,6 +114,7 @@ def train(config_path: str, *, model_dir: str, steps: Optional[int] = None,
     spec, cfg = load(config_path, overrides)
     total = check_steps(steps, cfg.steps)
     model_dir_lib.check_writable(model_dir)
+    check_output_paths(model_dir)
     with model_dir_lib.lock(model_dir), _io_errors(model_dir):
       # A checkpoints directory that cannot be written (a read-only mount)
       # is found before anything is trained. (An absent one is created by

@@ -22,11 +22,37 @@ import tensorflow as tf
 from tpu_embed_ext import atomic
 from tpu_embed_ext.spec import EmbeddingSpec
 
-__all__ = ["HISTORY", "learning_rate_series", "append_history", "read_history",
+__all__ = ["HISTORY", "OUTPUT_FILES", "OUTPUT_DIRS", "check_output_paths",
+           "learning_rate_series", "append_history", "read_history",
            "trim_history", "plot_learning_curve", "purge_summaries"]
 
 
 HISTORY = ("step", "loss", "auc", "eval_loss", "eval_auc")
+
+# What a training run writes in its model_dir: files, then directories.
+OUTPUT_FILES = (".lock", "run.json", "history.csv", "metrics.json",
+                "learning_curve.png")
+OUTPUT_DIRS = ("checkpoints", "logs")
+
+
+def check_output_paths(model_dir: str) -> None:
+  """ModelDirError before any work if a path the run writes is of the wrong
+  kind: a directory where a file goes (found only when it is written, some
+  after all the training), a file where a directory goes (a checkpoints file
+  failed every save, and the run said to run it again)."""
+  from tpu_embed_ext.model_dir import ModelDirError
+  for name in OUTPUT_FILES:
+    path = os.path.join(model_dir, name)
+    if os.path.isdir(path):
+      raise ModelDirError(
+          f"{path} is a directory, but a run writes its {name} file there. Fix: "
+          "move it away, or pass another --model_dir; nothing was written.")
+  for name in OUTPUT_DIRS:
+    path = os.path.join(model_dir, name)
+    if os.path.lexists(path) and not os.path.isdir(path):
+      raise ModelDirError(
+          f"{path} is a file, but a run writes its {name} directory there. Fix: "
+          "move it away, or pass another --model_dir; nothing was written.")
 
 
 def learning_rate_series(spec: EmbeddingSpec, dense_optimizer=None
