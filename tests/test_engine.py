@@ -1023,3 +1023,24 @@ def test_a_keras_schedule_out_of_range_is_refused_naming_the_table():
       "step 20;")):
     tee.CPUEmbedding({"f": api.FeatureConfig(table, name="f")},
                      api.SGD(learning_rate=schedule))
+
+
+def test_tables_larger_than_memory_are_refused_by_build_naming_the_table(monkeypatch):
+  """Before: ResourceExhaustedError from build() naming no table (2^40 rows)."""
+  from tpu_embed_ext import host_memory  # pylint: disable=g-import-not-at-top
+  huge = api.TableConfig(2 ** 40, 8, name="huge")
+  small = api.TableConfig(6, 2, name="small")
+  emb = tee.CPUEmbedding({"f": api.FeatureConfig(huge, name="f"),
+                          "g": api.FeatureConfig(small, name="g")}, api.Adagrad(0.1))
+  with pytest.raises(host_memory.MemoryLimitError, match=re.escape(
+      "table 'huge' (1,099,511,627,776 x 8, 1 slot(s)) needs 65,536.0 GiB (float32), "
+      "and all tables and slots 65,536.0 GiB, but this machine has ")):
+    emb.build()
+  assert emb._variables is None  # pylint: disable=protected-access
+  # The bound is what the machine has: 6 x 2 x 4 bytes x 2 = 96 bytes.
+  monkeypatch.setattr(host_memory, "available_memory", lambda: 95)
+  with pytest.raises(host_memory.MemoryLimitError, match=re.escape(
+      "table 'small' (6 x 2, 1 slot(s)) needs 0.0 GiB")):
+    tee.CPUEmbedding({"g": api.FeatureConfig(small, name="g")}, api.Adagrad(0.1)).build()
+  monkeypatch.setattr(host_memory, "available_memory", lambda: 96)
+  tee.CPUEmbedding({"g": api.FeatureConfig(small, name="g")}, api.Adagrad(0.1)).build()

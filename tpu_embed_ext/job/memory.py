@@ -2,29 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
-from tpu_embed_ext import errors
+from tpu_embed_ext.host_memory import MemoryLimitError, available_memory, gib as _gib
 from tpu_embed_ext.spec import EmbeddingSpec
 
 __all__ = ["MemoryLimitError", "available_memory", "memory_shortfall", "check_memory"]
-
-
-class MemoryLimitError(errors.Error, MemoryError):
-  """The tables and slots would not fit into this machine's memory."""
-
-
-def available_memory() -> int:
-  """Bytes the kernel says can be allocated without swapping (MemAvailable)."""
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def memory_shortfall(spec: EmbeddingSpec, available: Optional[int] = None
@@ -45,10 +28,6 @@ def memory_shortfall(spec: EmbeddingSpec, available: Optional[int] = None
           f"{len(big.optimizer.slot_names)} slot(s): "
           f"{_gib(big.total_bytes)}). Fix: lower its vocabulary_size "
           "for CPU emulation, or train on a TPU (--tpu).")
-
-
-def _gib(n: int) -> str:
-  return f"{n / 2**30:,.1f} GiB"
 
 
 def check_memory(spec: EmbeddingSpec, available: Optional[int] = None) -> None:

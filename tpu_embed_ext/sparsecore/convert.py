@@ -28,7 +28,7 @@ import tensorflow as tf
 from tensorflow.python.trackable import constants
 from tensorflow.python.util import nest
 
-from tpu_embed_ext import atomic, errors, optimizers
+from tpu_embed_ext import atomic, errors, host_memory, optimizers
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.checkpoint import (LAYOUTS_NAME, BundleWriter, ObjectGraph,
@@ -259,15 +259,7 @@ def resolve_checkpoint(path: str, log=print) -> str:
   return path
 
 
-def _available_memory() -> int:
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except (OSError, ValueError, IndexError):
-    pass
-  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+_available_memory = host_memory.available_memory  # tests replace it
 
 
 def _check_memory(tables, layouts) -> None:
