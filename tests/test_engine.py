@@ -1044,3 +1044,93 @@ def test_tables_larger_than_memory_are_refused_by_build_naming_the_table(monkeyp
     tee.CPUEmbedding({"g": api.FeatureConfig(small, name="g")}, api.Adagrad(0.1)).build()
   monkeypatch.setattr(host_memory, "available_memory", lambda: 96)
   tee.CPUEmbedding({"g": api.FeatureConfig(small, name="g")}, api.Adagrad(0.1)).build()
+
+
+# --- inputs named as the inputs they are (issue 28) -------------------------------
+
+_BIG = 2 ** 63 + 5
+INPUT_CASES = {
+    # Before: "id -9223372036854775803 is out of range" (the uint64 read as int64).
+    "uint64_id_of_2_63_or_more": (
+        lambda: tf.constant(np.array([[1], [_BIG]], np.uint64)), None,
+        f"feature 'f' (table 't'): id {_BIG} is out of range [0, 6).",
+        r"feature \\'f\\' \(table \\'t\\'\): ids must be in \[0, 6\)\..*Largest id:\] "
+        rf"\[{_BIG}\]"),
+    # Before: "table 't': gradient has NaN or Inf values" (blamed on the gradient).
+    "nan_weight": (
+        lambda: tf.ragged.constant(IDS, tf.int64),
+        lambda: tf.ragged.constant([[1.0, np.nan], [1.0]]),
+        "feature 'f' (table 't'): weights have NaN or Inf values; no table, slot or "
+        "step was changed.",
+        r"feature \\'f\\' \(table \\'t\\'\): weights have NaN or Inf values"),
+    "inf_weight_sparse": (
+        lambda: tf.ragged.constant(IDS, tf.int64).to_sparse(),
+        lambda: tf.ragged.constant([[1.0, 2.0], [np.inf]]).to_sparse(),
+        "feature 'f' (table 't'): weights have NaN or Inf values; no table, slot or "
+        "step was changed.",
+        r"feature \\'f\\' \(table \\'t\\'\): weights have NaN or Inf values"),
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function", "xla"])
+@pytest.mark.parametrize("case", sorted(INPUT_CASES))
+def test_bad_inputs_are_named_as_inputs_in_every_mode(case, mode):
+  make_ids, make_weights, message, graph_message = INPUT_CASES[case]
+  emb = _single_table(api.Adagrad(0.1))
+  before = _snapshot(emb)
+
+  def step(ids, weights=None):
+    emb.enqueue({"f": ids}, None if weights is None else {"f": weights},
+                training=True)
+    acts = emb.dequeue()
+    emb.apply_gradients({"f": tf.ones_like(acts["f"])})
+    return acts["f"]
+
+  args = [make_ids()] + ([make_weights()] if make_weights else [])
+  if mode == "eager":
+    with pytest.raises(tee.InputError, match=re.escape(message)):
+      step(*args)
+  elif mode == "tf_function":
+    with pytest.raises(tf.errors.InvalidArgumentError, match=graph_message):
+      tf.function(step)(*args)
+  else:
+    acts = tf.function(step, jit_compile=True)(*args)
+    assert np.isnan(acts.numpy()).all()
+    with pytest.raises(tee.InputError, match=re.escape(
+        "a step compiled with XLA was rejected and changed nothing: " + message)):
+      emb.raise_if_failed()
+  after = _snapshot(emb)
+  for key in before:
+    np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+
+
+def test_uint64_ids_below_2_63_train_as_int64_ids():
+  emb = _single_table(api.SGD(0.1))
+  emb.enqueue({"f": tf.constant(np.array([[1], [5]], np.uint64))}, training=True)
+  emb.apply_gradients(tf.nest.map_structure(tf.ones_like, emb.dequeue()))
+  want = np.arange(12.).reshape(6, 2) / 10
+  want[[1, 5]] -= 0.1
+  np.testing.assert_allclose(emb.variables["t"]["parameters"].numpy(), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("features,weights,message", [
+    ({"f": [1, 2]}, None,
+     "features entry 'f' is a Python list, but each feature takes one tf.Tensor, "
+     "tf.SparseTensor or tf.RaggedTensor. Fix: convert it, e.g. tf.constant(ids, "
+     "tf.int64) for one id per row, or tf.ragged.constant(ids, tf.int64) for several."),
+    ([1, 2], None,
+     "features do not match the feature config's structure: missing ['f'], unexpected "
+     "['0', '1'] (the feature config is a dict, features a list)."),
+    ({"f": tf.ragged.constant(IDS, tf.int64)}, {"f": tf.ragged.constant([["a", "b"], ["c"]])},
+     "feature 'f' (table 't'): weights must be numbers, got dtype string. Fix: give "
+     "float32 weights (tf.strings.to_number(weights) for strings)."),
+], ids=["python_list_ids", "python_list_features", "string_weights"])
+def test_inputs_of_the_wrong_kind_say_what_was_given(features, weights, message):
+  """Before: "unexpected ['f/0', 'f/1']"; string weights: TensorFlow's "Cast
+  string to float is not supported"."""
+  emb = _single_table(api.SGD(0.1))
+  for call in (lambda: emb.enqueue(features, weights, training=True),
+               lambda: tf.function(lambda: emb(features, weights))()):
+    with pytest.raises(tee.InputError) as info:
+      call()
+    assert str(info.value).startswith(message), str(info.value)

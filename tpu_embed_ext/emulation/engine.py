@@ -339,7 +339,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     if self._validate:
       wheres = [f.where for f in self._features]
       verdict = validation.combine([
-          validation.check_indices([o.index_check for o in occurrences]),
+          validation.check_features([o.checks for o in occurrences]),
           validation.check_weights(wheres, [o.weights_ok for o in occurrences]),
           validation.check_ids(
               wheres, [o.ids for o in occurrences],

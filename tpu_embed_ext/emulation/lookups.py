@@ -22,7 +22,7 @@ dense ids of rank >= 2 must end in a dimension of 1, which is dropped
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
@@ -49,9 +49,9 @@ class Occurrences(NamedTuple):
   kept: Optional[tf.Tensor] = None  # [n] bool
   # In a graph, whether the weights match the ids (validation.check_weights).
   weights_ok: Optional[tf.Tensor] = None
-  # In a graph, a sparse feature's indices against its dense_shape
-  # (validation.check_sparse_indices).
-  index_check: Optional[validation.IndexCheck] = None
+  # In a graph, the feature's own input checks (validation.check_features):
+  # sparse indices, uint64 ids, finite weights.
+  checks: Tuple[validation.FeatureCheck, ...] = ()
 
 
 def as_ids(where: str, x):
@@ -180,6 +180,9 @@ def feature_occurrences(where: str, config, x, w, check: bool,
     raise errors.InputError(
         f"{where}: weights are a {type(w).__name__} but ids a "
         f"{type(x).__name__}. Fix: give weights the ids' type and layout.")
+  checks: List[validation.FeatureCheck] = []
+  if x.dtype == tf.uint64:
+    x = _signed(where, config, x, check, checks)
   shape = _runtime_dims(x, tf.TensorShape(shape))
   if v2 and isinstance(x, tf.RaggedTensor) and x.shape[0] is not None:
     _check_count(where, "rows of ragged ids", x.shape[0], shape)
@@ -188,23 +191,21 @@ def feature_occurrences(where: str, config, x, w, check: bool,
     if x.shape.is_fully_defined() and _is_static(shape):
       _check_count(where, "ids", x.shape.num_elements(), shape)
     if w is not None:  # v2: one weighted id per sample.
-      w = tf.cast(tf.reshape(w, [-1]), tf.float32)
+      w = _weights(where, tf.reshape(w, [-1]), check, checks)
       return _combined(config, tf.cast(ids, tf.int64),
                        tf.range(tf.size(ids, out_type=tf.int64)), w,
-                       tf.size(ids, out_type=tf.int64), shape)
+                       tf.size(ids, out_type=tf.int64), shape
+                       )._replace(checks=tuple(checks))
     occ = Occurrences(ids, None, None, tf.size(ids), shape)
   else:
-    index_check = None
     if check and isinstance(x, tf.SparseTensor):
-      index_check = validation.check_sparse_indices(where, x)
-      if index_check is not None and index_check.assertion is not None:
-        # Every op that reads a row computed from the indices waits for the
-        # check (a combiner's segment sums, the gradients' gather).
-        with tf.control_dependencies([index_check.assertion]):
-          x = tf.SparseTensor(tf.identity(x.indices), x.values, x.dense_shape)
+      # Every op that reads a row computed from the indices waits for the
+      # check (a combiner's segment sums, the gradients' gather).
+      indices = _gated(x.indices, validation.check_sparse_indices(where, x), checks)
+      x = tf.SparseTensor(indices, x.values, x.dense_shape)
     weights_ok, weight = None, None
     if w is not None:
-      weight = tf.cast(w.values, tf.float32)
+      weight = _weights(where, w.values, check, checks)
       if check:
         weights_ok = validation.weights_layout_ok(where, x, w)
       if weights_ok is not None:
@@ -214,8 +215,46 @@ def feature_occurrences(where: str, config, x, w, check: bool,
       occ = _ragged(where, config, x, weight, shape, native)
     else:
       occ = _sparse(where, config, x, weight, shape)
-    occ = occ._replace(weights_ok=weights_ok, index_check=index_check)
-  return occ._replace(ids=tf.cast(occ.ids, tf.int64))
+    occ = occ._replace(weights_ok=weights_ok)
+  return occ._replace(ids=tf.cast(occ.ids, tf.int64), checks=tuple(checks))
+
+
+def _gated(tensor, feature_check, checks: list):
+  """``tensor``, read only once ``feature_check`` passed (in a graph; its
+  assertion is None eagerly, where the check raised, and under XLA)."""
+  if feature_check is None:
+    return tensor
+  checks.append(feature_check)
+  if feature_check.assertion is None:
+    return tensor
+  with tf.control_dependencies([feature_check.assertion]):
+    return tf.identity(tensor)
+
+
+def _weights(where, values, check: bool, checks: list) -> tf.Tensor:
+  """Weights as float32, checked as inputs of the feature: numbers, finite."""
+  if not (values.dtype.is_floating or values.dtype.is_integer):
+    raise errors.InputError(
+        f"{where}: weights must be numbers, got dtype {values.dtype.name}. Fix: "
+        "give float32 weights (tf.strings.to_number(weights) for strings).")
+  values = tf.cast(values, tf.float32)
+  if not check:
+    return values
+  return _gated(values, validation.check_weights_finite(where, values), checks)
+
+
+def _signed(where, config, x, check: bool, checks: list):
+  """uint64 ids as int64, checked first: one of 2^63 or more would read as a
+  negative id (and be reported as one). Past the check (or under XLA, where
+  the step is rejected) such an id saturates at 2^63 - 1."""
+  values = x if isinstance(x, tf.Tensor) else x.values
+  if check:
+    values = _gated(values, validation.check_unsigned_ids(
+        where, values, config.table.vocabulary_size), checks)
+  values = tf.cast(tf.minimum(values, tf.constant(2 ** 63 - 1, tf.uint64)), tf.int64)
+  if isinstance(x, tf.Tensor):
+    return values
+  return x.with_values(values)
 
 
 def _runtime_dims(x, shape: tf.TensorShape) -> list:

@@ -20,7 +20,7 @@ three cases in one place.
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -38,8 +38,10 @@ __all__ = ["Verdict", "in_xla_context", "check_structure", "check_ids",
            "NOT_FINITE_UPDATE", "WEIGHTS_MISMATCH", "finite_message",
            "weights_layout_ok", "aligned_weights", "check_weights", "combine",
            "failure_message", "check_gradient_type", "status",
-           "SPARSE_INDEX_OUT_OF_RANGE", "IndexCheck", "check_sparse_indices",
-           "check_indices", "sparse_index_message",
+           "SPARSE_INDEX_OUT_OF_RANGE", "WEIGHTS_NOT_FINITE",
+           "UNSIGNED_IDS_OUT_OF_RANGE", "FeatureCheck", "check_sparse_indices",
+           "check_weights_finite", "check_unsigned_ids", "check_features",
+           "sparse_index_message", "weights_finite_message",
            "LEARNING_RATE_OUT_OF_RANGE", "check_rates", "rate_message"]
 
 # Failure kinds recorded under XLA: (kind, index, value).
@@ -48,6 +50,8 @@ NOT_FINITE = 2         # index: table
 NOT_FINITE_UPDATE = 3  # index: table, value: variable (0: parameters, k: slot k)
 WEIGHTS_MISMATCH = 4   # index: feature
 SPARSE_INDEX_OUT_OF_RANGE = 5  # index: feature, value: the offending index
+WEIGHTS_NOT_FINITE = 7  # index: feature
+UNSIGNED_IDS_OUT_OF_RANGE = 8  # index: feature, value: the uint64 id's bits
 LEARNING_RATE_OUT_OF_RANGE = 6  # index: table, value: the rate's float32 bits
 
 
@@ -90,13 +94,37 @@ def check_structure(expected, what: str, value, fix: str):
     paths = [p for p, _ in nest.flatten_with_joined_string_paths(value)]
     missing = sorted(set(want) - set(paths))
     unexpected = sorted(set(paths) - set(want))
+    nested = [p for p in missing if any(u.startswith(f"{p}/") for u in unexpected)]
+    if nested:  # A Python list (or dict) where one feature's tensor goes.
+      raise cls(
+          f"{what} entry '{nested[0]}' is a Python "
+          f"{type(_at(value, nested[0])).__name__}, but each feature takes one "
+          "tf.Tensor, tf.SparseTensor or tf.RaggedTensor. Fix: convert it, e.g. "
+          "tf.constant(ids, tf.int64) for one id per row, or "
+          "tf.ragged.constant(ids, tf.int64) for several.") from e
     if missing or unexpected:
       detail = f"missing {missing}, unexpected {unexpected}"
+      if type(expected) is not type(value):
+        detail += (f" (the feature config is a {_kinds(expected)}, {what} a "
+                   f"{_kinds(value)})")
     else:
       detail = (f"the feature config is a {_kinds(expected)}, {what} a "
                 f"{_kinds(value)}")
     raise cls(f"{what} do not match the feature config's structure: "
               f"{detail}. Fix: {fix}") from e
+
+
+def _at(structure, path: str):
+  """The entry of ``structure`` at a joined string path (``a/0/b``)."""
+  for key in path.split("/"):
+    if isinstance(structure, (list, tuple)):
+      structure = structure[int(key)]
+    elif isinstance(structure, dict):
+      structure = structure[key] if key in structure else next(
+          v for k, v in structure.items() if str(k) == key)
+    else:
+      structure = getattr(structure, key)
+  return structure
 
 
 def _kinds(structure) -> str:
@@ -354,11 +382,26 @@ def check_weights(wheres: List[str], oks: List[Optional[tf.Tensor]]) -> Optional
   return Verdict(ok, assertion, failure, per_item)
 
 
-class IndexCheck(NamedTuple):
-  """In a graph, one sparse feature's indices against its ``dense_shape``."""
+class FeatureCheck(NamedTuple):
+  """In a graph, one check of one feature's inputs (``check_features``)."""
+  kind: int                          # SPARSE_INDEX_OUT_OF_RANGE, ...
   ok: tf.Tensor                      # scalar bool
-  value: tf.Tensor                   # int64: the first index outside, if any
+  value: tf.Tensor                   # int64: what failed, for the message
   assertion: Optional[tf.Operation]  # None under XLA
+
+
+def _feature_check(kind: int, ok, value, message: str, shown) -> FeatureCheck:
+  assertion = None
+  if not in_xla_context():
+    assertion = tf.debugging.Assert(ok, [message, *shown], summarize=8)
+  return FeatureCheck(kind, ok, tf.cast(value, tf.int64), assertion)
+
+
+def _first(flags, values):
+  """``values[i]`` of the first true ``flags[i]`` (0 when none)."""
+  flags = tf.concat([tf.reshape(flags, [-1]), [False]], 0)
+  values = tf.concat([tf.reshape(values, [-1]), tf.zeros([1], values.dtype)], 0)
+  return tf.gather(values, tf.argmax(tf.cast(flags, tf.int32), output_type=tf.int64))
 
 
 def sparse_index_message(where: str, value, detail: str = "") -> str:
@@ -369,14 +412,14 @@ def sparse_index_message(where: str, value, detail: str = "") -> str:
           "size), e.g. with tf.sparse.from_dense or RaggedTensor.to_sparse().")
 
 
-def check_sparse_indices(where: str, x: tf.SparseTensor) -> Optional[IndexCheck]:
+def check_sparse_indices(where: str, x: tf.SparseTensor) -> Optional[FeatureCheck]:
   """Every index of ``x`` in ``[0, dense_shape)``, dimension by dimension.
 
   Rows and sequence positions are computed from the indices; one outside
   ``dense_shape`` would name another output row (TensorFlow's segment ops
   raise a message naming no feature; XLA clamps or drops it, so the id
   silently gets another row's gradient). Eagerly raises ``InputError``
-  (None returned); in a graph returns an ``IndexCheck`` whose assertion
+  (None returned); in a graph returns a ``FeatureCheck`` whose assertion
   (None under XLA) the feature's rows wait for.
   """
   indices = tf.convert_to_tensor(x.indices, tf.int64)
@@ -392,44 +435,61 @@ def check_sparse_indices(where: str, x: tf.SparseTensor) -> Optional[IndexCheck]
           f"{indices[i].numpy().tolist()}: {value} is not in [0, "
           f"{int(shape[d])}) in dimension {d})"))
     return None
-  flat_bad = tf.reshape(bad, [-1])
-  ok = tf.logical_not(tf.reduce_any(flat_bad))
-  # Padded by one entry: argmax of an empty input is not defined.
-  flat = tf.concat([tf.reshape(indices, [-1]), [0]], 0)
-  first = tf.argmax(tf.cast(tf.concat([flat_bad, [False]], 0), tf.int32),
-                    output_type=tf.int64)
-  value = tf.gather(flat, first)
-  assertion = None
-  if not in_xla_context():
-    assertion = tf.debugging.Assert(
-        ok, [sparse_index_message(where, "(below)"), "Index outside:", value,
-             "dense_shape:", shape], summarize=8)
-  return IndexCheck(ok, value, assertion)
+  value = _first(bad, indices)
+  return _feature_check(SPARSE_INDEX_OUT_OF_RANGE, tf.logical_not(tf.reduce_any(bad)),
+                        value, sparse_index_message(where, "(below)"),
+                        ["Index outside:", value, "dense_shape:", shape])
 
 
-def check_indices(checks: List[Optional[IndexCheck]]) -> Optional[Verdict]:
-  """In a graph: a Verdict that every sparse feature's indices are inside."""
-  if tf.executing_eagerly() or all(c is None for c in checks):
+def weights_finite_message(where: str) -> str:
+  return (f"{where}: weights have NaN or Inf values; no table, slot or step was "
+          "changed. Fix: give finite weights (check how they are computed, or "
+          "replace them with tf.where(tf.math.is_finite(w), w, 0.0)).")
+
+
+def check_weights_finite(where: str, weights: tf.Tensor) -> Optional[FeatureCheck]:
+  """A feature's weights are inputs: NaN or Inf is named as theirs (it
+  otherwise reached the gradient check, which blamed the gradient)."""
+  finite = tf.math.is_finite(weights)
+  if tf.executing_eagerly():
+    if not bool(tf.reduce_all(finite)):
+      raise errors.InputError(weights_finite_message(where))
     return None
-  per_item = tf.stack([tf.constant(True) if c is None else c.ok for c in checks])
-  values = tf.stack([tf.constant(0, tf.int64) if c is None else c.value
-                     for c in checks])
-  first = tf.argmax(tf.cast(tf.logical_not(per_item), tf.int32), output_type=tf.int64)
-  failure = tf.stack([tf.constant(SPARSE_INDEX_OUT_OF_RANGE, tf.int64), first,
-                      tf.gather(values, first)])
-  assertions = [c.assertion for c in checks
-                if c is not None and c.assertion is not None]
-  return Verdict(tf.reduce_all(per_item),
+  return _feature_check(WEIGHTS_NOT_FINITE, tf.reduce_all(finite),
+                        tf.constant(0, tf.int64), weights_finite_message(where), [])
+
+
+def check_unsigned_ids(where: str, ids: tf.Tensor, vocab: int) -> Optional[FeatureCheck]:
+  """uint64 ids in ``[0, vocab)`` before they become int64 (where one of
+  2^63 or more would read as a negative id, and be reported so)."""
+  if tf.executing_eagerly():
+    if tf.size(ids) and int(tf.reduce_max(ids)) >= vocab:
+      raise errors.InputError(ids_message(where, vocab, int(tf.reduce_max(ids))))
+    return None
+  high = tf.reduce_max(tf.concat([tf.reshape(ids, [-1]), tf.zeros([1], ids.dtype)], 0))
+  return _feature_check(
+      UNSIGNED_IDS_OUT_OF_RANGE, high < tf.constant(vocab, ids.dtype),
+      tf.bitcast(high, tf.int64),
+      f"{where}: ids must be in [0, {vocab}). Fix: map ids into the vocabulary "
+      "or enlarge vocabulary_size.", ["Largest id:", high])
+
+
+def check_features(checks: List[Tuple[FeatureCheck, ...]]) -> Optional[Verdict]:
+  """In a graph: a Verdict of every feature's own input checks (each feature
+  lists its ``FeatureCheck``s; the first failure is reported)."""
+  if tf.executing_eagerly() or not any(checks):
+    return None
+  flat = [(i, c) for i, cs in enumerate(checks) for c in cs]
+  oks = tf.stack([c.ok for _, c in flat])
+  failures = tf.stack([tf.stack([tf.constant(c.kind, tf.int64),
+                                 tf.constant(i, tf.int64), c.value])
+                       for i, c in flat])
+  failure = tf.gather(failures, tf.argmax(tf.cast(tf.logical_not(oks), tf.int32)))
+  per_item = tf.stack([tf.reduce_all(tf.stack([c.ok for c in cs])) if cs
+                       else tf.constant(True) for cs in checks])
+  assertions = [c.assertion for _, c in flat if c.assertion is not None]
+  return Verdict(tf.reduce_all(oks),
                  tf.group(*assertions) if assertions else None, failure, per_item)
-
-
-# A callable's rate is held at every step to the bounds a config's rate is
-# held to when the spec is made (optimizers.py: >= 0; numeric_traps.py).
-_RATE_RULE = (f"a rate must be a finite number in [0, {MAX_LEARNING_RATE:g}] "
-              "(below 0 the step climbs the loss; above, one step moves a weight "
-              "by lr * g and float32 overflows). No table, slot or step was "
-              "changed. Fix: make the callable return a rate in "
-              f"[0, {MAX_LEARNING_RATE:g}], such as 0.01.")
 
 
 def rate_message(table: str, value: float) -> str:
@@ -515,6 +575,12 @@ def failure_message(kind: int, index: int, value: int, features, tables) -> str:
     return f"{features[index].where}: {WEIGHTS_MESSAGE}"
   if kind == SPARSE_INDEX_OUT_OF_RANGE:
     return sparse_index_message(features[index].where, value)
+  if kind == WEIGHTS_NOT_FINITE:
+    return weights_finite_message(features[index].where)
+  if kind == UNSIGNED_IDS_OUT_OF_RANGE:
+    feature = features[index]
+    return ids_message(feature.where, tables[feature.table].config.vocabulary_size,
+                       value % 2 ** 64)
   if kind == LEARNING_RATE_OUT_OF_RANGE:
     rate = np.array(value, np.int64).astype(np.int32).view(np.float32)
     return rate_message(tables[index].name, float(rate))
