@@ -209,6 +209,60 @@ rows += [
   ("enqueue(device=...) with distributed values", "InputError", "enqueue(device='/cpu:1') was given distributed values. Fix: pass one replica's values with device= (strategy.experimental_local_results(x)[i]), or distributed values without device=.", "tests/test_replicas.py::test_per_device_enqueue_errors_name_the_device"),
   ("enqueue twice under MirroredStrategy(2); a rejected apply_gradients on both replicas", "InputError (the retry applies the pending batch)", "enqueue() was called again (replica 0) before the batch enqueued before it was dequeued ...", "tests/test_replicas.py::test_protocol_misuse_and_retry_under_two_replicas"),
 ]
+# Issue 28: silent wrong results, hangs and tracebacks found by an adversarial probe.
+E28 = "tests/test_engine.py::"
+for name in sorted(te.BAD_SPARSE):
+  _, _, value, detail = te.BAD_SPARSE[name]
+  rows.append((f"SparseTensor index outside dense_shape: {name.replace('_', ' ')}",
+               "InputError eagerly; InvalidArgumentError in tf.function; under XLA NaN activations, nothing written, InputError at the next eager call",
+               f"feature 'f' (table 't'): SparseTensor index {value} is outside the dense_shape of the ids {detail}" + te._SPARSE_REST + " ...",
+               E28 + f"test_sparse_indices_outside_dense_shape_are_named_in_every_mode[{name}-sum/mean-eager/tf_function/xla]"))
+for name in sorted(te.INPUT_CASES):
+  rows.append((f"feature input: {name.replace('_', ' ')}",
+               "InputError eagerly; InvalidArgumentError in tf.function; under XLA NaN activations, nothing written, InputError at the next eager call",
+               te.INPUT_CASES[name][2], E28 + f"test_bad_inputs_are_named_as_inputs_in_every_mode[{name}-eager/tf_function/xla]"))
+for p in te.test_inputs_of_the_wrong_kind_say_what_was_given.pytestmark:
+  if p.name == "parametrize":
+    for i, (_, _, msg) in zip(p.kwargs["ids"], p.args[1]):
+      rows.append((f"enqueue: {i.replace('_', ' ')}", "InputError", msg,
+                   E28 + f"test_inputs_of_the_wrong_kind_say_what_was_given[{i}]"))
+rows += [
+  ("a callable learning rate that returns < 0, > 1e6 or NaN at some step (native and TF-op kernels, MirroredStrategy)",
+   "InputError eagerly; InvalidArgumentError in tf.function; under XLA nothing written, InputError at the next eager call",
+   "table 'a': its learning-rate callable gave -1 this step; a rate must be a finite number in [0, 1e+06] (below 0 the step climbs the loss; ...). No table, slot or step was changed.",
+   E28 + "test_a_callable_learning_rate_out_of_range_changes_nothing, tests/test_replicas.py::test_a_callable_learning_rate_out_of_range_under_two_replicas"),
+  ("a Keras LearningRateSchedule object as a TF embedding optimizer's (or our spec's) learning_rate", "(valid: follows the engine's step)",
+   "rate at table step t = schedule(t), as an EmbeddingSpec's schedules", E28 + "test_a_keras_schedule_as_learning_rate_follows_the_engine_step"),
+  ("the same schedule with a rate out of range", "ConfigError (at construction)",
+   "table 't'.learning_rate: InverseTimeDecay gives the learning rate inf at step 20; ...", E28 + "test_a_keras_schedule_out_of_range_is_refused_naming_the_table"),
+  ("tables larger than the machine's memory given to CPUEmbedding / EmbeddingLayer (a 2^40-row table)", "MemoryLimitError (at build, nothing allocated)",
+   "table 'huge' (1,099,511,627,776 x 8, 1 slot(s)) needs 65,536.0 GiB (float32), and all tables and slots 65,536.0 GiB, but this machine has ... available; nothing was allocated. Fix: lower its vocabulary_size for CPU emulation, or run on a TPU.",
+   E28 + "test_tables_larger_than_memory_are_refused_by_build_naming_the_table"),
+  ("a config dict or a config file path given to CPUEmbedding, EmbeddingLayer or plan", "(valid: the spec is built from it)", "", "tests/test_spec.py::test_a_config_dict_or_path_is_taken_where_a_spec_is"),
+  ("PiecewiseConstantDecay with 10,000 boundaries", "(valid: built in linear work)", "evaluated by bisection; Keras's schedule is not called while the spec is checked",
+   "tests/test_learning_rates.py::test_piecewise_with_10000_boundaries_is_built_in_linear_work"),
+  ("a JSON config of more than 1,000,000 values", "ConfigError", "the config holds more than 1,000,000 values. Fix: name the config file (a config of 1,000 tables has about 10,000), not a data file.",
+   "tests/test_config_inputs.py::test_json_has_the_yaml_limit_on_values"),
+]
+import tests.test_spec as ts28
+for p in ts28.test_what_is_not_a_spec_is_one_line.pytestmark:
+  if p.name == "parametrize":
+    for i, (_, msg) in zip(p.kwargs["ids"], p.args[1]):
+      rows.append((f"spec argument: {i.replace('_', ' ')}", "ConfigError", msg,
+                   f"tests/test_spec.py::test_what_is_not_a_spec_is_one_line[{i}]"))
+for name in sorted(tl.BAD_SCHEDULES):
+  _, err, msg = tl.BAD_SCHEDULES[name]
+  rows.append((f"schedule: {name.replace('_', ' ')}", err.__name__, msg,
+               f"tests/test_learning_rates.py::test_bad_schedule_arguments_are_one_line[{name}]"))
+for name in sorted(tci.DENSE_OPTIMIZERS):
+  opt, err, msg = tci.DENSE_OPTIMIZERS[name]
+  rows.append((f"train section: `dense_optimizer` = `{opt!r}`", err.__name__, msg,
+               f"tests/test_config_inputs.py::test_dense_optimizer_errors_are_one_line[{name}]"))
+for name in tj.WRONG_KIND:
+  kind = "a file" if name in ("logs", "checkpoints") else "a directory"
+  rows.append((f"`{name}` in model_dir is {kind} (train)", "ModelDirError (CLI: one line, exit 2; before any work, nothing written)",
+               f"<model_dir>/{name} is {kind}, but a run writes its {name} {'directory' if kind == 'a file' else 'file'} there. Fix: move it away, or pass another --model_dir; nothing was written.",
+               f"tests/test_job_faults.py::test_an_output_path_of_the_wrong_kind_is_one_line_before_any_work[{name}]"))
 esc = lambda t: str(t).replace("|", "\\|").replace("\n", " ")
 out = ["# Bad inputs and their errors", "",
        "Every row is pinned by the test it names (the message is asserted). Errors name the",

@@ -492,6 +492,15 @@ def check_features(checks: List[Tuple[FeatureCheck, ...]]) -> Optional[Verdict]:
                  tf.group(*assertions) if assertions else None, failure, per_item)
 
 
+# A callable's rate is held at every step to the bounds a config's rate is
+# held to when the spec is made (optimizers.py: >= 0; numeric_traps.py).
+_RATE_RULE = (f"a rate must be a finite number in [0, {MAX_LEARNING_RATE:g}] "
+              "(below 0 the step climbs the loss; above, one step moves a weight "
+              "by lr * g and float32 overflows). No table, slot or step was "
+              "changed. Fix: make the callable return a rate in "
+              f"[0, {MAX_LEARNING_RATE:g}], such as 0.01.")
+
+
 def rate_message(table: str, value: float) -> str:
   return f"table '{table}': its learning-rate callable gave {value:g} this step; {_RATE_RULE}"
 
