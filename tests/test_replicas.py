@@ -7,6 +7,7 @@ against the numpy contract reference over 10 steps at R = 2, and with ids
 that only one replica sees.
 """
 
+import functools
 import re
 
 import numpy as np
@@ -501,6 +502,18 @@ def test_protocol_misuse_and_retry_under_two_replicas():
 
 # --- a SparseTensor index outside dense_shape on one replica (issue 28) ----------
 
+def _ones_step(engine, strategy, use_function):
+  """``step(batches)``: one step of dL/dact = 1 on every replica's batch."""
+  def step(batches):
+    engine.enqueue(distribute(strategy, batches), training=True)
+
+    def replica_step():
+      acts = engine.dequeue()
+      engine.apply_gradients({"watched": tf.ones_like(acts["watched"])})
+    strategy.run(replica_step)
+  return tf.function(step) if use_function else step
+
+
 @pytest.mark.parametrize("use_function", [False, True], ids=["eager", "tf_function"])
 def test_a_sparse_index_outside_dense_shape_on_one_replica_changes_nothing(
     use_function):
@@ -509,15 +522,7 @@ def test_a_sparse_index_outside_dense_shape_on_one_replica_changes_nothing(
   good = tf.ragged.constant([[0, 1], [2]], tf.int64).to_sparse()
   bad = tf.SparseTensor([[0, 0], [2, 0]], tf.constant([4, 5], tf.int64), [2, 2])
 
-  def step(batches):
-    engine.enqueue(distribute(strategy, batches), training=True)
-
-    def replica_step():
-      acts = engine.dequeue()
-      engine.apply_gradients({"watched": tf.ones_like(acts["watched"])})
-    strategy.run(replica_step)
-
-  run = tf.function(step) if use_function else step
+  run = _ones_step(engine, strategy, use_function)
   before = {k: v.numpy() for k, v in engine.variables["video"].items()}
   message = ("feature 'watched' \\(table 'video'\\): SparseTensor index "
              + ("\\(below\\) is outside the dense_shape of the ids;.*Index outside:\\] "
@@ -527,7 +532,7 @@ def test_a_sparse_index_outside_dense_shape_on_one_replica_changes_nothing(
   if use_function:
     message = message.replace("'", "\\\\'")
   with pytest.raises(error, match=message):
-    run([{"watched": good}, {"watched": bad}])
+    run(batches=[{"watched": good}, {"watched": bad}])
   for k, v in engine.variables["video"].items():
     np.testing.assert_array_equal(v.numpy(), before[k], err_msg=k)
   assert int(engine.step.numpy()) == 0
@@ -545,15 +550,7 @@ def test_a_callable_learning_rate_out_of_range_under_two_replicas(use_function):
   batches = [{"watched": tf.ragged.constant([[0, 1], [2]], tf.int64)},
              {"watched": tf.ragged.constant([[1], [7]], tf.int64)}]
 
-  def step():
-    engine.enqueue(distribute(strategy, batches), training=True)
-
-    def replica_step():
-      acts = engine.dequeue()
-      engine.apply_gradients({"watched": tf.ones_like(acts["watched"])})
-    strategy.run(replica_step)
-
-  run = tf.function(step) if use_function else step
+  run = functools.partial(_ones_step(engine, strategy, use_function), batches)
   before = {k: v.numpy() for k, v in engine.variables["video"].items()}
   rate.assign(-1.0)
   if use_function:
