@@ -302,6 +302,8 @@ SERVING_CASES = [
     ("out_of_vocabulary", {"c5": tf.constant([0, 1, 24, 2], tf.int64)},
      r"feature c5: ids must be in \[0, 24\); out-of-vocabulary ids are refused"),
     # Before: TensorFlow's "Invalid reduction dimension", naming no input.
+    ("rank_1_dense", {"dense": tf.zeros([4])},
+     r"input dense: float32 \[batch, 13\] expected, got shape\] \[4\]"),
     ("rank_1_multi_hot", {"c21": tf.constant([1, 2, 3, 4], tf.int64)},
      r"input c21: a multi-hot feature takes int64 \[batch, n\] ids padded with -1; "
      r"got shape\] \[4\] \[Fix: send one row of ids per example, padded with -1"),

@@ -67,7 +67,8 @@ def check_ids(feature: str, ids, vocabulary_size: int, *, padded: bool = True):
       f"feature {feature}: ids must be in [0, {vocabulary_size}){padding}; "
       "out-of-vocabulary ids are refused. Fix: map unknown ids to a row of the "
       "vocabulary before serving. First bad ids:",
-      tf.boolean_mask(ids, tf.logical_not(valid))[:5]], summarize=5)
+      tf.boolean_mask(tf.reshape(ids, [-1]),
+                      tf.reshape(tf.logical_not(valid), [-1]))[:5]], summarize=5)
   with tf.control_dependencies([check]):
     return tf.identity(ids)
 
@@ -91,6 +92,14 @@ def _assert(condition, message: str, *data):
   return tf.debugging.Assert(condition, [message, *data], summarize=5)
 
 
+def _after(check, x):
+  """``x`` once ``check`` (its rank's) passed: a reduction over the axes of
+  an input of another rank fails with "Invalid reduction dimension", naming
+  no input."""
+  with tf.control_dependencies([check]):
+    return tf.identity(x)
+
+
 def checked_inputs(inputs, *, single_hot: Mapping[str, int],
                    multi_hot: Mapping[str, int], floats: Mapping[str, int]
                    ) -> Dict[str, tf.Tensor]:
@@ -101,6 +110,13 @@ def checked_inputs(inputs, *, single_hot: Mapping[str, int],
   ``floats``: ``{name: width}``. Every check fails the call with an
   ``InvalidArgumentError`` naming the input and the fix.
   """
+  static = {name: x.shape for name, x in inputs.items()}
+  # The checks read each input without the signature's static shape: with it
+  # Grappler folds a rank check to true (tf.size(tf.shape(x)) of a [None,
+  # None] spec is the constant 2), though a client can send another rank,
+  # which then fails the first reduction ("Invalid reduction dimension").
+  inputs = {name: tf.compat.v1.placeholder_with_default(x, shape=None)
+            for name, x in inputs.items()}
   out, checks = {}, []
   first = next(iter(inputs))
   # -1 for a scalar first input, which then fails its own check below.
@@ -116,13 +132,13 @@ def checked_inputs(inputs, *, single_hot: Mapping[str, int],
         "; every input has one row per example. Fix: send the same number of "
         "rows in every input."))
   for name, width in floats.items():
-    x = inputs[name]
-    shape = tf.shape(x, out_type=tf.int64)
+    shape = tf.shape(inputs[name], out_type=tf.int64)
     checks.append(_assert(
         tf.logical_and(tf.equal(tf.size(shape), 2), tf.reduce_all(
             tf.equal(shape[1:], width))),
         f"input {name}: float32 [batch, {width}] expected, got shape", shape,
         f"Fix: send {width} values per example."))
+    x = _after(checks[-1], inputs[name])
     bad = tf.logical_not(tf.math.is_finite(x))
     checks.append(_assert(
         tf.logical_not(tf.reduce_any(bad)),
@@ -149,9 +165,11 @@ def checked_inputs(inputs, *, single_hot: Mapping[str, int],
         tf.equal(tf.size(shape), 2), f"input {name}: a multi-hot feature takes "
         f"int64 [batch, n] ids padded with {PAD_ID}; got shape", shape,
         f"Fix: send one row of ids per example, padded with {PAD_ID}."))
-    out[name] = check_ids(name, inputs[name], vocabulary, padded=True)
+    out[name] = check_ids(name, _after(checks[-1], inputs[name]), vocabulary,
+                          padded=True)
   with tf.control_dependencies(checks):
-    return {name: tf.identity(x) for name, x in out.items()}
+    return {name: tf.ensure_shape(x, static[name] if name not in single_hot
+                                  else [None]) for name, x in out.items()}
 
 
 def _embedding_layers(model: keras.Model):

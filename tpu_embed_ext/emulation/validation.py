@@ -49,11 +49,10 @@ IDS_OUT_OF_RANGE = 1   # index: feature, value: the offending id
 NOT_FINITE = 2         # index: table
 NOT_FINITE_UPDATE = 3  # index: table, value: variable (0: parameters, k: slot k)
 WEIGHTS_MISMATCH = 4   # index: feature
-SPARSE_INDEX_OUT_OF_RANGE = 5  # index: feature, value: the offending index
-WEIGHTS_NOT_FINITE = 7  # index: feature
-UNSIGNED_IDS_OUT_OF_RANGE = 8  # index: feature, value: the uint64 id's bits
+SPARSE_INDEX_OUT_OF_RANGE = 5   # index: feature, value: the offending index
 LEARNING_RATE_OUT_OF_RANGE = 6  # index: table, value: the rate's float32 bits
-
+WEIGHTS_NOT_FINITE = 7          # index: feature
+UNSIGNED_IDS_OUT_OF_RANGE = 8   # index: feature, value: the uint64 id's bits
 
 
 class Verdict(NamedTuple):
