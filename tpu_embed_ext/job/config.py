@@ -118,7 +118,7 @@ def _check_dense_optimizer(optimizer) -> None:
     # A KeyError is an argument the class needs (LossScaleOptimizer's
     # inner_optimizer), whose str() is only the quoted name.
     why = (f"it needs the argument {e}, which the job cannot give"
-           if isinstance(e, KeyError) else str(e).splitlines()[0])
+           if isinstance(e, KeyError) else str(e).splitlines()[0].rstrip("."))
     raise errors.ConfigError(
         f"Keras cannot build the dense optimizer {optimizer!r}: {why}.{hint} "
         f"{fix}", path=path) from None
