@@ -18,7 +18,8 @@ from tensorflow.python.trackable import trackable_utils
 
 import tpu_embed_ext as tee
 from tests import jobs
-from tpu_embed_ext import derived_names, errors
+from tpu_embed_ext import derived_names, errors, serving
+from tpu_embed_ext.sparsecore.checkpoint import find_embedding
 
 api = tf.tpu.experimental.embedding
 CONFIG = "configs/tiny.yaml"
@@ -191,7 +192,158 @@ def test_names_that_would_share_a_key_are_refused_naming_both(tables, message):
   assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("feature, message", [
+    ("user.id",
+     "features: feature name 'user.id' is not kept by a serving signature: TensorFlow "
+     "renames inputs other than letters, digits and '_' starting with a letter, so "
+     "clients would have to send another name. Fix: rename the feature, e.g. "
+     "'user_id'."),
+    ("1st",
+     "features: feature name '1st' is not kept by a serving signature: TensorFlow "
+     "renames inputs other than letters, digits and '_' starting with a letter, so "
+     "clients would have to send another name. Fix: rename the feature, e.g. "
+     "'f_1st'."),
+    ("dense",
+     "features: feature name 'dense' is the serving signature's input of the dense "
+     "(float) features: the two would share one input. Fix: rename the feature, e.g. "
+     "'dense_ids'."),
+    ("a\tb",
+     "features: feature name 'a\\tb' contains the control character '\\t': names "
+     "appear in one-line messages and in HDF5 weights files, which cut them there. "
+     "Fix: rename the feature without control characters or line breaks."),
+], ids=["dot", "digit_first", "dense", "control"])
+def test_feature_names_a_serving_signature_would_change_are_refused(feature, message):
+  config = _spec({"t": {}})
+  config["features"] = {feature: {"table": "t"}}
+  with pytest.raises(errors.ConfigError) as info:
+    tee.EmbeddingSpec.from_dict(config)
+  assert str(info.value) == message
+
+
 def test_names_sharing_no_key_are_accepted():
   # Distinct under every scheme: "a/b" -> "a.Sb" (checkpoint), "a%2Fb" (HDF5).
   tee.EmbeddingSpec.from_dict(_spec({n: {} for n in ("a/b", "a.Sb", "a%2Fb", "a.b")}))
   tee.EmbeddingSpec.from_dict(_spec({"a": {}, "a.momenta": {}}))  # Adagrad has none.
+
+
+def test_odd_table_names_round_trip_through_keras_weights(tmp_path):
+  names = ("a/b", "a.Sb", "a%2Fb", ".", "..", "/x", "a//c")
+  spec = tee.EmbeddingSpec.from_dict(_spec({n: {} for n in names}))
+  model, batch = _keras_model(spec)
+  model.train_on_batch(*batch)
+  path = str(tmp_path / "m.weights.h5")
+  model.save_weights(path)
+  fresh, _ = _keras_model(spec, seed=1)
+  fresh.load_weights(path)
+  _assert_same_tables(fresh, model)
+
+
+# --- property: generated specs ---------------------------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+# Names that collide under some key scheme, or are reserved, or valid but odd.
+_TRICKY = ["a", "a.accumulators", "a/accumulators", "a.momenta", "a/momenta", "a.Sb",
+           "a/b", "a%2Fb", ".step", ".gradient_sink", "_sparse_core_table_layouts",
+           ".", "..", "/", "t.c0", "ü b", "😀", "a\nb", "a\x00b", "a\u2028b", ""]
+_ALPHABET = "ab.S/_% -ü😀"
+_OPTIMIZERS = ["sgd", "adagrad", "adagrad_momentum", "adam", "ftrl"]
+_FEATURES = ["f", "g1", "user_id", "dense", "a.b", "1x", "ü", "a b", "x/y"]
+
+
+@st.composite
+def _configs(draw):
+  n = draw(st.integers(1, 3))
+  tables = draw(st.lists(st.one_of(st.sampled_from(_TRICKY),
+                                   st.text(_ALPHABET, min_size=1, max_size=6)),
+                         min_size=n, max_size=n, unique=True))
+  valid = st.from_regex(r"[A-Za-z][A-Za-z0-9_]{0,5}", fullmatch=True)
+  features = draw(st.lists(st.one_of(st.sampled_from(_FEATURES), valid, valid),
+                           min_size=n, max_size=n, unique=True))
+  return {
+      "optimizer": {"type": draw(st.sampled_from(_OPTIMIZERS)), "learning_rate": 0.1},
+      "tables": {t: {"vocabulary_size": draw(st.integers(1, 7)),
+                     "dim": draw(st.integers(1, 3)),
+                     "optimizer": {"type": draw(st.sampled_from(_OPTIMIZERS))}}
+                 for t in tables},
+      "features": {f: {"table": t} for f, t in zip(features, tables)},
+  }
+
+
+def _keras_model(spec, seed=0):
+  keras.utils.set_random_seed(seed)
+  inputs = {f.name: keras.Input(shape=(), dtype="int64", name=f.name)
+            for f in spec.features}
+  layer = tee.EmbeddingLayer(spec, name="embedding")
+  activations = layer(inputs)
+  x = keras.layers.Concatenate()([activations[f.name] for f in spec.features])
+  model = keras.Model(inputs, keras.layers.Dense(1, name="head")(x))
+  model.compile(optimizer=keras.optimizers.SGD(0.1),
+                loss=keras.losses.BinaryCrossentropy(from_logits=True))
+  rng = np.random.RandomState(seed)
+  ids = {f.name: tf.constant(rng.randint(0, spec.table(f.table).vocabulary_size, 4),
+                             tf.int64) for f in spec.features}
+  # Table values differ between seeds (spec initializers take no seed).
+  for variables in layer.variables_by_table.values():
+    table = variables["parameters"]
+    table.assign(rng.uniform(-1, 1, table.shape).astype(np.float32))
+  return model, (ids, tf.constant(rng.randint(0, 2, (4, 1)), tf.float32))
+
+
+def _tables(model):
+  layer = model.get_layer("embedding")
+  out = {(t, s): v.numpy() for t, slots in layer.variables_by_table.items()
+         for s, v in slots.items()}
+  out["step"] = layer.step.numpy()
+  return out
+
+
+def _assert_same_tables(got_model, want_model):
+  got, want = _tables(got_model), _tables(want_model)
+  assert got.keys() == want.keys()
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key], err_msg=str(key))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(config=_configs())
+def test_generated_specs_round_trip_or_are_refused_with_our_error(config):
+  try:
+    spec = tee.EmbeddingSpec.from_dict(config)
+  except errors.Error as e:  # Refused: our class, one line.
+    hypothesis.event("refused")
+    assert "\n" not in str(e) and "Fix:" in str(e), str(e)
+    return
+  with tempfile.TemporaryDirectory() as tmp:
+    model, batch = _keras_model(spec)
+    model.train_on_batch(*batch)
+    # tf.train.Checkpoint: TensorFlow's keys (its escaping as the oracle).
+    path = tf.train.Checkpoint(model=model).save(os.path.join(tmp, "ckpt"))
+    keys = dict(tf.train.list_variables(path))
+    emb = find_embedding(path, [t.name for t in spec.tables])
+    for t in spec.tables:
+      for slot in (None, *spec.optimizer_for(t.name).slot_names):
+        local = t.name if slot is None else f"{t.name}/{slot}"
+        key = f"{emb}/{trackable_utils.escape_local_name(local)}/.ATTRIBUTES/VARIABLE_VALUE"
+        assert key == derived_names.checkpoint_key(emb, t.name, slot) and key in keys
+    restored, _ = _keras_model(spec, seed=1)
+    restored.get_layer("embedding").embedding.check_checkpoint(path, prefix=emb)
+    tf.train.Checkpoint(model=restored).restore(path).assert_existing_objects_matched()
+    _assert_same_tables(restored, model)
+    # Keras save_weights / load_weights.
+    weights = os.path.join(tmp, "m.weights.h5")
+    model.save_weights(weights)
+    loaded, _ = _keras_model(spec, seed=2)
+    loaded.load_weights(weights)
+    _assert_same_tables(loaded, model)
+    # The serving export: every feature keeps its name, values equal.
+    signature = {f.name: tf.TensorSpec([None], tf.int64, name=f.name)
+                 for f in spec.features}
+    out = os.path.join(tmp, "serving")
+    serving.export_for_serving(restored, out, signature)
+    serve = tf.saved_model.load(out).signatures["serving_default"]
+    assert set(serve.structured_input_signature[1]) == {f.name for f in spec.features}
+    np.testing.assert_allclose(serve(**batch[0])["outputs"].numpy(),
+                               model(batch[0]).numpy(), rtol=1e-6, atol=1e-6)

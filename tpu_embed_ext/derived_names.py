@@ -26,8 +26,13 @@ is made (or ``CPUEmbedding`` is built from TensorFlow ``FeatureConfig``s):
   and ``a_b`` + ``c`` are both ``a_b_c``: ``check_stack_names``, when a
   layout is computed.
 
-TensorBoard tags and file names do not contain table names (learning-rate
-series are tagged by their TPU tag number).
+Feature names become the input names of the serving signature that
+``export`` writes; TensorFlow renames any other than ``[A-Za-z][A-Za-z0-9_]*``
+(``function_type.sanitize_arg_name``, then the graph's op-name rule), and
+``dense`` is the signature's float input: ``check_feature_names``.
+
+TensorBoard tags and file names do not contain table or feature names
+(learning-rate series are tagged by their TPU tag number).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from tpu_embed_ext import errors, optimizers
 
 __all__ = ["SLOT_NAMES", "LAYOUTS_NAME", "STEP_KEY", "SINK_KEY", "local_name",
            "escape_local_name", "variable_key", "checkpoint_key", "weights_key",
-           "graph_name", "check_characters",
+           "graph_name", "check_characters", "check_feature_names",
            "check_table_names", "check_stack_names"]
 
 # Every slot name of the TPU optimizers.
@@ -120,6 +125,29 @@ def check_characters(kind: str, name: str) -> None:
           "appear in one-line messages and in HDF5 weights files, which cut "
           f"them there. Fix: rename the {kind} without control characters or "
           "line breaks.", path=f"{kind}s")
+
+
+_SIGNATURE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+DENSE_INPUT = "dense"  # the serving signature's float input (job/export_serving.py)
+
+
+def check_feature_names(names: Sequence[str]) -> None:
+  """ConfigError unless every feature name is kept as is by a serving signature."""
+  for name in names:
+    check_characters("feature", name)
+    if not _SIGNATURE_NAME.match(name):
+      fixed = re.sub(r"[^A-Za-z0-9_]", "_", name)
+      fixed = fixed if re.match(r"[A-Za-z]", fixed) else "f_" + fixed
+      raise errors.ConfigError(
+          f"feature name '{name}' is not kept by a serving signature: TensorFlow "
+          "renames inputs other than letters, digits and '_' starting with a "
+          f"letter, so clients would have to send another name. Fix: rename the "
+          f"feature, e.g. '{fixed}'.", path="features")
+    if name == DENSE_INPUT:
+      raise errors.ConfigError(
+          f"feature name '{name}' is the serving signature's input of the dense "
+          "(float) features: the two would share one input. Fix: rename the "
+          "feature, e.g. 'dense_ids'.", path="features")
 
 
 def _what(table: str, slot: Optional[str]) -> str:
