@@ -315,20 +315,7 @@ def test_exported_model_checks_every_input(exported, name, value, message):
 
 # --- non-finite checkpoints ----------------------------------------------------------
 
-def _rewrite(prefix, key, fill):
-  """Checkpoint ``prefix`` rewritten whole (valid CRCs) with tensor ``key`` filled
-  by ``fill`` (e.g. NaN), as a diverged run would have saved it."""
-  reader = tf.train.load_checkpoint(prefix)
-  names = sorted(reader.get_variable_to_shape_map())
-  values = [reader.get_tensor(n) for n in names]
-  assert key in names, key
-  values[names.index(key)] = np.full_like(values[names.index(key)], fill)
-  for name in atomic.prefix_files(prefix):
-    os.remove(name)
-  tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names),
-                    tensors=[tf.constant(v) for v in values])
-
-
+_rewrite = jobs.rewrite_checkpoint
 _EMB = "model/embedding/embedding"
 
 

@@ -5,7 +5,8 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import errors
+from tpu_embed_ext import derived_names, errors
+from tests import jobs
 from tpu_embed_ext.sparsecore import checkpoint_layouts, convert_checkpoint
 from tests.test_sparsecore_convert import OPTIMIZERS, _config, _train, _values
 from tests.test_sparsecore_limits import FA, FB
@@ -165,3 +166,23 @@ def test_what_is_not_emulated_says_so():
   assert str(e.value) == (
       "SparseCore input limits are emulated on one CPU replica holding the global "
       "batch, not on 2. Fix: drop topology= under a multi-replica strategy.")
+
+
+def test_stacked_checkpoint_holding_nan_is_refused_naming_the_stack(tmp_path):
+  optimizer = "adagrad"
+  emb = tee.CPUEmbedding(_config(optimizer), OPTIMIZERS[optimizer](), engine="v2",
+                         topology="2x2")
+  _train(emb, 2)
+  path = tf.train.Checkpoint(embedding=emb).write(str(tmp_path / "stacked"))
+  emb.check_checkpoint(path)  # Finite: passes.
+  layouts = checkpoint_layouts(path)
+  stack = layouts[0].stack
+  tables = ", ".join(f"'{l.table}'" for l in layouts if l.stack == stack)
+  key = derived_names.checkpoint_key("embedding", stack, "accumulators")
+  jobs.rewrite_checkpoint(path, key, np.nan)
+  with pytest.raises(tee.Error) as info:
+    emb.check_checkpoint(path)
+  assert str(info.value).startswith(
+      f"SparseCore stack '{stack}' of table(s) {tables} (slot 'accumulators'): "
+      f"checkpoint {path} holds "), str(info.value)
+  assert "non-finite values (NaN or Inf)" in str(info.value)
