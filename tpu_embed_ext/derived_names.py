@@ -19,6 +19,10 @@ is made (or ``CPUEmbedding`` is built from TensorFlow ``FeatureConfig``s):
   of just ``.`` are percent-encoded (injective; names without them are
   unchanged). A table ``x.accumulators`` beside an Adagrad table ``x``
   collides there and is refused.
+- A table's ``tf.Variable`` name is ``graph_name`` of its local name: a
+  SavedModel refuses op names outside TensorFlow's pattern (``ü b``). The
+  name is cosmetic (keys come from local names), so it is made safe rather
+  than refused.
 - Names appear in one-line error messages and HDF5 names: a control
   character or line separator is refused.
 - SparseCore stacks are named after their tables joined by ``_``
