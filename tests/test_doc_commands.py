@@ -136,13 +136,10 @@ def test_plan_data_works_for_every_shipped_config(config, tmp_path):
     import tensorflow_datasets as tfds
     from tests import test_train
     from tpu_embed_ext import __main__ as cli
-    argv = cli.FLAGS(["tpu_embed_ext", "plan", "--config", f"configs/{config}",
-                      "--engine", "v2", "--topology", "v5p:4", "--data", "2"])
-    try:
-      with tfds.testing.mock_data(as_dataset_fn=test_train._movielens_examples):  # pylint: disable=protected-access
-        assert cli.main(argv) == 0
-    finally:
-      cli.FLAGS.unparse_flags()
+    argv = ["tpu_embed_ext", "plan", "--config", f"configs/{config}",
+            "--engine", "v2", "--topology", "v5p:4", "--data", "2"]
+    with tfds.testing.mock_data(as_dataset_fn=test_train._movielens_examples):  # pylint: disable=protected-access
+      assert cli.main(argv) == 0
     return
   path = ROOT / "configs" / config
   if config == "ranking.yaml":
