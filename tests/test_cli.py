@@ -227,11 +227,14 @@ def test_train_ends_with_where_everything_went_and_the_export_command_works(
       f"  history           {join(model_dir, 'history.csv')}",
       f"  TensorBoard logs  {join(model_dir, 'logs')}   (tensorboard --logdir "
       f"{join(model_dir, 'logs')})"]
-  for name in ("metrics.json", "learning_curve.png", "history.csv", "logs"):
+  assert summary[6] == (f"  library log       {join(model_dir, 'logs', 'libraries.log')}"
+                        "   (TensorFlow's and other libraries' lines)")
+  for name in ("metrics.json", "learning_curve.png", "history.csv", "logs",
+               "logs/libraries.log"):
     assert os.path.exists(join(model_dir, name)), name
-  assert summary[6] == "Next, export for serving:"
+  assert summary[7] == "Next, export for serving:"
   # Spelled to run as printed from here, the virtualenv active or not.
-  export = summary[7].split()
+  export = summary[8].split()
   assert export[0] == console.program() and os.access(export[0], os.X_OK), export
   assert export[1] == "export"
   status, out, err = _cli(capsys, *export[1:])

@@ -99,20 +99,18 @@ def test_the_installed_wheel_works_from_an_empty_directory(env, tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["runs"]
 
 
-def test_without_tensorflow_the_extra_is_named(env, tmp_path):
-  _borrow(env, without=("tensorflow",))
-  out = _run(env, tmp_path, "tpu-embed plan --config tiny")
-  assert (out.returncode, out.stdout) == (2, "")
-  assert out.stderr == ("error: plan needs TensorFlow, which is not installed. Fix: "
-                        "pip install 'tpu_embed_ext[cpu]' (or [tf], or [tpu] on a "
-                        "Cloud TPU VM).\n")
-
-
-def test_without_the_data_extra_train_names_it_and_makes_nothing(env, tmp_path):
-  _borrow(env, without=("tensorflow_datasets",))
-  out = _run(env, tmp_path, "tpu-embed train --config tiny --steps 10")
-  assert (out.returncode, out.stdout) == (2, "")
-  assert out.stderr == ("error: train needs tensorflow_datasets (the training data), "
-                        "which is not installed. Fix: pip install "
-                        "'tpu_embed_ext[data]'.\n")
+@pytest.mark.parametrize("without,command,message", [
+    ("tensorflow", "plan --config tiny", "plan needs TensorFlow, which is not "
+     "installed. Fix: pip install 'tpu_embed_ext[cpu]' (or [tf], or [tpu] on a Cloud "
+     "TPU VM)."),
+    ("tensorflow_datasets", "train --config tiny --steps 10", "train needs "
+     "tensorflow_datasets (the training data), which is not installed. Fix: pip "
+     "install 'tpu_embed_ext[data]'."),
+], ids=["no_tensorflow", "cpu_without_data"])
+def test_a_missing_extra_is_named_and_nothing_is_made(env, tmp_path, without, command,
+                                                      message):
+  """``pip install .`` (no TensorFlow), or ``[cpu]`` without ``[data]``."""
+  _borrow(env, without=(without,))
+  out = _run(env, tmp_path, f"tpu-embed {command}")
+  assert (out.returncode, out.stdout, out.stderr) == (2, "", f"error: {message}\n")
   assert os.listdir(tmp_path) == []

@@ -164,6 +164,10 @@ def where_everything_went(config: str, model_dir: str) -> str:
           ("history", os.path.join(model_dir, "history.csv")),
           ("TensorBoard logs", os.path.join(model_dir, "logs") +
            f"   (tensorboard --logdir {os.path.join(model_dir, 'logs')})")]
+  library_log = os.path.join(model_dir, "logs", "libraries.log")
+  if os.path.exists(library_log):  # Not with --verbose: they were shown.
+    rows.append(("library log", library_log + "   (TensorFlow's and other "
+                 "libraries' lines)"))
   lines = [f"Results in {model_dir}:"]
   lines += [f"  {name:<17} {path}" for name, path in rows]
   lines += ["Next, export for serving:",
@@ -240,10 +244,11 @@ class _AbslCommand:
     if any(a in _HELP for a in argv):
       print(console.command_help(self.name, _flag_values(self.name)))
       return 0
+    from absl import flags  # pylint: disable=g-import-not-at-top
     f = _flag_values(self.name)
     try:
       rest = f([f"tpu-embed {self.name}", *argv])[1:]
-    except Exception as e:  # pylint: disable=broad-except  (absl's flags.Error)
+    except flags.Error as e:
       return _usage_error(self._flag_error(e))
     if rest:
       return _usage_error(
@@ -285,7 +290,7 @@ class _AbslCommand:
         print(text, flush=True)
       return line
 
-    status, bug = 2, False
+    status = 2
     try:
       if self.name == "train" or (self.name == "plan" and f.data > 0):
         _quiet_datasets()
@@ -296,18 +301,16 @@ class _AbslCommand:
       if f.verbose:
         raise
       if line is None:  # A bug: its traceback reaches the terminal.
-        status, bug = 1, True
+        status = 1
         report = traceback.format_exc()
         print(report, file=sys.stderr)  # The log, after what led to it.
-        print(report + f"(the log of TensorFlow and other libraries: {log.path})",
-              file=terminal)
+        print(report + "(the log of TensorFlow and other libraries: "
+              f"{log.destination})", file=terminal)
       else:
         print(f"error: {line} (--verbose shows the traceback)", file=terminal)
     finally:
-      kept = log.close(keep=status != 2) if log else None
-    if kept and not bug:
-      print(f"(TensorFlow's and other libraries' log lines are in {kept}; "
-            "--verbose shows them here.)", flush=True)
+      if log:
+        log.close()
     return status
 
 
@@ -321,10 +324,15 @@ def _emulate(argv: List[str]) -> int:
   """``emulate``: tpu_embed_ext/emulated_tpu/runner.py parses its own arguments."""
   try:
     from tpu_embed_ext.emulated_tpu import runner  # pylint: disable=g-import-not-at-top
-  except ImportError:
+  except ModuleNotFoundError as e:
+    if not (e.name or "").startswith("tpu_embed_ext.emulated_tpu"):
+      raise
     return _usage_error("emulate is not available in this installation of "
                         "tpu_embed_ext. Fix: install a version that has it.")
-  return runner.main(argv)
+  status = runner.main(argv)
+  if _owns_process:  # Ends as a finished `python SCRIPT` would (runner.py).
+    runner.exit_now(status)
+  return status
 
 
 COMMANDS: Dict[str, Callable[[List[str]], int]] = {

@@ -12,6 +12,7 @@ MAX_NODES. A recursive alias is refused the same way.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -84,10 +85,10 @@ def _near(path: str) -> str:
   if near:
     return near
   stem, shipped = os.path.splitext(name)[0], shipped_configs()
-  if stem not in shipped:
-    match = errors.did_you_mean(stem, shipped)
-    stem = match[len(' Did you mean "'):-len('"?')] if match else None
-  return f" Did you mean the shipped config {stem!r} (--config {stem})?" if stem else ""
+  match = ([stem] if stem in shipped else
+           difflib.get_close_matches(stem, shipped, n=1, cutoff=0.6))
+  return (f" Did you mean the shipped config {match[0]!r} (--config {match[0]})?"
+          if match else "")
 
 
 def load(path: str):

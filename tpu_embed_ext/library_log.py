@@ -10,10 +10,12 @@ follow it, and the command's own messages go to ``terminal``, the stderr it
 was started with. Warnings of this package (``NumericTrapWarning``) are the
 command's own messages and go there too.
 
-The log starts as a private file (``mkstemp``: created exclusively, mode
-0600, so a planted symlink cannot redirect it) and moves into
-``<model_dir>/logs/libraries.log`` only once the model_dir is known good
-(``move_to``): a run that fails on its config creates no directory.
+The log starts as a private file in ``log_dir()`` (``mkstemp``: created
+exclusively, mode 0600, so a planted symlink cannot redirect it). It moves
+into ``<model_dir>/logs/libraries.log`` once the model_dir is known good
+(``move_to``: a run that fails on its config creates no directory);
+otherwise ``close`` renames it ``<log_dir>/<command>.log``, the last run's
+log of that command (the rename replaces a symlink there, never follows it).
 
 A crash is never lost. In a process (``process=True``): ``faulthandler``
 writes the Python stack of a fatal signal (SIGSEGV, SIGABRT, ...) to the
@@ -27,13 +29,14 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import warnings
 from typing import Optional
 
-__all__ = ["LibraryLog", "TAIL_LINES"]
+__all__ = ["LibraryLog", "TAIL_LINES", "log_dir"]
 
 TAIL_LINES = 20
 """Lines of the log the watcher shows when the process ends without a word."""
@@ -44,16 +47,18 @@ class LibraryLog:
 
   ``terminal`` is where the command's own messages go. ``close`` restores
   everything (in a process, fd 2 stays on the log: what TensorFlow prints
-  while Python shuts down is not the command's) and removes the log if
-  ``keep`` is false and it was never moved into a model_dir.
+  while Python shuts down is not the command's).
   """
 
   def __init__(self, command: str, *, process: bool = False):
     self._process = process
     self._old_stderr = sys.stderr
     sys.stderr.flush()
+    directory = log_dir()
     fd, self.path = tempfile.mkstemp(prefix=f"tpu_embed_ext-{command}-",
-                                     suffix=".log")
+                                     suffix=".log", dir=directory)
+    self._final = (os.path.join(directory, f"{command}.log") if directory
+                   else self.path)
     self._moved, self._start = False, 0
     self._saved_fd = os.dup(2)  # Not inherited by subprocesses (PEP 446).
     if _writes_to_fd2(sys.stderr):
@@ -87,19 +92,22 @@ class LibraryLog:
     except OSError:
       return
     self._start = os.fstat(fd).st_size
-    with open(self.path, "rb") as f:
-      os.write(fd, f.read())
+    with open(self.path, "rb") as src, open(fd, "ab", closefd=False) as dst:
+      shutil.copyfileobj(src, dst)
     os.dup2(fd, 2)
     os.close(fd)
     os.unlink(self.path)
     self.path, self._moved = path, True
-    self._tell_watcher(f"log {path}\n")
+    self._tell_watcher(f"log {os.path.abspath(path)}\n")
 
-  def close(self, *, keep: bool) -> Optional[str]:
-    """Restores stderr; returns the log's path if it holds lines of this run
-    and is kept (``keep``, or moved into a model_dir), else None."""
+  @property
+  def destination(self) -> str:
+    """Where the log is once ``close`` has run."""
+    return self.path if self._moved else self._final
+
+  def close(self) -> str:
+    """Restores stderr; returns the log's path (``destination``)."""
     sys.stderr.flush()
-    written = os.fstat(2).st_size - self._start
     warnings.showwarning = self._showwarning
     for handler, stream in self._handlers:
       handler.setStream(stream)
@@ -110,10 +118,10 @@ class LibraryLog:
         self.terminal.close()
     os.close(self._saved_fd)
     self._tell_watcher("done\n")
-    if not self._moved and not (keep and written):
-      os.unlink(self.path)
-      return None
-    return self.path if written else None
+    if self.path != self.destination:  # Replaces a symlink, never follows it.
+      os.replace(self.path, self.destination)
+      self.path = self.destination
+    return self.path
 
   def _show_warning(self, message, category, filename, lineno, file=None,
                     line=None):
@@ -125,6 +133,24 @@ class LibraryLog:
   def _tell_watcher(self, message: str) -> None:
     if self._watcher is not None:
       os.write(self._watcher, message.encode())
+
+
+def log_dir() -> Optional[str]:
+  """``<cache>/logs``, made private (0700) if absent, or None if it cannot be.
+
+  ``<cache>`` is the kernels' cache root (emulation/native/loader.py, which
+  imports TensorFlow: this runs before): ``$TPU_EMBED_EXT_CACHE_DIR``, else
+  ``$XDG_CACHE_HOME/tpu_embed_ext``, else ``~/.cache/tpu_embed_ext``.
+  """
+  root = os.environ.get("TPU_EMBED_EXT_CACHE_DIR") or os.path.join(
+      os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                       ".cache"), "tpu_embed_ext")
+  path = os.path.join(root, "logs")
+  try:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+  except OSError:
+    return None
+  return path
 
 
 def _writes_to_fd2(stream) -> bool:
