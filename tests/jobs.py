@@ -13,11 +13,7 @@ _SUFFIX = " (--verbose shows the traceback)"
 
 def run_cli(capsys, *args):
   """(exit status, stdout, stderr) of ``python -m tpu_embed_ext args``, in-process."""
-  try:
-    argv = cli.FLAGS(["tpu_embed_ext", *args])
-    status = cli.main(argv)
-  finally:
-    cli.FLAGS.unparse_flags()
+  status = cli.main(["tpu_embed_ext", *args])
   out = capsys.readouterr()
   return status, out.out, out.err
 
