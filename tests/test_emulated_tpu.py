@@ -1,0 +1,351 @@
+"""The emulated TPU (tpu_embed_ext/emulated_tpu/): patching, system, strategy.
+
+The session has 8 logical CPU devices (conftest.py); each test enters its own
+``emulate_tpu`` over the first ``replicas`` of them.
+"""
+
+import importlib
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.distribute import tpu_strategy
+from tensorflow.python.distribute.cluster_resolver.tpu import (
+    tpu_cluster_resolver as real_resolver_lib)
+
+from tpu_embed_ext import emulated_tpu, errors
+from tpu_embed_ext.emulated_tpu import patching
+from tpu_embed_ext.emulated_tpu import strategy as strategy_lib
+
+emulate_tpu = emulated_tpu.emulate_tpu
+
+
+def _originals():
+  return {key: getattr(importlib.import_module(module), attribute)
+          for key, (module, attribute) in patching.ORIGINALS.items()}
+
+
+def _current(row):
+  return getattr(importlib.import_module(row.module), row.attribute)
+
+
+def _assert_unpatched():
+  originals = _originals()
+  for row in patching.PATCHES:
+    assert _current(row) is originals[row.original], row
+
+
+# --- patching ------------------------------------------------------------------
+
+def test_nothing_is_patched_unless_asked():
+  _assert_unpatched()
+  assert not emulated_tpu.is_active() and emulated_tpu.current() is None
+
+
+def test_patch_table_covers_every_alias():
+  """No module under tensorflow holds a TPU entry point the table misses."""
+  import tensorflow.python.tpu.tpu_embedding_v3  # pylint: disable=unused-import
+  wanted = {id(obj): key for key, obj in _originals().items()}
+  table = {(row.module, row.attribute) for row in patching.PATCHES}
+  found = set()
+  for name, module in list(sys.modules.items()):
+    if not name.startswith("tensorflow") or module is None:
+      continue
+    for attribute, value in list(vars(module).items()):
+      if id(value) in wanted:
+        found.add((name, attribute))
+  assert found - table == set()
+  assert table - found == set()
+
+
+def test_inside_every_name_is_the_emulations_and_restored_by_identity():
+  originals = _originals()
+  with emulate_tpu(replicas=2) as emulation:
+    assert emulated_tpu.current() is emulation and emulated_tpu.is_active()
+    for row in patching.PATCHES:
+      assert _current(row) is not originals[row.original], row
+    assert tf.distribute.TPUStrategy is strategy_lib.EmulatedTPUStrategy
+    assert (tf.distribute.experimental.TPUStrategy
+            is strategy_lib.EmulatedExperimentalTPUStrategy)
+    from tensorflow.python.distribute.cluster_resolver import tpu_cluster_resolver
+    assert (tpu_cluster_resolver.TPUClusterResolver
+            is tf.distribute.cluster_resolver.TPUClusterResolver
+            is real_resolver_lib.TPUClusterResolver
+            is strategy_lib.EmulatedTPUClusterResolver)
+  _assert_unpatched()
+  assert emulated_tpu.current() is None
+
+
+def test_restored_on_exception():
+  with pytest.raises(KeyError, match="inside"):
+    with emulate_tpu(replicas=2):
+      raise KeyError("inside")
+  _assert_unpatched()
+  with emulate_tpu(replicas=1):  # And it can be entered again.
+    pass
+
+
+def test_nested_entry_refused():
+  with emulate_tpu(replicas=2):
+    with pytest.raises(emulated_tpu.EmulationError) as e:
+      with emulate_tpu(replicas=4):
+        pass
+    assert str(e.value) == (
+        "emulate_tpu(replicas=4) entered while emulate_tpu(replicas=2) is active: "
+        "nested or concurrent emulations are refused, as the patched TensorFlow "
+        "names are shared by the whole process. Fix: leave the first emulate_tpu "
+        "before entering another.")
+    assert tf.distribute.TPUStrategy is strategy_lib.EmulatedTPUStrategy
+  _assert_unpatched()
+
+
+def test_concurrent_entry_refused():
+  errors = []
+
+  def enter():
+    try:
+      with emulate_tpu(replicas=1):
+        pass
+    except emulated_tpu.EmulationError as e:
+      errors.append(e)
+
+  with emulate_tpu(replicas=2):
+    thread = threading.Thread(target=enter)
+    thread.start()
+    thread.join()
+    assert tf.distribute.TPUStrategy is strategy_lib.EmulatedTPUStrategy
+  assert len(errors) == 1 and "nested or concurrent" in str(errors[0])
+  _assert_unpatched()
+
+
+def test_too_few_logical_devices():
+  with pytest.raises(emulated_tpu.EmulationError) as e:
+    with emulate_tpu(replicas=9):
+      pass
+  assert str(e.value) == (
+      "emulate_tpu(replicas=9) needs 9 logical CPU devices, but TensorFlow is "
+      "already initialised with 8 and cannot add more. Fix: enter emulate_tpu "
+      "before any TensorFlow op runs, or run the program with `python -m "
+      "tpu_embed_ext emulate --replicas 9 SCRIPT`, or its tests with `pytest "
+      "--emulate-tpu=9`, which set the devices up first.")
+  _assert_unpatched()
+  assert not emulated_tpu.is_active()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"replicas": 0}, "emulate_tpu needs a positive integer replicas, got "
+     "replicas=0. Fix: e.g. replicas=8 (one per TPU core)."),
+    ({"replicas": 2, "sparsecore": "yes"},
+     "emulate_tpu sparsecore must be True or False, got sparsecore='yes'."),
+    ({"replicas": 2, "topology": "v5p:4"},
+     "emulate_tpu topology 'v5p:4' has 4 chips but replicas=2: a TPU runs one "
+     "replica per chip. Fix: replicas=4, or a topology of 2 chips."),
+])
+def test_bad_arguments(kwargs, message):
+  with pytest.raises(errors.ConfigError) as e:
+    with emulate_tpu(**kwargs):
+      pass
+  assert str(e.value) == message
+  _assert_unpatched()
+
+
+def test_used_outside_the_emulation():
+  with pytest.raises(emulated_tpu.EmulationError,
+                     match=r"^the emulated TPUStrategy was used outside "
+                     r"emulate_tpu: .* Fix: create it inside"):
+    strategy_lib.EmulatedTPUStrategy()
+
+
+def test_importing_the_package_is_cheap():
+  code = ("import sys, tpu_embed_ext\n"
+          "from tpu_embed_ext import emulated_tpu\n"
+          "assert tpu_embed_ext.emulate_tpu is emulated_tpu.emulate_tpu\n"
+          "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=False)
+  assert out.returncode == 0, out.stderr
+
+
+# --- the TPU system ----------------------------------------------------------------
+
+def test_resolver_initialize_and_topology():
+  with emulate_tpu(replicas=4):
+    from tensorflow.python.eager import remote
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="my-tpu")
+    assert isinstance(resolver, real_resolver_lib.TPUClusterResolver)
+    assert tf.config.experimental_connect_to_cluster(resolver) is None
+    assert remote.connect_to_cluster(resolver) is None
+    topology = tf.tpu.experimental.initialize_tpu_system(resolver)
+    assert isinstance(topology, tf.tpu.experimental.Topology)
+    assert (topology.num_tasks, topology.num_tpus_per_task) == (1, 4)
+    assert topology.mesh_shape.tolist() == [4, 1, 1, 1]
+    assert [(topology.task_ordinal_at_coordinates([i, 0, 0, 0]),
+             topology.tpu_device_ordinal_at_coordinates([i, 0, 0, 0]))
+            for i in range(4)] == [(0, i) for i in range(4)]
+    assert resolver.num_accelerators() == {"TPU": 4}
+    assert resolver.master() == "" and resolver.cluster_spec().as_dict() == {}
+    metadata = resolver.get_tpu_system_metadata()
+    assert (metadata.num_cores, metadata.num_hosts,
+            metadata.num_of_cores_per_host) == (4, 1, 4)
+    assert (resolver.tpu_hardware_feature.embedding_feature
+            == tf.tpu.experimental.HardwareFeature.EmbeddingFeature.V1)
+    from tensorflow.python.distribute.cluster_resolver import tpu_cluster_resolver
+    tpu_cluster_resolver.initialize_tpu_system(resolver)
+    tf.tpu.experimental.shutdown_tpu_system(resolver)
+    tpu_cluster_resolver.shutdown_tpu_system()
+    connected = tf.distribute.cluster_resolver.TPUClusterResolver.connect()
+    assert connected.num_accelerators() == {"TPU": 4}
+
+
+def test_hardware_feature_reports_sparsecore():
+  from tpu_embed_ext.emulation import dispatch
+  from tpu_embed_ext.sparsecore import topology
+  with_sc = emulated_tpu.Emulation(2, True, topology.parse_topology("v6e:2"), ())
+  feature = strategy_lib.hardware_feature(with_sc)
+  assert feature.embedding_feature == feature.EmbeddingFeature.V2
+  assert feature.num_embedding_devices_per_chip == 2
+  without = strategy_lib.hardware_feature(emulated_tpu.Emulation(2, False, None, ()))
+  assert without.embedding_feature == feature.EmbeddingFeature.V1
+
+  class Extended:
+    tpu_hardware_feature = feature
+
+  class Strategy:
+    extended = Extended()
+
+  assert dispatch._sparsecore(Strategy())  # pylint: disable=protected-access
+
+
+# --- the strategy ------------------------------------------------------------------
+
+def _strategy(cls_name="TPUStrategy"):
+  resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="")
+  tf.config.experimental_connect_to_cluster(resolver)
+  tf.tpu.experimental.initialize_tpu_system(resolver)
+  if cls_name == "experimental":
+    return tf.distribute.experimental.TPUStrategy(resolver)
+  return tf.distribute.TPUStrategy(resolver)
+
+
+@pytest.mark.parametrize("kind", ["TPUStrategy", "experimental"])
+def test_strategy_is_a_tpu_strategy_over_logical_cpus(kind):
+  real = {"TPUStrategy": tpu_strategy.TPUStrategyV2,
+          "experimental": tpu_strategy.TPUStrategy}[kind]
+  with emulate_tpu(replicas=2):
+    strategy = _strategy(kind)
+    patched = (tf.distribute.TPUStrategy if kind == "TPUStrategy"
+               else tf.distribute.experimental.TPUStrategy)
+    assert isinstance(strategy, patched) and isinstance(strategy, real)
+    assert isinstance(strategy, tf.distribute.MirroredStrategy)
+    assert strategy.num_replicas_in_sync == 2
+    assert list(strategy.extended.worker_devices) == [
+        f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)]
+    assert strategy.extended.num_hosts == 1
+    assert strategy.extended.num_replicas_per_host == 2
+    assert isinstance(strategy.cluster_resolver, real_resolver_lib.TPUClusterResolver)
+
+
+def test_strategy_runs_replicas_as_a_tpu_does():
+  with emulate_tpu(replicas=4):
+    strategy = _strategy()
+    data = tf.data.Dataset.range(16).batch(8, drop_remainder=True)
+    options = tf.distribute.InputOptions(experimental_fetch_to_device=False)
+    distributed = strategy.experimental_distribute_dataset(data, options=options)
+
+    @tf.function
+    def step(x):
+      def fn(x):
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return tf.reduce_sum(x) * 10 + tf.cast(replica, tf.int64)
+      return strategy.run(fn, args=(x,))
+
+    sums, gathered = [], []
+    for x in distributed:
+      per_replica = step(x)
+      sums.append(int(strategy.reduce("SUM", per_replica, axis=None)))
+      gathered.append(strategy.gather(x, axis=0).numpy().tolist())
+    batches = np.arange(16).reshape(2, 4, 2)  # step, replica, example
+    assert sums == [int(b.sum() * 10 + 0 + 1 + 2 + 3) for b in batches]
+    assert gathered == [list(range(8)), list(range(8, 16))]
+
+    def dataset_fn(context):
+      assert context.num_replicas_in_sync == 4
+      return tf.data.Dataset.from_tensors(
+          tf.constant([1, 2], tf.int64)).repeat()
+    from_fn = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    first = strategy.experimental_local_results(next(from_fn))
+    assert [t.numpy().tolist() for t in first] == [[1, 2]] * 4
+
+
+def test_strategy_run_refuses_eager_functions_as_a_tpu():
+  with emulate_tpu(replicas=2):
+    strategy = _strategy()
+    with pytest.raises(NotImplementedError,
+                       match=r"TPUStrategy.run\(fn, ...\) does not support pure "
+                       "eager execution"):
+      strategy.run(lambda: 1)
+
+
+@pytest.mark.parametrize("method, args", [
+    ("experimental_assign_to_logical_device", (1, 0)),
+    ("experimental_split_to_logical_devices", (1, [1, 2])),
+    ("experimental_replicate_to_logical_devices", (1,)),
+])
+def test_tpu_only_methods_raise_naming_them(method, args):
+  with emulate_tpu(replicas=2):
+    strategy = _strategy()
+    with pytest.raises(emulated_tpu.NotEmulatedError) as e:
+      getattr(strategy, method)(*args)
+  assert str(e.value) == (
+      f"TPUStrategy.{method} is not emulated: the emulated TPU runs each replica "
+      "on one CPU device (no logical devices inside a replica, no model "
+      "parallelism). Fix: run this part on a TPU, or leave it out under "
+      "emulate_tpu.")
+
+
+def test_tpu_only_constructions_raise_naming_them():
+  with emulate_tpu(replicas=2):
+    with pytest.raises(emulated_tpu.NotEmulatedError,
+                       match=r"^TPUStrategy\(experimental_spmd_xla_partitioning=True\)"
+                       " is not emulated: .*no XLA SPMD partitioning"):
+      tf.distribute.TPUStrategy(experimental_spmd_xla_partitioning=True)
+    with pytest.raises(emulated_tpu.NotEmulatedError,
+                       match=r"^tf.compat.v1.distribute.experimental.TPUStrategy "
+                       r"\(TPUStrategyV1"):
+      tf.compat.v1.distribute.experimental.TPUStrategy()
+    with pytest.raises(emulated_tpu.NotEmulatedError,
+                       match=r"^TPUStrategy.extended.experimental_logical_device "
+                       "is not emulated"):
+      _strategy().extended.experimental_logical_device(1)
+    topology = tf.tpu.experimental.initialize_tpu_system()
+    model_parallel = tf.tpu.experimental.DeviceAssignment.build(
+        topology, computation_shape=[2, 1, 1, 1], num_replicas=1)
+    with pytest.raises(emulated_tpu.NotEmulatedError,
+                       match=r"^TPUStrategy with a device assignment of "
+                       "num_cores_per_replica=2 is not emulated"):
+      tf.distribute.TPUStrategy(experimental_device_assignment=model_parallel)
+    one_replica = tf.tpu.experimental.DeviceAssignment.build(
+        topology, num_replicas=1)
+    assert tf.distribute.TPUStrategy(
+        experimental_device_assignment=one_replica).num_replicas_in_sync == 1
+
+
+@pytest.mark.parametrize("real, ours", [
+    (tpu_strategy.TPUStrategyV2, strategy_lib.EmulatedTPUStrategy),
+    (tpu_strategy.TPUStrategy, strategy_lib.EmulatedExperimentalTPUStrategy),
+    (real_resolver_lib.TPUClusterResolver, strategy_lib.EmulatedTPUClusterResolver),
+], ids=["TPUStrategyV2", "TPUStrategy", "TPUClusterResolver"])
+def test_no_method_of_the_real_tpu_class_is_reachable(real, ours):
+  """Each method the real class defines is overridden (it would need a TPU)."""
+  helpers = {"_get_device_dict_and_cores", "_verify_and_return_same_core_count"}
+  for name, value in vars(real).items():
+    if not callable(value) and not isinstance(value, (property, staticmethod)):
+      continue
+    if name in helpers or name.startswith("__") and name not in (
+        "__init__", "__enter__", "__exit__", "__deepcopy__"):
+      continue
+    owner = next(c for c in ours.__mro__ if name in vars(c))
+    assert owner is not real, f"{real.__name__}.{name} is not overridden"
