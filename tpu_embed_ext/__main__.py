@@ -31,7 +31,9 @@ flags.DEFINE_integer("steps", None, "The table step to train to (default: the "
 flags.DEFINE_string("model_dir", None, "Checkpoints, logs, metrics (default: "
                     "runs/<config file name without extension>).")
 flags.DEFINE_string("tpu", "auto", "'auto' (use a TPU if one is attached), "
-                    "'none' (CPU emulation), or a TPU name/address.")
+                    "'none' (CPU emulation), 'emulate' or 'emulate:N' (the job's "
+                    "TPU path on an emulated TPU of N replicas, default 8, on "
+                    "CPU), or a TPU name/address.")
 flags.DEFINE_string("out", None, "export: where to write the SavedModel (default: "
                     "<model_dir>/serving); convert-checkpoint: the prefix of the "
                     "converted checkpoint (required).")
