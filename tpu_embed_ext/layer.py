@@ -16,9 +16,9 @@ Engines: on CPU (no ``TPUStrategy`` in scope) the layer runs
 runs ``TPUEmbedding`` (TPU v2-v4) or ``TPUEmbeddingV2`` (SparseCore, v5p/v6e),
 chosen by ``create_embedding`` as TensorFlow documents for the hardware. The
 TPU branches were NOT run on TPU hardware: no TPU is reachable where this
-package is developed. They are exercised on CPU up to the point where a TPU is
-needed (construction with a stand-in strategy, the engine chosen, the protocol
-each engine needs); see tests/test_layer.py.
+package is developed. They run end to end under the emulated TPU
+(``emulate_tpu``, whose ``TPUEmbedding`` / ``TPUEmbeddingV2`` are this
+package's engine): tests/test_emulated_keras.py.
 
 Saving: see ``save_own_variables`` and the README's "Saving and restoring".
 """
