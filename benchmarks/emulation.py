@@ -12,10 +12,8 @@ and stepped on the same batches:
   ``MirroredStrategy`` over the same devices.
 
 Both run the same engine, so the ratio is the emulation's own cost (its
-adapters and strategy); the goal is at most 1.05. Method: every program is
-warmed up on every batch of a small pool, then stepped round robin on the
-same batch (machine noise hits them alike); median step time, p10/p90 in the
-JSON.
+adapters and strategy); the goal is at most 1.05. Method: ``round_robin.time_steps``;
+median step time, p10/p90 in the JSON.
 
 Usage: ``python -m benchmarks.emulation [--quick]`` (``make bench``). Writes
 ``results/emulation.json`` and its table in RESULTS.md.
@@ -27,9 +25,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import tempfile
-import time
 
 import numpy as np
 import tensorflow as tf
@@ -40,7 +36,7 @@ tf.config.set_logical_device_configuration(
     [tf.config.LogicalDeviceConfiguration()] * REPLICAS)
 
 import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
-from benchmarks import workloads  # pylint: disable=g-import-not-at-top
+from benchmarks import round_robin, workloads  # pylint: disable=g-import-not-at-top
 from tpu_embed_ext import atomic  # pylint: disable=g-import-not-at-top
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -140,19 +136,7 @@ def run(workload, optimizer, sparsecore, repeats):
     strategy, embeddings["direct"] = _direct(workload, optimizer, sparsecore, topology)
     built["direct"] = (_program(strategy, embeddings["direct"], workload, False),
                        [_split(strategy, workload, b) for b in batches])
-    for step, inputs in built.values():
-      for x in inputs:  # warm-up: every shape traced once
-        step(x)
-    times = {name: [] for name in built}
-    for r in range(repeats):
-      for name, (step, inputs) in built.items():
-        start = time.perf_counter()
-        step(inputs[r % POOL])
-        times[name].append((time.perf_counter() - start) * 1e3)
-  out = {name: {"median_ms": statistics.median(t),
-                "p10_ms": float(np.percentile(t, 10)),
-                "p90_ms": float(np.percentile(t, 90))}
-         for name, t in times.items()}
+    out = round_robin.time_steps(built, repeats)
   out["ratio"] = out["emulated"]["median_ms"] / out["direct"]["median_ms"]
   # Both stepped the same batches as often: the same work, the same tables.
   out["same_tables"] = _same_tables(embeddings)
@@ -193,12 +177,7 @@ def main():
   table = markdown(results)
   print(table)
   if not args.quick:
-    path = os.path.join(HERE, "RESULTS.md")
-    text = open(path).read()
-    if MARK in text:
-      head, _, rest = text.partition(MARK)
-      _, _, tail = rest.partition(MARK)
-      atomic.write_text(path, f"{head}{MARK}\n{table}\n{MARK}{tail}")
+    round_robin.write_section(os.path.join(HERE, "RESULTS.md"), MARK, table)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ in another order than one device sums them).
 """
 
 import numpy as np
-import pytest
 import yaml
 
 from tests import jobs
@@ -18,18 +17,7 @@ TINY = "configs/tiny.yaml"
 STEPS = 10
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  """The tiny dataset, built here so that its progress bars stay out of stderr."""
-  import tensorflow_datasets as tfds
-  from tpu_embed_ext import data  # Registers synthetic_clicks.
-  del data
-  path = str(tmp_path_factory.mktemp("tfds"))
-  tfds.builder("synthetic_clicks/tiny", data_dir=path).download_and_prepare()
-  return path
-
-
-def _config(tmp_path, data_dir):
+def _config(tmp_path, data_dir):  # the session's tiny dataset (conftest)
   with open(TINY) as f:
     config = yaml.safe_load(f)
   config["train"].update(data_dir=data_dir, steps_per_checkpoint=5)
@@ -38,8 +26,8 @@ def _config(tmp_path, data_dir):
   return str(path)
 
 
-def test_train_on_the_emulated_tpu_equals_cpu_emulation(capsys, tmp_path, data_dir):
-  config = _config(tmp_path, data_dir)
+def test_train_on_the_emulated_tpu_equals_cpu_emulation(capsys, tmp_path, tiny_data_dir):
+  config = _config(tmp_path, tiny_data_dir)
   runs = {}
   for tpu in ("emulate:2", "none"):
     model_dir = tmp_path / tpu.replace(":", "_")
@@ -60,8 +48,8 @@ def test_train_on_the_emulated_tpu_equals_cpu_emulation(capsys, tmp_path, data_d
       np.testing.assert_array_equal(emulated[key], value, err_msg=key)
 
 
-def test_a_bad_emulated_tpu_is_one_line(capsys, tmp_path, data_dir):
-  line = jobs.one_line_error(capsys, "train", "--config", _config(tmp_path, data_dir),
+def test_a_bad_emulated_tpu_is_one_line(capsys, tmp_path, tiny_data_dir):
+  line = jobs.one_line_error(capsys, "train", "--config", _config(tmp_path, tiny_data_dir),
                              "--tpu", "emulate:0", "--model_dir", str(tmp_path / "r"))
   assert line == (
       "--tpu: 'emulate:0' is not an emulated TPU. Fix: write emulate (the "

@@ -12,14 +12,15 @@ trained on one CPU device on the same global batches.
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
 from tests.jobs import variables as checkpoint_values
+# The data (and sizes) of the MirroredStrategy test, -1-padded multi-hot items.
+from tests.test_keras_replicas import DIM, GLOBAL_BATCH, STEPS, VOCAB, _dataset
 
 api = tf.tpu.experimental.embedding
-VOCAB, DIM, GLOBAL_BATCH, STEPS, REPLICAS = 30, 4, 8, 6, 2
+REPLICAS = 2
 
 
 def _feature_config(batch=None):
@@ -35,19 +36,6 @@ def _feature_config(batch=None):
   shape = None if batch is None else [batch]
   return {"user": api.FeatureConfig(user, name="user", output_shape=shape),
           "item": api.FeatureConfig(item, name="item", output_shape=shape)}
-
-
-def _dataset():
-  """Multi-hot items as -1-padded rows (Keras cannot split ragged batches)."""
-  rng = np.random.RandomState(0)
-  n = GLOBAL_BATCH * STEPS
-  lengths = rng.randint(1, 4, n)
-  items = tf.RaggedTensor.from_row_lengths(
-      rng.randint(0, VOCAB, lengths.sum()), lengths).to_tensor(-1, shape=[n, 3])
-  features = {"user": rng.randint(0, VOCAB, n), "item": items}
-  labels = rng.randint(0, 2, (n, 1)).astype(np.float32)
-  return tf.data.Dataset.from_tensor_slices((features, labels)).batch(
-      GLOBAL_BATCH, drop_remainder=True)
 
 
 class Ranker(keras.Model):
