@@ -349,3 +349,230 @@ def test_no_method_of_the_real_tpu_class_is_reachable(real, ours):
       continue
     owner = next(c for c in ours.__mro__ if name in vars(c))
     assert owner is not real, f"{real.__name__}.{name} is not overridden"
+
+
+# --- the runner, in this process (fast_exit=False) ---------------------------------
+
+from tpu_embed_ext.emulated_tpu import runner  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+_SCRIPT = """
+import sys
+import tensorflow as tf
+from tpu_embed_ext import emulated_tpu
+print("name", __name__)
+print("argv", sys.argv[1:])
+print("path0", sys.path[0])
+print("replicas", emulated_tpu.current().replicas,
+      tf.distribute.TPUStrategy().num_replicas_in_sync)
+how = sys.argv[1]
+if how == "exit3":
+  sys.exit(3)
+if how == "message":
+  sys.exit("goodbye")
+if how == "raise":
+  raise KeyError("from the script")
+"""
+
+
+@pytest.mark.parametrize("how, code", [
+    ("return", 0), ("exit3", 3), ("message", 1), ("raise", 1)])
+def test_runner_runs_the_script_as_python_would(how, code, tmp_path, capsys):
+  script = tmp_path / "prog.py"
+  script.write_text(_SCRIPT)
+  argv, path0 = list(sys.argv), sys.path[0]
+  assert runner.main(["--replicas", "2", str(script), how, "--flag=x"],
+                     fast_exit=False) == code
+  out, err = capsys.readouterr()
+  assert out.splitlines() == ["name __main__", f"argv ['{how}', '--flag=x']",
+                              f"path0 {tmp_path}", "replicas 2 2"]
+  assert (sys.argv, sys.path[0]) == (argv, path0)
+  _assert_unpatched()
+  if how == "message":
+    assert err == "goodbye\n"
+  elif how == "raise":
+    assert "Traceback (most recent call last)" in err
+    assert err.rstrip().endswith("KeyError: 'from the script'")
+  else:
+    assert err == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--replicas", "0", "prog.py"], "error: emulate: emulate_tpu needs a positive "
+     "integer replicas, got replicas=0. Fix: e.g. replicas=8 (one per TPU core).\n"),
+    (["missing.py"], "error: emulate: no script 'missing.py'. Usage: python -m "
+     "tpu_embed_ext emulate [--replicas N] [--sparsecore] [--topology T] "
+     "[--finalize] SCRIPT [ARGS...]\n"),
+])
+def test_runner_bad_command_line(argv, message, tmp_path, capsys, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "prog.py").write_text("raise SystemExit(7)\n")
+  assert runner.main(argv, fast_exit=False) == 2
+  assert capsys.readouterr().err == message
+  _assert_unpatched()
+
+
+def test_runner_usage_errors_are_status_2(capsys):
+  assert runner.main([], fast_exit=False) == 2
+  assert "the following arguments are required: SCRIPT" in capsys.readouterr().err
+
+
+# --- the pytest plugin's fixture ------------------------------------------------------
+
+def test_fixture_gives_the_test_its_own_tpu(emulated_tpu):
+  assert emulated_tpu.replicas == 8 and not emulated_tpu.sparsecore
+  assert tf.distribute.TPUStrategy().num_replicas_in_sync == 8
+
+
+@pytest.mark.emulate_tpu(replicas=2)
+def test_fixture_takes_the_marker(emulated_tpu):
+  assert emulated_tpu.replicas == 2
+  assert tf.distribute.TPUStrategy().num_replicas_in_sync == 2
+
+
+def test_fixture_leaves_nothing_patched():
+  _assert_unpatched()
+
+
+# --- TPUEmbedding on the emulated TPU (mid_level.py) -------------------------------
+
+from tensorflow.python.tpu import tpu_embedding_v2  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from tpu_embed_ext.emulated_tpu import mid_level  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+_EMB = tf.tpu.experimental.embedding
+
+
+def _config(optimizer=None):
+  table = _EMB.TableConfig(vocabulary_size=8, dim=2, name="t", optimizer=optimizer,
+                           initializer=tf.constant_initializer(
+                               np.arange(16, dtype=np.float32).reshape(8, 2)))
+  return {"a": _EMB.FeatureConfig(table=table, name="a")}
+
+
+def test_tpu_embedding_is_the_adapter_under_the_strategy():
+  real = tpu_embedding_v2.TPUEmbedding
+  with emulate_tpu(replicas=2):
+    strategy = _strategy()
+    with strategy.scope():
+      embedding = _EMB.TPUEmbedding(_config(), _EMB.SGD(0.1))
+    assert type(embedding) is mid_level.TPUEmbedding
+    assert isinstance(embedding, tpu_embedding_v2.TPUEmbedding)
+    assert not isinstance(embedding, real)
+    from tpu_embed_ext import layer
+    assert layer._engine_kind(embedding) == "tpu_v1"  # pylint: disable=protected-access
+    with strategy.scope():
+      created = tee_create_embedding(_config(), _EMB.SGD(0.1))
+    assert type(created) is mid_level.TPUEmbedding
+
+
+def tee_create_embedding(*args):
+  import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
+  return tee.create_embedding(*args)
+
+
+def test_tpu_embedding_outside_the_strategy_is_tensorflows_cpu_mode():
+  real = tpu_embedding_v2.TPUEmbedding
+  with emulate_tpu(replicas=2):
+    embedding = _EMB.TPUEmbedding(_config(), _EMB.SGD(0.1))
+    assert type(embedding) is real
+    np.testing.assert_array_equal(
+        next(iter(embedding.embedding_tables.values())).numpy(),
+        np.arange(16).reshape(8, 2))
+    with pytest.raises(RuntimeError, match="enqueue is not valid when "
+                       "TPUEmbedding object is not created under a TPUStrategy"):
+      embedding.enqueue({"a": tf.constant([1], tf.int64)})
+
+
+def test_tpu_embedding_refuses_what_a_tpu_refuses():
+  with emulate_tpu(replicas=2):
+    strategy = _strategy()
+    with strategy.scope():
+      with pytest.raises(errors.ConfigTypeError) as e:
+        _EMB.TPUEmbedding(_config(), None)
+      assert str(e.value) == (
+          "table 't': TPUEmbedding under a TPUStrategy needs one of "
+          "tf.tpu.experimental.embedding's optimizers, got None. Fix: pass "
+          "optimizer= (e.g. tf.tpu.experimental.embedding.SGD(0.1)) or set "
+          "TableConfig.optimizer; for our optimizer specs use "
+          "tpu_embed_ext.create_embedding.")
+      with pytest.raises(emulated_tpu.NotEmulatedError,
+                         match=r"^TPUEmbedding\(pipeline_execution_with_tensor_core"
+                         r"=True\) is not emulated: a TPU then looks ids up in "
+                         "tables one step old"):
+        _EMB.TPUEmbedding(_config(), _EMB.SGD(0.1),
+                          pipeline_execution_with_tensor_core=True)
+      embedding = _EMB.TPUEmbedding(_config(_EMB.Adagrad(0.1)), None)
+    with pytest.raises(RuntimeError, match="^Unable to retrieve embedding tables "
+                       "when using a TPU strategy. If you need access, save your "
+                       "model, create this object under a CPU strategy and "
+                       "restore.$"):
+      embedding.embedding_tables  # pylint: disable=pointless-statement
+    with pytest.raises(errors.InputTypeError,
+                       match="^TPUEmbedding is not callable, on a TPU either"):
+      embedding({"a": tf.constant([1], tf.int64)})
+    with pytest.raises(emulated_tpu.NotEmulatedError,
+                       match="^TPUEmbeddingV2 needs SparseCore"):
+      _EMB.TPUEmbeddingV2(_config(), _EMB.SGD(0.1))
+
+
+def test_tpu_embedding_private_state_programs_touch():
+  with emulate_tpu(replicas=2):
+    strategy = _strategy()
+    with strategy.scope():
+      embedding = _EMB.TPUEmbedding(_config(), _EMB.SGD(0.5))
+    embedding._output_shapes = [tf.TensorShape([3])]  # pylint: disable=protected-access
+    embedding.build()
+    embedding._load_variables()  # pylint: disable=protected-access
+    parameters = embedding._variables["t"]["parameters"]  # pylint: disable=protected-access
+    assert parameters.variables[0] is parameters
+    with pytest.raises(errors.InputError,
+                       match=r"^feature 'a' \(table 't'\): .*\[3\]"):
+      embedding.enqueue(strategy.experimental_distribute_values_from_function(
+          lambda _: {"a": tf.constant([1, 2], tf.int64)}))
+
+    @tf.function
+    def step(features):
+      embedding.enqueue(features, training=True)
+
+      def fn():
+        activations = embedding.dequeue()
+        embedding.apply_gradients(tf.nest.map_structure(tf.ones_like, activations))
+        return activations["a"]
+      return strategy.run(fn)
+
+    per_replica = strategy.experimental_distribute_values_from_function(
+        lambda ctx: {"a": tf.constant([1, 1, 2], tf.int64)
+                          + ctx.replica_id_in_sync_group})
+    activations = step(per_replica)
+    embedding._retrieve_variables()  # pylint: disable=protected-access
+    assert [a.shape.as_list() for a in strategy.experimental_local_results(
+        activations)] == [[3, 2], [3, 2]]
+    table = np.arange(16, dtype=np.float32).reshape(8, 2)
+    counts = np.bincount([1, 1, 2, 2, 2, 3], minlength=8)  # Both replicas' ids.
+    np.testing.assert_allclose(parameters.variables[0].numpy(),
+                               table - 0.5 * counts[:, None])
+
+
+def test_tpu_embedding_tables_in_a_saved_model(tmp_path):
+  """As on a TPU, ``embedding_tables`` works while a SavedModel is written."""
+  with emulate_tpu(replicas=2):
+    strategy = _strategy()
+    with strategy.scope():
+      embedding = _EMB.TPUEmbedding(_config(), _EMB.SGD(0.5))
+      embedding.build(per_replica_batch_size=2)
+
+    class Served(tf.Module):
+
+      def __init__(self):
+        super().__init__()
+        self.embedding = embedding
+
+      @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)])
+      def lookup(self, ids):
+        table = next(iter(self.embedding.embedding_tables.values()))
+        return tf.gather(table, ids)
+
+    tf.saved_model.save(Served(), str(tmp_path))
+  loaded = tf.saved_model.load(str(tmp_path))
+  np.testing.assert_array_equal(loaded.lookup(tf.constant([3], tf.int64)).numpy(),
+                                [[6, 7]])

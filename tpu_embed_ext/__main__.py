@@ -18,7 +18,14 @@ with what is wrong, where and the fix, and exits with status 2;
 import os
 import sys
 
-from absl import app, flags
+# `emulate` runs a user's script, whose absl flags must not meet ours: it is
+# dispatched before any flag below is defined.
+if (sys.argv[1:2] == ["emulate"]
+    and os.path.basename(sys.argv[0]) in ("__main__.py", "tpu-embed")):
+  from tpu_embed_ext.emulated_tpu import runner  # pylint: disable=g-import-not-at-top
+  sys.exit(runner.main(sys.argv[2:]))
+
+from absl import app, flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from tpu_embed_ext import console
 

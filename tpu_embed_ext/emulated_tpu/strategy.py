@@ -56,10 +56,11 @@ from tensorflow.python.training import server_lib
 from tpu_embed_ext import emulated_tpu
 from tpu_embed_ext.emulated_tpu import patching
 
-__all__ = ["logical_devices", "EmulatedTPUClusterResolver",
+__all__ = ["configure_logical_devices", "logical_devices", "EmulatedTPUClusterResolver",
            "initialize_tpu_system", "shutdown_tpu_system", "connect_to_cluster",
            "EmulatedTPUStrategy", "EmulatedExperimentalTPUStrategy",
-           "TPUStrategyV1NotEmulated", "hardware_feature", "emulated_topology"]
+           "TPUStrategyV1NotEmulated", "hardware_feature", "emulated_topology",
+           "is_emulated_tpu_strategy"]
 
 _HOW_TO_GET_DEVICES = (
     "Fix: enter emulate_tpu before any TensorFlow op runs, or run the program "
@@ -67,19 +68,25 @@ _HOW_TO_GET_DEVICES = (
     "with `pytest --emulate-tpu={n}`, which set the devices up first.")
 
 
-def logical_devices(replicas: int) -> Tuple[str, ...]:
-  """The first ``replicas`` logical CPU devices, made if TensorFlow can still.
+def configure_logical_devices(replicas: int) -> None:
+  """Splits the CPU into ``replicas`` logical devices if TensorFlow still can.
 
-  TensorFlow fixes its logical devices when it initialises (the first op).
-  Before that, the CPU is split into ``replicas`` devices (unless already
-  split into at least as many); after it, there must be enough already.
+  TensorFlow fixes its logical devices when it initialises (the first op);
+  before that, a split into fewer devices is replaced (one into at least as
+  many is kept). Initialises nothing.
   """
+  if context.context()._initialized:  # pylint: disable=protected-access
+    return
   cpu = tf.config.list_physical_devices("CPU")[0]
-  if not context.context()._initialized:  # pylint: disable=protected-access
-    configured = tf.config.get_logical_device_configuration(cpu) or []
-    if len(configured) < replicas:
-      tf.config.set_logical_device_configuration(
-          cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+  configured = tf.config.get_logical_device_configuration(cpu) or []
+  if len(configured) < replicas:
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+
+
+def logical_devices(replicas: int) -> Tuple[str, ...]:
+  """The first ``replicas`` logical CPU devices (made first if TF still can)."""
+  configure_logical_devices(replicas)
   devices = tf.config.list_logical_devices("CPU")
   if len(devices) < replicas:
     raise emulated_tpu.EmulationError(
@@ -296,6 +303,11 @@ class _TPUFace:
     """``strategy.run``, which a TPU refuses to run eagerly (as here)."""
     tpu_strategy.validate_run_function(fn)
     return distribute_lib.StrategyBase.run(self, fn, args, kwargs, options)
+
+
+def is_emulated_tpu_strategy(strategy) -> bool:
+  """Whether ``strategy`` is one of the emulated TPU strategies."""
+  return isinstance(strategy, _TPUFace)
 
 
 class EmulatedTPUStrategy(_TPUFace, mirrored_strategy.MirroredStrategy,
