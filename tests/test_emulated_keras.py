@@ -88,11 +88,7 @@ def test_fit_takes_the_tpu_embedding_branch_and_equals_one_device(tmp_path):
     assert layer._kind == "tpu_v1"
     assert isinstance(layer.embedding, tf.tpu.experimental.embedding.TPUEmbedding)
     assert type(layer.embedding).__module__.startswith("tpu_embed_ext.emulated_tpu")
-  # Written after the emulation: inside it, TensorFlow's TPUEmbedding save
-  # callback (tpu_embedding_v2.py, isinstance against the patched name) asks
-  # the emulated engine for _retrieve_variables, which the mid-level adapter
-  # provides (tpu-core).
-  saved = tf.train.Checkpoint(embedding=layer.embedding).write(str(tmp_path / "tpu"))
+    saved = tf.train.Checkpoint(embedding=layer.embedding).write(str(tmp_path / "tpu"))
   _check_dense_and_predictions(model, predictions, reference, reference_predictions)
   # Tables and slots, by TPUEmbedding's checkpoint keys (on a TPU the tables
   # are read back through a checkpoint too).
