@@ -1,7 +1,7 @@
 """What the in-process benchmarks share: round-robin timing and their RESULTS.md section.
 
 Contenders are stepped in turn on the same input (machine noise hits them
-alike), after a warm-up on every input of the pool (every shape traced, and
+alike; every other round in reverse order), after a warm-up on every input of the pool (every shape traced, and
 compiled, once).
 """
 
@@ -26,8 +26,11 @@ def time_steps(built: Dict[str, Tuple[Callable, Sequence]],
     for x in inputs:  # warm-up
       step(x)
   times: Dict[str, List[float]] = {name: [] for name in built}
+  names = list(built)
   for r in range(repeats):
-    for name, (step, inputs) in built.items():
+    # Every other round in reverse: no contender always runs first.
+    for name in (names if r % 2 == 0 else names[::-1]):
+      step, inputs = built[name]
       start = time.perf_counter()
       step(inputs[r % len(inputs)])
       times[name].append((time.perf_counter() - start) * 1e3)

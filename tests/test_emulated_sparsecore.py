@@ -212,3 +212,37 @@ def test_pipelining_is_refused_as_not_emulated():
       "tables one step old, which the emulated TPU does not reproduce. Fix: pass "
       "pipeline_execution_with_tensor_core=False (results then equal a TPU's "
       "without pipelining).")
+
+
+def test_stacked_tables_are_read_only_views_and_need_a_tpu_strategy():
+  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+    # As upstream: TPUEmbeddingV2 outside a TPUStrategy is refused.
+    with pytest.raises(RuntimeError, match="TPUEmbeddingV2 should be created under "
+                       "TPUStrategy but found"):
+      tf.tpu.experimental.embedding.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+    strategy = tf.distribute.TPUStrategy(
+        tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
+    with strategy.scope():
+      embedding = tf.tpu.experimental.embedding.TPUEmbeddingV2(
+          _feature_config(PER_REPLICA), None)
+    stacked = embedding.embedding_tables["item_user"]
+    # One shard per replica (chip), which together are the stacked variable
+    # whose rows hold each table's rows where its layout puts them.
+    shards = stacked.values
+    assert len(shards) == REPLICAS
+    whole = np.concatenate([s.numpy() for s in shards])
+    np.testing.assert_array_equal(whole, stacked.numpy())
+    layouts = {l.table_name: l for l in embedding.embedding_layouts.values()}
+    for name in VOCAB:
+      from tpu_embed_ext.sparsecore import layout as sc_layout
+      ours = [l for l in sc_layout.layouts_from_proto(
+          sc_layout.layouts_to_proto(embedding._sparsecore.layouts)) if l.table == name][0]
+      rows = ours.stacked_index(np.arange(VOCAB[name]))
+      np.testing.assert_array_equal(whole[rows, :DIM], _initial(name))
+      assert layouts[name].stacked_table_name == "item_user"
+    with pytest.raises(errors.ConfigError) as e:
+      stacked.assign(whole)
+  assert str(e.value) == (
+      "stacked table 'item_user' is a read-only view in the emulated TPUEmbeddingV2 "
+      "(its tables are kept per table). Fix: restore a checkpoint "
+      "(tf.train.Checkpoint(embedding=...).restore) to change the tables.")

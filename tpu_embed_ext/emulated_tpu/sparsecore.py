@@ -221,9 +221,11 @@ class TPUEmbeddingV2(engine_lib.CPUEmbedding):
     super().apply_gradients(gradients)
 
   def _local_replica(self, what) -> int:
-    # Outside strategy.run the object acts on the first replica (see enqueue).
-    del what
-    return self._replicas.local_replica()
+    # A lookup outside strategy.run is the first replica's (see enqueue);
+    # apply_gradients there stays an error, as on a TPU.
+    if what == "dequeue()":
+      return self._replicas.local_replica()
+    return super()._local_replica(what)
 
   def _put(self, batches, training):
     super()._put(batches, training)
