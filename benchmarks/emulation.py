@@ -22,9 +22,7 @@ Usage: ``python -m benchmarks.emulation [--quick]`` (``make bench``). Writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import tempfile
 
 import numpy as np
@@ -37,7 +35,6 @@ tf.config.set_logical_device_configuration(
 
 import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
 from benchmarks import round_robin, workloads  # pylint: disable=g-import-not-at-top
-from tpu_embed_ext import atomic  # pylint: disable=g-import-not-at-top
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MARK = "<!-- emulation -->"
@@ -168,12 +165,8 @@ def main():
   results = {f"{w.name} {o}{', SparseCore' if sc else ''}": run(w, o, sc, repeats)
              for w, o, sc in cases}
   out = os.path.join(args.out, "emulation_quick.json" if args.quick else "emulation.json")
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  atomic.write_text(out, json.dumps(
-      {"machine": platform.processor() or platform.machine(),
-       "cpus": os.cpu_count(), "tensorflow": tf.__version__,
-       "replicas": REPLICAS, "batch": workloads.BATCH, "repeats": repeats,
-       "goal_ratio": 1.05, "results": results}, indent=1))
+  round_robin.write_json(out, replicas=REPLICAS, batch=workloads.BATCH,
+                         repeats=repeats, goal_ratio=1.05, results=results)
   table = markdown(results)
   print(table)
   if not args.quick:

@@ -18,9 +18,7 @@ Usage: ``python -m benchmarks.replicas [--quick]`` (``make bench``). Writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 
 import tensorflow as tf
 
@@ -31,7 +29,6 @@ tf.config.set_logical_device_configuration(
 
 import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
 from benchmarks import round_robin, workloads  # pylint: disable=g-import-not-at-top
-from tpu_embed_ext import atomic  # pylint: disable=g-import-not-at-top
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MARK = "<!-- replicas -->"
@@ -110,12 +107,8 @@ def main():
   results = {f"{w.name} {o}": run(w, o, repeats) for w, o in cases}
   out = os.path.join(HERE, "results",
                      "replicas_quick.json" if args.quick else "replicas.json")
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  atomic.write_text(out, json.dumps(
-      {"machine": platform.processor() or platform.machine(),
-       "cpus": os.cpu_count(), "tensorflow": tf.__version__,
-       "batch": workloads.BATCH, "repeats": repeats, "results": results},
-      indent=1))
+  round_robin.write_json(out, batch=workloads.BATCH, repeats=repeats,
+                         results=results)
   table = markdown(results)
   print(table)
   if not args.quick:

@@ -7,7 +7,9 @@ compiled, once).
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import statistics
 import time
 from typing import Callable, Dict, List, Sequence, Tuple
@@ -16,7 +18,7 @@ import numpy as np
 
 from tpu_embed_ext import atomic
 
-__all__ = ["time_steps", "write_section"]
+__all__ = ["time_steps", "write_section", "write_json"]
 
 
 def time_steps(built: Dict[str, Tuple[Callable, Sequence]],
@@ -50,3 +52,12 @@ def write_section(path: str, mark: str, table: str) -> None:
   head, _, rest = text.partition(mark)
   _, _, tail = rest.partition(mark)
   atomic.write_text(path, f"{head}{mark}\n{table}\n{mark}{tail}")
+
+
+def write_json(path: str, **fields) -> None:
+  """``fields`` with the machine's description, as JSON at ``path`` (atomically)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  atomic.write_text(path, json.dumps(
+      {"machine": platform.processor() or platform.machine(),
+       "cpus": os.cpu_count(), "tensorflow": tf.__version__, **fields}, indent=1))

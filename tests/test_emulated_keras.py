@@ -16,8 +16,8 @@ import tensorflow as tf
 
 import tpu_embed_ext as tee
 from tests.jobs import variables as checkpoint_values
-# The data (and sizes) of the MirroredStrategy test, -1-padded multi-hot items.
-from tests.test_keras_replicas import DIM, GLOBAL_BATCH, STEPS, VOCAB, _dataset
+# The model, data and sizes of the MirroredStrategy test (-1-padded multi-hot items).
+from tests.test_keras_replicas import DIM, GLOBAL_BATCH, STEPS, VOCAB, Ranker, _dataset
 
 api = tf.tpu.experimental.embedding
 REPLICAS = 2
@@ -36,21 +36,6 @@ def _feature_config(batch=None):
   shape = None if batch is None else [batch]
   return {"user": api.FeatureConfig(user, name="user", output_shape=shape),
           "item": api.FeatureConfig(item, name="item", output_shape=shape)}
-
-
-class Ranker(keras.Model):
-
-  def __init__(self, feature_config, engine=None):
-    super().__init__()
-    self.embedding = tee.EmbeddingLayer(feature_config, engine=engine)
-    self.head = keras.layers.Dense(
-        1, kernel_initializer=keras.initializers.GlorotUniform(seed=3))
-
-  def call(self, features, training=False):
-    features = dict(features, item=tf.RaggedTensor.from_tensor(
-        features["item"], padding=-1))
-    acts = self.embedding(features, training=training)
-    return self.head(tf.concat([acts["user"], acts["item"]], 1))
 
 
 def _fit(strategy, feature_config, engine=None):
