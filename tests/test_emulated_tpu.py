@@ -88,6 +88,19 @@ def test_restored_on_exception():
     pass
 
 
+def test_a_failed_entry_patches_nothing(monkeypatch):
+  broken = patching.Patch("tpu_embed_ext.no_such_module", "X",
+                          "strategy:EmulatedTPUStrategy", "TPUStrategyV2")
+  monkeypatch.setattr(patching, "PATCHES", patching.PATCHES + (broken,))
+  with pytest.raises(ModuleNotFoundError, match="no_such_module"):
+    with emulate_tpu(replicas=2):
+      pass
+  monkeypatch.undo()
+  _assert_unpatched()
+  assert not emulated_tpu.is_active()
+  assert patching._saved == {}  # pylint: disable=protected-access
+
+
 def test_nested_entry_refused():
   with emulate_tpu(replicas=2):
     with pytest.raises(emulated_tpu.EmulationError) as e:
@@ -103,21 +116,21 @@ def test_nested_entry_refused():
 
 
 def test_concurrent_entry_refused():
-  errors = []
+  refused = []
 
   def enter():
     try:
       with emulate_tpu(replicas=1):
         pass
     except emulated_tpu.EmulationError as e:
-      errors.append(e)
+      refused.append(e)
 
   with emulate_tpu(replicas=2):
     thread = threading.Thread(target=enter)
     thread.start()
     thread.join()
     assert tf.distribute.TPUStrategy is strategy_lib.EmulatedTPUStrategy
-  assert len(errors) == 1 and "nested or concurrent" in str(errors[0])
+  assert len(refused) == 1 and "nested or concurrent" in str(refused[0])
   _assert_unpatched()
 
 
