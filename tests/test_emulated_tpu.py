@@ -589,3 +589,39 @@ def test_tpu_embedding_tables_in_a_saved_model(tmp_path):
   loaded = tf.saved_model.load(str(tmp_path))
   np.testing.assert_array_equal(loaded.lookup(tf.constant([3], tf.int64)).numpy(),
                                 [[6, 7]])
+
+
+def test_enqueue_inside_strategy_run_in_a_device_loop():
+  """Each replica enqueues its own batch inside ``strategy.run``, in a tf.range
+  loop (the steps-per-execution style): one update per step, gradients
+  summed over both replicas."""
+  with emulate_tpu(replicas=2):
+    strategy = _strategy()
+    with strategy.scope():
+      embedding = _EMB.TPUEmbedding(_config(), _EMB.Adagrad(0.5))
+    ids = tf.constant([1, 2, 3, 1, 1, 5, 2, 7], tf.int64)
+    data = tf.data.Dataset.from_tensor_slices({"a": ids}).batch(
+        4, drop_remainder=True).repeat()
+    iterator = iter(strategy.experimental_distribute_dataset(
+        data, options=tf.distribute.InputOptions(experimental_fetch_to_device=False)))
+
+    @tf.function
+    def train(iterator, steps):
+      def step(features):
+        embedding.enqueue(features, training=True)
+        activations = embedding.dequeue()
+        embedding.apply_gradients({"a": 2 * activations["a"]})
+      for _ in tf.range(steps):
+        strategy.run(step, args=(next(iterator),))
+
+    train(iterator, tf.constant(3))
+  w = np.arange(16, dtype=np.float64).reshape(8, 2)
+  accumulator = np.full_like(w, 0.1)
+  for step in range(3):  # A global batch of 4: two ids per replica.
+    g = np.zeros_like(w)
+    for i in ids.numpy()[4 * (step % 2):4 * (step % 2) + 4]:
+      g[i] += 2 * w[i]
+    accumulator += g ** 2
+    w -= 0.5 * g / np.sqrt(accumulator)
+  np.testing.assert_allclose(embedding.variables["t"]["parameters"].numpy(), w,
+                             rtol=1e-5)
