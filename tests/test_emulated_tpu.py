@@ -88,6 +88,19 @@ def test_restored_on_exception():
     pass
 
 
+def test_a_failed_entry_patches_nothing(monkeypatch):
+  broken = patching.Patch("tpu_embed_ext.no_such_module", "X",
+                          "strategy:EmulatedTPUStrategy", "TPUStrategyV2")
+  monkeypatch.setattr(patching, "PATCHES", patching.PATCHES + (broken,))
+  with pytest.raises(ModuleNotFoundError, match="no_such_module"):
+    with emulate_tpu(replicas=2):
+      pass
+  monkeypatch.undo()
+  _assert_unpatched()
+  assert not emulated_tpu.is_active()
+  assert patching._saved == {}  # pylint: disable=protected-access
+
+
 def test_nested_entry_refused():
   with emulate_tpu(replicas=2):
     with pytest.raises(emulated_tpu.EmulationError) as e:
@@ -103,21 +116,21 @@ def test_nested_entry_refused():
 
 
 def test_concurrent_entry_refused():
-  errors = []
+  refused = []
 
   def enter():
     try:
       with emulate_tpu(replicas=1):
         pass
     except emulated_tpu.EmulationError as e:
-      errors.append(e)
+      refused.append(e)
 
   with emulate_tpu(replicas=2):
     thread = threading.Thread(target=enter)
     thread.start()
     thread.join()
     assert tf.distribute.TPUStrategy is strategy_lib.EmulatedTPUStrategy
-  assert len(errors) == 1 and "nested or concurrent" in str(errors[0])
+  assert len(refused) == 1 and "nested or concurrent" in str(refused[0])
   _assert_unpatched()
 
 
@@ -576,3 +589,39 @@ def test_tpu_embedding_tables_in_a_saved_model(tmp_path):
   loaded = tf.saved_model.load(str(tmp_path))
   np.testing.assert_array_equal(loaded.lookup(tf.constant([3], tf.int64)).numpy(),
                                 [[6, 7]])
+
+
+def test_enqueue_inside_strategy_run_in_a_device_loop():
+  """Each replica enqueues its own batch inside ``strategy.run``, in a tf.range
+  loop (the steps-per-execution style): one update per step, gradients
+  summed over both replicas."""
+  with emulate_tpu(replicas=2):
+    strategy = _strategy()
+    with strategy.scope():
+      embedding = _EMB.TPUEmbedding(_config(), _EMB.Adagrad(0.5))
+    ids = tf.constant([1, 2, 3, 1, 1, 5, 2, 7], tf.int64)
+    data = tf.data.Dataset.from_tensor_slices({"a": ids}).batch(
+        4, drop_remainder=True).repeat()
+    iterator = iter(strategy.experimental_distribute_dataset(
+        data, options=tf.distribute.InputOptions(experimental_fetch_to_device=False)))
+
+    @tf.function
+    def train(iterator, steps):
+      def step(features):
+        embedding.enqueue(features, training=True)
+        activations = embedding.dequeue()
+        embedding.apply_gradients({"a": 2 * activations["a"]})
+      for _ in tf.range(steps):
+        strategy.run(step, args=(next(iterator),))
+
+    train(iterator, tf.constant(3))
+  w = np.arange(16, dtype=np.float64).reshape(8, 2)
+  accumulator = np.full_like(w, 0.1)
+  for step in range(3):  # A global batch of 4: two ids per replica.
+    g = np.zeros_like(w)
+    for i in ids.numpy()[4 * (step % 2):4 * (step % 2) + 4]:
+      g[i] += 2 * w[i]
+    accumulator += g ** 2
+    w -= 0.5 * g / np.sqrt(accumulator)
+  np.testing.assert_allclose(embedding.variables["t"]["parameters"].numpy(), w,
+                             rtol=1e-5)

@@ -20,6 +20,28 @@ initialises: enter ``emulate_tpu`` before any TensorFlow op, or use the runner
 (``python -m tpu_embed_ext emulate SCRIPT``) or the pytest plugin
 (``pytest --emulate-tpu=N``), which set them up first.
 
+Not emulated (each raises ``NotEmulatedError`` naming it, or is listed here
+as a difference):
+
+* model parallelism: ``experimental_assign_to_logical_device``,
+  ``experimental_split_to_logical_devices``,
+  ``experimental_replicate_to_logical_devices``,
+  ``extended.experimental_logical_device``, device assignments with several
+  cores per replica, ``experimental_spmd_xla_partitioning``;
+* TF1's ``tf.compat.v1.distribute.experimental.TPUStrategy``;
+* ``TPUEmbedding(pipeline_execution_with_tensor_core=True)`` (a TPU then
+  looks up in tables one step old);
+* ``TPUEmbeddingV2`` without ``sparsecore=True`` (as on a TPU without
+  SparseCore);
+* differences that raise nothing: one host (``extended.num_hosts`` 1);
+  steps run as TensorFlow ops on CPU devices, not compiled by XLA; variables
+  made under ``strategy.scope()`` are ``MirroredVariable``s and the strategy
+  is also a ``MirroredStrategy``; ``enqueue`` does not refuse inputs
+  prefetched to the devices (``InputOptions(experimental_fetch_to_device=True)``,
+  which a TPU refuses for embedding inputs) nor inputs computed inside the
+  step (a TPU wants them straight from the dataset); memory limits and speed
+  are the CPU's.
+
 This module is cheap to import (no TensorFlow until ``emulate_tpu`` is
 entered): ``import tpu_embed_ext`` exports ``emulate_tpu`` lazily.
 """
