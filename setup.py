@@ -73,5 +73,7 @@ setuptools.setup(
             *_DOCS,
         ],
     },
-    entry_points={"console_scripts": ["tpu-embed=tpu_embed_ext.__main__:run"]},
+    entry_points={"console_scripts": ["tpu-embed=tpu_embed_ext.__main__:run"],
+                  # `pytest --emulate-tpu=N` and the emulated_tpu fixture.
+                  "pytest11": ["tpu_embed_ext = tpu_embed_ext.emulated_tpu.pytest_plugin"]},
 )

@@ -1,7 +1,7 @@
 """Command line: ``tpu-embed COMMAND [flags]`` (also ``python -m tpu_embed_ext``).
 
   plan    --config C [--proto] [--engine v2 --topology T [--data N]]
-  train   --config C [--steps N] [--model_dir DIR] [--tpu auto|none|NAME]
+  train   --config C [--steps N] [--model_dir DIR] [--tpu auto|none|emulate[:N]|NAME]
   export  --config C --model_dir DIR [--out DIR]
   convert-checkpoint --config C --checkpoint PREFIX --out PREFIX --topology T|none
   emulate [--replicas N] [--sparsecore] [--topology T] SCRIPT [ARGS...]
@@ -42,7 +42,9 @@ _FLAGS = {
     "model_dir": ("string", None, "Checkpoints, logs, metrics (default: runs/<config "
                   "name without extension>).", {}),
     "tpu": ("string", "auto", "'auto' (use a TPU if one is attached), 'none' (CPU "
-            "emulation), or a TPU name/address.", {}),
+            "emulation), 'emulate' or 'emulate:N' (the job's TPU path on an "
+            "emulated TPU of N replicas, default 8, on CPU), or a TPU name/address.",
+            {}),
     "out": ("string", None, "export: where to write the SavedModel (default: "
             "<model_dir>/serving); convert-checkpoint: the prefix of the converted "
             "checkpoint (required).", {}),
