@@ -98,6 +98,29 @@ def test_train_writes_metrics_curve_history_and_tensorboard(tmp_path, data_dir):
     assert sorted(scalars[key]) == [20, 40, 60], key
   assert scalars["held_out/auc"][60] == pytest.approx(metrics["eval_auc"])
 
+  # Beside the per-block scalars, every step's own training loss. Its mean
+  # over a block is that block's train/loss (Keras's mean over the block).
+  per_step = scalars["train/loss_per_step"]
+  assert sorted(per_step) == steps
+  for end in (20, 40, 60):
+    block = [per_step[t] for t in range(end - 19, end + 1)]
+    assert np.mean(block) == pytest.approx(scalars["train/loss"][end], rel=1e-5)
+    assert np.std(block) > 0  # each step its own value, not the running mean
+  # The loss of step 21 (41) is the model of ckpt-20 (ckpt-40) on the 21st
+  # (41st) batch of the run: binary cross-entropy from its logits, in numpy.
+  spec = EmbeddingSpec.from_file(CONFIG)
+  cfg = train_lib.TrainConfig.from_dict({**spec.train, "data_dir": data_dir})
+  for done in (20, 40):
+    model = train_lib.build_model(spec, cfg)
+    features, labels = next(iter(train_lib.input_datasets(spec, cfg, skip_batches=done)[0]))
+    model(features)
+    tf.train.Checkpoint(model=model).restore(
+        str(tmp_path / "checkpoints" / f"ckpt-{done}")).expect_partial()
+    x = model(features, training=False).numpy().ravel().astype(np.float64)
+    y = labels.numpy().ravel().astype(np.float64)
+    bce = np.mean(np.maximum(x, 0) - x * y + np.log1p(np.exp(-np.abs(x))))
+    assert per_step[done + 1] == pytest.approx(bce, rel=1e-5), done
+
 
 def test_export_serves_the_trained_model(tmp_path, data_dir):
   _run(tmp_path, data_dir, 20)

@@ -7,6 +7,7 @@ import keras
 from tpu_embed_ext import errors
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext.job.config import TrainConfig, keras_config
+from tpu_embed_ext.job.outputs import StepLoss
 from tpu_embed_ext.spec import EmbeddingSpec
 
 __all__ = ["build_model", "build_variables", "restore"]
@@ -16,10 +17,11 @@ def build_model(spec: EmbeddingSpec, cfg: TrainConfig, *, engine=None):
   from tpu_embed_ext.model import RankingModel
   keras.utils.set_random_seed(cfg.seed)
   model = RankingModel(spec, engine=engine, **dict(cfg.model))
+  loss = keras.losses.BinaryCrossentropy(from_logits=True)
   model.compile(
       optimizer=keras.optimizers.get(keras_config(cfg.dense_optimizer)),
-      loss=keras.losses.BinaryCrossentropy(from_logits=True),
-      metrics=[keras.metrics.AUC(from_logits=True, name="auc")])
+      loss=loss, metrics=[keras.metrics.AUC(from_logits=True, name="auc"),
+                          StepLoss(loss)])
   return model
 
 
