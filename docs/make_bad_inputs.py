@@ -2,6 +2,7 @@
 
 Run from the repository root: .venv/bin/python docs/make_bad_inputs.py
 """
+import re
 import sys
 sys.path.insert(0, ".")
 import tests.test_spec as ts, tests.test_optimizers as to, tests.test_keras_optimizers as tk
@@ -210,6 +211,17 @@ rows += [
   ("enqueue twice under MirroredStrategy(2); a rejected apply_gradients on both replicas", "InputError (the retry applies the pending batch)", "enqueue() was called again (replica 0) before the batch enqueued before it was dequeued ...", "tests/test_replicas.py::test_protocol_misuse_and_retry_under_two_replicas"),
 ]
 esc = lambda t: str(t).replace("|", "\\|").replace("\n", " ")
+
+
+def text(t):
+  """A cell of prose. "[a] [b]" outside `code` would be a reference-style
+  link to the site's cross-reference plugin (mkdocs autorefs): the second
+  bracket is escaped."""
+  parts = esc(t).split("`")
+  return "`".join(re.sub(r"\]( ?)\[", r"]\1\\[", p) if i % 2 == 0 else p
+                  for i, p in enumerate(parts))
+
+
 out = ["# Bad inputs and their errors", "",
        "Every row is pinned by the test it names (the message is asserted). Errors name the",
        "table or feature, the field, the value and the fix; a rejected training step leaves every",
@@ -221,6 +233,7 @@ out = ["# Bad inputs and their errors", "",
        "exception. A one-off run of 2 x 3,000 examples also passed (after fixing the three crashes "
        "it found: lists given where a name belongs, a string as a schedule argument).", "",
        "| bad input | error | message (start) | test |", "|---|---|---|---|"]
-out += [f"| {esc(a)} | {esc(b)} | {esc(c)} | `{esc(d)}` |" for a, b, c, d in rows]
-open("docs/BAD_INPUTS.md", "w").write("\n".join(out) + "\n")
+out += [f"| {text(a)} | {text(b)} | {text(c)} | `{esc(d)}` |" for a, b, c, d in rows]
+from tpu_embed_ext import atomic
+atomic.write_text("docs/BAD_INPUTS.md", "\n".join(out) + "\n")
 print(len(rows))
