@@ -46,7 +46,7 @@ def _build(config_dir: pathlib.Path, site: pathlib.Path):
   # No -q: mkdocs then drops warnings before --strict counts them.
   return subprocess.run(
       [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
-      cwd=config_dir, capture_output=True, text=True, timeout=180,
+      cwd=config_dir, capture_output=True, text=True, timeout=600,
       env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
 
 

@@ -233,7 +233,7 @@ def test_convert_checkpoint_command(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "tpu_embed_ext", "convert-checkpoint", "--config",
        "configs/tiny.yaml", "--checkpoint", path, "--out", stacked, "--topology",
-       "v6e:8"], capture_output=True, text=True, timeout=120, check=True).stdout
+       "v6e:8"], capture_output=True, text=True, timeout=600, check=True).stdout
   layouts = checkpoint_layouts(stacked)
   stacks = {l.stack for l in layouts}
   assert out.strip().splitlines() == [
