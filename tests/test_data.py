@@ -13,10 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def builder(tmp_path_factory):
-  b = tfds.builder("synthetic_clicks/tiny", data_dir=str(tmp_path_factory.mktemp("d")))
-  b.download_and_prepare()
-  return b
+def builder(tiny_data_dir):
+  return tfds.builder("synthetic_clicks/tiny", data_dir=tiny_data_dir)  # built once
 
 
 def _examples(builder, split="train", n=None):

@@ -28,8 +28,8 @@ CONFIG = "configs/tiny.yaml"
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
+def data_dir(tiny_data_dir):
+  return tiny_data_dir  # the session's: the tiny dataset is built once per process
 
 
 def _overrides(data_dir):
