@@ -155,20 +155,19 @@ def _commands_run():
   return {where for where, _ in test_doc_commands.doc_commands()}
 
 
-def unrun_blocks(page: pathlib.Path, commands_run) -> list:
-  """Blocks of ``page`` that no test runs and no marker excuses.
+def unrun_blocks(where: str, text: str, commands_run) -> list:
+  """Blocks of page ``where`` (its ``text``) that no test runs and no marker excuses.
 
   Run: ```python blocks (test_docs_code_runs), ```sh blocks whose every
   command test_doc_commands.py runs, and the ```yaml examples of config.md
   (test_config_examples_load). Anything else (output, formulas, shell lines
   for another machine) needs a skip or fragment marker with a reason.
   """
-  where = str(page.relative_to(ROOT))
   unrun = []
-  for line, language, code, mark in fenced_blocks(page.read_text()):
+  for line, language, code, mark in fenced_blocks(text):
     if mark or language == "python":
       continue
-    if language == "yaml" and page == DOCS / "config.md":
+    if language == "yaml" and where == "docs/config.md":
       continue
     if language in ("sh", "bash", "shell"):
       logical, number, starts = "", line, []
@@ -189,14 +188,14 @@ def unrun_blocks(page: pathlib.Path, commands_run) -> list:
 
 def test_every_docs_block_runs_or_is_marked():
   commands_run = _commands_run()
-  unrun = [b for page in DOC_PAGES for b in unrun_blocks(page, commands_run)]
+  unrun = [b for page in DOC_PAGES
+           for b in unrun_blocks(str(page.relative_to(ROOT)), page.read_text(), commands_run)]
   assert not unrun, (
       "blocks no test runs: make them run, or put <!-- docs-test: fragment "
       "(why) --> on the line before:\n" + "\n".join(unrun))
 
 
-def test_unrun_blocks_are_found(tmp_path):
-  page = DOCS / "scratch.md"  # not written: only its name is used
+def test_unrun_blocks_are_found():
   text = ("```sh\npython -m tpu_embed_ext plan \\\n  --config c.yaml\n# note\n```\n"
           "```\nw = w - lr * g\n```\n"
           "<!-- docs-test: fragment (the update, as math) -->\n```\nw = 0\n```\n"
@@ -206,17 +205,10 @@ def test_unrun_blocks_are_found(tmp_path):
   assert [(b[0], b[1], b[3]) for b in blocks] == [
       (2, "sh", None), (7, "", None), (11, "", ("fragment", "the update, as math")),
       (14, "python", None), (17, "sh", None)]
-  original = pathlib.Path.read_text
-  try:
-    pathlib.Path.read_text = lambda self, *a, **k: (text if self == page
-                                                    else original(self, *a, **k))
-    assert unrun_blocks(page, {"docs/scratch.md:2"}) == [
-        "docs/scratch.md:7 (no language)", "docs/scratch.md:17 (sh)"]
-    assert unrun_blocks(page, set()) == [
-        "docs/scratch.md:2 (sh)", "docs/scratch.md:7 (no language)",
-        "docs/scratch.md:17 (sh)"]
-  finally:
-    pathlib.Path.read_text = original
+  assert unrun_blocks("docs/x.md", text, {"docs/x.md:2"}) == [
+      "docs/x.md:7 (no language)", "docs/x.md:17 (sh)"]
+  assert unrun_blocks("docs/x.md", text, set()) == [
+      "docs/x.md:2 (sh)", "docs/x.md:7 (no language)", "docs/x.md:17 (sh)"]
   with pytest.raises(ValueError, match="fragment marker needs a reason"):
     fenced_blocks("<!-- docs-test: fragment ( ) -->\n```\nx\n```\n")
 
