@@ -45,6 +45,7 @@ bench: $(VENV)/.bench-installed
 	$(PY) -m benchmarks.native
 	$(PY) -m benchmarks.replicas
 	$(PY) -m benchmarks.convert_checkpoint
+	$(PY) -m benchmarks.emulation
 
 # The documentation site, built offline into site/ (fails on a broken link or
 # a missing API symbol; tests/test_docs.py runs the same build in `make test`).

@@ -26,10 +26,16 @@ setuptools.setup(
         "emulator for tf.tpu.experimental.embedding."
     ),
     python_requires=">=3.10",
-    packages=setuptools.find_packages(include=["tpu_embed_ext", "tpu_embed_ext.*"]),
+    packages=setuptools.find_packages(include=["tpu_embed_ext", "tpu_embed_ext.*"])
+    + ["tpu_embed_ext.configs"],
+    # The shipped configs stay in the clone's top-level configs/ and install as
+    # tpu_embed_ext/configs/, so `--config tiny` works wherever the package
+    # is installed (tpu_embed_ext/config_files.py: shipped_configs).
+    package_dir={"tpu_embed_ext.configs": "configs"},
     # The native kernels' sources, compiled on first use against the
     # installed TensorFlow (tpu_embed_ext/emulation/native/loader.py).
-    package_data={"tpu_embed_ext.emulation.native": ["*.cc"]},
+    package_data={"tpu_embed_ext.emulation.native": ["*.cc"],
+                  "tpu_embed_ext.configs": ["*.yaml"]},
     install_requires=[
         "absl-py>=1.0",
         "numpy>=1.23",
@@ -67,5 +73,7 @@ setuptools.setup(
             *_DOCS,
         ],
     },
-    entry_points={"console_scripts": ["tpu-embed=tpu_embed_ext.__main__:run"]},
+    entry_points={"console_scripts": ["tpu-embed=tpu_embed_ext.__main__:run"],
+                  # `pytest --emulate-tpu=N` and the emulated_tpu fixture.
+                  "pytest11": ["tpu_embed_ext = tpu_embed_ext.emulated_tpu.pytest_plugin"]},
 )

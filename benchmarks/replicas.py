@@ -18,13 +18,8 @@ Usage: ``python -m benchmarks.replicas [--quick]`` (``make bench``). Writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
-import time
 
-import numpy as np
 import tensorflow as tf
 
 DEVICES = 4
@@ -33,8 +28,7 @@ tf.config.set_logical_device_configuration(
     [tf.config.LogicalDeviceConfiguration()] * DEVICES)
 
 import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
-from benchmarks import workloads  # pylint: disable=g-import-not-at-top
-from tpu_embed_ext import atomic  # pylint: disable=g-import-not-at-top
+from benchmarks import round_robin, workloads  # pylint: disable=g-import-not-at-top
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MARK = "<!-- replicas -->"
@@ -84,21 +78,10 @@ def run(workload, optimizer, repeats):
   built = {}
   for name, (replicas, jit) in names.items():
     step, split = contender(workload, optimizer, replicas, jit)
-    inputs = [split(b) for b in batches]
-    for x in inputs:  # warm-up: every shape traced (and compiled) once
-      step(x)
-    built[name] = (step, inputs)
-  times = {name: [] for name in built}
-  for r in range(repeats):
-    for name, (step, inputs) in built.items():
-      start = time.perf_counter()
-      step(inputs[r % POOL])
-      times[name].append((time.perf_counter() - start) * 1e3)
-  base = statistics.median(times["1 device"])
-  return {name: {"median_ms": statistics.median(t),
-                 "p10_ms": float(np.percentile(t, 10)),
-                 "p90_ms": float(np.percentile(t, 90)),
-                 "vs_1_device": statistics.median(t) / base}
+    built[name] = (step, [split(b) for b in batches])
+  times = round_robin.time_steps(built, repeats)
+  base = times["1 device"]["median_ms"]
+  return {name: {**t, "vs_1_device": t["median_ms"] / base}
           for name, t in times.items()}
 
 
@@ -124,22 +107,12 @@ def main():
   results = {f"{w.name} {o}": run(w, o, repeats) for w, o in cases}
   out = os.path.join(HERE, "results",
                      "replicas_quick.json" if args.quick else "replicas.json")
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  atomic.write_text(out, json.dumps(
-      {"machine": platform.processor() or platform.machine(),
-       "cpus": os.cpu_count(), "tensorflow": tf.__version__,
-       "batch": workloads.BATCH, "repeats": repeats, "results": results},
-      indent=1))
+  round_robin.write_json(out, batch=workloads.BATCH, repeats=repeats,
+                         results=results)
   table = markdown(results)
   print(table)
   if not args.quick:
-    path = os.path.join(HERE, "RESULTS.md")
-    text = open(path).read()
-    if MARK in text:
-      head, _, rest = text.partition(MARK)
-      _, _, tail = rest.partition(MARK)
-      text = f"{head}{MARK}\n{table}\n{MARK}{tail}"
-      atomic.write_text(path, text)
+    round_robin.write_section(os.path.join(HERE, "RESULTS.md"), MARK, table)
 
 
 if __name__ == "__main__":

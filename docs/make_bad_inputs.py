@@ -210,6 +210,46 @@ rows += [
   ("enqueue(device=...) with distributed values", "InputError", "enqueue(device='/cpu:1') was given distributed values. Fix: pass one replica's values with device= (strategy.experimental_local_results(x)[i]), or distributed values without device=.", "tests/test_replicas.py::test_per_device_enqueue_errors_name_the_device"),
   ("enqueue twice under MirroredStrategy(2); a rejected apply_gradients on both replicas", "InputError (the retry applies the pending batch)", "enqueue() was called again (replica 0) before the batch enqueued before it was dequeued ...", "tests/test_replicas.py::test_protocol_misuse_and_retry_under_two_replicas"),
 ]
+# Names and checkpoints (issue 28): every name round-trips through every key
+# or is refused when the spec is made; non-finite checkpoints are refused.
+import tests.test_names_roundtrip as tn, tests.test_keras_state as tks
+N = "tests/test_names_roundtrip.py::"
+for test in (tn.test_names_that_would_share_a_key_are_refused_naming_both,
+             tn.test_feature_names_a_serving_signature_would_change_are_refused):
+  for p in test.pytestmark:
+    if p.name == "parametrize":
+      for i, (value, msg) in zip(p.kwargs["ids"], p.args[1]):
+        what = "tables " + ", ".join(repr(n) for n in value) if isinstance(value, dict) \
+            else f"feature {value!r}"
+        rows.append((f"names: {what}", "ConfigError (when the spec is made)", msg,
+                     f"{N}{test.__name__}[{i}]"))
+for p in tj.test_non_finite_checkpoint_is_refused_by_train_and_export.pytestmark:
+  if p.name == "parametrize" and p.args[0].startswith("key"):
+    for i, (_, what, count) in zip(p.kwargs["ids"], p.args[1]):
+      rows.append((f"resume/export from a checkpoint whose {i} holds NaN or Inf (valid CRCs)",
+                   "CheckpointError (CLI: one line, exit 2; nothing restored or written)",
+                   f"{what}: checkpoint <model_dir>/checkpoints/ckpt-10 holds {count:,} "
+                   f"non-finite values (NaN or Inf) of {count:,}; training diverged before "
+                   "it was saved, and restoring it would train or serve garbage. Nothing "
+                   "was restored. Fix: resume from an older checkpoint (move "
+                   "<model_dir>/checkpoints/ckpt-10.index and ckpt-10.data-* away), and "
+                   "lower the learning rate.",
+                   f"{J}test_non_finite_checkpoint_is_refused_by_train_and_export[nan-{i}]"))
+for p in tks.test_load_mismatch_names_the_table_and_changes_nothing.pytestmark:
+  if p.name == "parametrize" and p.args[0].startswith("changes"):
+    for i, (_, msg) in zip(p.kwargs["ids"], p.args[1]):
+      rows.append((f"load_weights after a spec change ({i.replace('_', ' ')}), functional "
+                   "or subclassed model", "ConfigError (ValueError; nothing loaded into "
+                   "the layer)", msg,
+                   f"tests/test_keras_state.py::test_load_mismatch_names_the_table_and_"
+                   f"changes_nothing[{i}-functional/subclassed]"))
+rows += [
+  ("tables named `t.c0`, `t/c1`, `a.Sb`, `ü b` (train, resume, export)", "(valid: resume bit-identical, export serves them)", "checkpoint keys use TensorFlow's escaping (`.` -> `..`, `/` -> `.S`)", N + "test_odd_table_names_resume_and_export_through_the_cli"),
+  ("a table `a/momenta` beside an Adagrad table `a`", "(valid: slots matched by exact key)", "check_checkpoint and the restore take 'a/momenta' for a table, not a slot of 'a'", N + "test_slots_are_matched_by_exact_key"),
+  ("tables named `a/b`, `.`, `..`, `/x`, `a//c` in a Keras weights file", "(valid: keys percent-encoded)", "save_weights / load_weights round-trip every table and slot", N + "test_odd_table_names_round_trip_through_keras_weights"),
+  ("a dense kernel holding NaN in a checkpoint (`model_dir.check_checkpoint`)", "CheckpointError", "variable model/top/...kernel: checkpoint <path> holds 32 non-finite values (NaN or Inf) of 32; ...", J + "test_check_checkpoint_refuses_non_finite_dense_weights_and_tables"),
+  ("generated specs: names over `.`, `/`, `%`, unicode, spaces, control characters, names colliding under escaping; dims, vocabularies, optimizers", "(valid: trains, saves, restores, exports with names and values intact) or ConfigError", "hypothesis, 30 derandomized examples per make test", N + "test_generated_specs_round_trip_or_are_refused_with_our_error"),
+]
 esc = lambda t: str(t).replace("|", "\\|").replace("\n", " ")
 
 

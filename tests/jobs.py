@@ -2,20 +2,18 @@
 
 import os
 
+import numpy as np
 import tensorflow as tf
 
 from tpu_embed_ext import __main__ as cli
+from tpu_embed_ext import atomic
 
 _SUFFIX = " (--verbose shows the traceback)"
 
 
 def run_cli(capsys, *args):
   """(exit status, stdout, stderr) of ``python -m tpu_embed_ext args``, in-process."""
-  try:
-    argv = cli.FLAGS(["tpu_embed_ext", *args])
-    status = cli.main(argv)
-  finally:
-    cli.FLAGS.unparse_flags()
+  status = cli.main(["tpu_embed_ext", *args])
   out = capsys.readouterr()
   return status, out.out, out.err
 
@@ -38,3 +36,17 @@ def variables(prefix):
 
 def checkpoint(model_dir, step):
   return os.path.join(str(model_dir), "checkpoints", f"ckpt-{step}")
+
+
+def rewrite_checkpoint(prefix, key, fill):
+  """Checkpoint ``prefix`` rewritten whole (valid CRCs) with tensor ``key`` filled
+  by ``fill`` (e.g. NaN), as a diverged run would have saved it."""
+  reader = tf.train.load_checkpoint(prefix)
+  names = sorted(reader.get_variable_to_shape_map())
+  assert key in names, key
+  values = [reader.get_tensor(n) for n in names]
+  values[names.index(key)] = np.full_like(values[names.index(key)], fill)
+  for name in atomic.prefix_files(prefix):
+    os.remove(name)
+  tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names),
+                    tensors=[tf.constant(v) for v in values])

@@ -15,9 +15,11 @@ import pytest
 import yaml
 
 from tests import jobs
+from tpu_embed_ext import console
 from tpu_embed_ext import model_dir as model_dir_lib
 
 TINY = "configs/tiny.yaml"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +113,10 @@ def test_steps_must_be_positive(capsys, tmp_path, data_dir, steps):
 
 
 def test_directory_as_config(capsys, tmp_path):
-  for command in ("plan", "train", "export"):
-    line = _one_line_error(capsys, command, "--config", str(tmp_path),
-                           "--model_dir", str(tmp_path / "run"), "--out", str(tmp_path))
+  for command, *flags in (("plan",), ("train", "--model_dir", str(tmp_path / "run")),
+                          ("export", "--model_dir", str(tmp_path / "run"), "--out",
+                           str(tmp_path))):
+    line = _one_line_error(capsys, command, "--config", str(tmp_path), *flags)
     assert line == (f"{tmp_path}: is a directory, not a config file. Fix: name a .yaml "
                     "or .json file, e.g. configs/ranking.yaml.")
 
@@ -194,15 +197,15 @@ def test_verbose_raises_with_the_traceback(capsys, tmp_path):
 
 
 def test_real_process_prints_one_line_and_exits_2(tmp_path):
-  env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+  env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0"}  # test_cli_stderr.py: why 0.
   command = [sys.executable, "-m", "tpu_embed_ext", "train", "--config", str(tmp_path),
              "--steps", "5", "--tpu", "none", "--model_dir", str(tmp_path / "run")]
   out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-  assert out.returncode == 2
-  ours = [l for l in out.stderr.splitlines() if "Traceback" in l or l.startswith("error:")]
-  assert ours == [f"error: {tmp_path}: is a directory, not a config file. Fix: name a "
-                  ".yaml or .json file, e.g. configs/ranking.yaml. (--verbose shows the "
-                  "traceback)"]
+  assert (out.returncode, out.stdout) == (2, "")
+  assert out.stderr == (f"error: {tmp_path}: is a directory, not a config file. Fix: "
+                        "name a .yaml or .json file, e.g. configs/ranking.yaml. "
+                        "(--verbose shows the traceback)\n")
+  assert not (tmp_path / "run").exists()
   out = subprocess.run(command + ["--verbose"], capture_output=True, text=True, env=env,
                        timeout=300)
   assert out.returncode == 1 and "Traceback (most recent call last)" in out.stderr
@@ -224,14 +227,182 @@ def test_train_ends_with_where_everything_went_and_the_export_command_works(
       f"  history           {join(model_dir, 'history.csv')}",
       f"  TensorBoard logs  {join(model_dir, 'logs')}   (tensorboard --logdir "
       f"{join(model_dir, 'logs')})"]
-  for name in ("metrics.json", "learning_curve.png", "history.csv", "logs"):
+  assert summary[6] == (f"  library log       {join(model_dir, 'logs', 'libraries.log')}"
+                        "   (TensorFlow's and other libraries' lines)")
+  for name in ("metrics.json", "learning_curve.png", "history.csv", "logs",
+               "logs/libraries.log"):
     assert os.path.exists(join(model_dir, name)), name
-  assert summary[6] == "Next, export for serving:"
-  export = summary[7].split()
-  assert export[:3] == ["python", "-m", "tpu_embed_ext"]
-  status, out, err = _cli(capsys, *export[3:])
+  assert summary[7] == "Next, export for serving:"
+  # Spelled to run as printed from here, the virtualenv active or not.
+  export = summary[8].split()
+  assert export[0] == console.program() and os.access(export[0], os.X_OK), export
+  assert export[1] == "export"
+  status, out, err = _cli(capsys, *export[1:])
   assert status == 0, err
   assert out.strip().splitlines() == [
       f"Exporting {join(model_dir, 'checkpoints', 'ckpt-10')} (table step 10).",
       f"SavedModel written to {join(model_dir, 'serving')}"]
   assert os.path.exists(join(model_dir, "serving", "saved_model.pb"))
+
+
+# --- The command line itself: commands, flags, help, config names, extras ----
+
+def _usage_error(capsys, *args) -> str:
+  """The one line of a command line mistake: exit 2, nothing on stdout."""
+  status, out, err = _cli(capsys, *args)
+  lines = err.splitlines()
+  assert status == 2 and not out, (status, out, err)
+  assert len(lines) == 1 and lines[0].startswith("error: "), err
+  return lines[0][len("error: "):]
+
+
+_PLAN_FLAGS = ("--config, --proto, --engine, --topology, --batch_size, --data, "
+               "--hotness, --ids, --verbose (tpu-embed plan --help).")
+
+
+@pytest.mark.parametrize("args,message", [
+    (("trian",), "unknown command 'trian'. Did you mean \"train\"? Commands: plan, "
+     "train, export, convert-checkpoint, emulate (tpu-embed --help)."),
+    (("--config", "tiny", "plan"), "the command comes first: tpu-embed COMMAND "
+     "[flags], got '--config'. Commands: plan, train, export, convert-checkpoint, "
+     "emulate (tpu-embed --help)."),
+    (("train", "--confg", "tiny"), "unknown flag --confg for train. Did you mean "
+     "\"--config\"? train takes --config, --steps, --model_dir, --tpu, --verbose "
+     "(tpu-embed train --help)."),
+    (("plan", "--steps", "3"), "unknown flag --steps for plan (a flag of train). "
+     "plan takes " + _PLAN_FLAGS),
+    (("plan", "--out", "x"), "unknown flag --out for plan (a flag of export and "
+     "convert-checkpoint). plan takes " + _PLAN_FLAGS),
+    (("train", "--steps", "abc"), "--steps: 'abc' is not a valid value (invalid "
+     "literal for int() with base 10: 'abc'). Fix: see tpu-embed train --help."),
+    (("plan", "--engine", "v3"), "--engine: 'v3' is not a valid value (value should "
+     "be one of <v1|v2>). Fix: see tpu-embed plan --help."),
+    (("train", "tiny"), "unexpected argument 'tiny' after train. Fix: give values "
+     "with their flags (tpu-embed train --help)."),
+], ids=["command", "command_not_first", "flag", "other_commands_flag",
+        "flag_of_two", "int_value", "enum_value", "positional"])
+def test_command_line_mistakes_are_one_line_exit_2(capsys, args, message):
+  assert _usage_error(capsys, *args) == message
+
+
+def test_help_lists_commands_and_each_command_has_its_own(capsys):
+  status, out, _ = _cli(capsys, "--help")
+  assert status == 0
+  for command in ("plan", "train", "export", "convert-checkpoint", "emulate"):
+    assert f"\n  {command}: " in out, command
+  assert "--steps" not in out and "tpu-embed COMMAND --help" in out
+  assert "shipped config: criteo, movielens, ranking, tiny." in out
+  status, out, _ = _cli(capsys, "train", "--help")
+  assert status == 0 and out.startswith("usage: tpu-embed train [flags]\n")
+  flags = [l.strip() for l in out.splitlines() if l.startswith("  --")]
+  assert flags == ["--config", "--steps", "--model_dir", "--tpu", "--verbose"]
+  assert "examples:\n  tpu-embed train --config ranking\n" in out
+  assert len(out.splitlines()) < 40
+  status, out, _ = _cli(capsys, "convert-checkpoint", "-h")
+  assert status == 0
+  assert [l.strip() for l in out.splitlines() if l.startswith("  --")] == [
+      "--config", "--checkpoint", "--out", "--topology", "--prefix", "--verbose"]
+  status, out, _ = _cli(capsys)
+  assert status == 2 and out.startswith("usage: tpu-embed COMMAND [flags]")
+
+
+def test_commands_never_define_absl_global_flags(capsys, monkeypatch, tmp_path):
+  """A script run by ``emulate`` defines its own --tpu, --model_dir: ours
+  live in a FlagValues of their own, so absl's FLAGS never hold them."""
+  from absl import flags
+  import types
+  monkeypatch.chdir(tmp_path)
+  status, _, err = _cli(capsys, "plan", "--config", "tiny")
+  assert status == 0, err
+  calls = []
+  runner = types.SimpleNamespace(main=lambda argv: calls.append(argv) or 7)
+  package = types.SimpleNamespace(runner=runner)
+  monkeypatch.setitem(sys.modules, "tpu_embed_ext.emulated_tpu", package)
+  monkeypatch.setitem(sys.modules, "tpu_embed_ext.emulated_tpu.runner", runner)
+  status, _, _ = _cli(capsys, "emulate", "--replicas", "2", "job.py", "--tpu", "x")
+  assert (status, calls) == (7, [["--replicas", "2", "job.py", "--tpu", "x"]])
+  for name in ("config", "model_dir", "tpu", "steps", "verbose", "out"):
+    assert name not in flags.FLAGS, name
+
+
+def test_emulate_without_its_module_is_one_line(capsys, monkeypatch):
+  monkeypatch.setitem(sys.modules, "tpu_embed_ext.emulated_tpu", None)
+  assert _usage_error(capsys, "emulate", "job.py") == (
+      "emulate is not available in this installation of tpu_embed_ext. Fix: "
+      "install a version that has it.")
+
+
+def test_shipped_configs_by_name(capsys, monkeypatch, tmp_path):
+  monkeypatch.chdir(tmp_path)  # No configs/ here: the names are package data.
+  status, by_name, err = _cli(capsys, "plan", "--config", "tiny")
+  assert status == 0, err
+  status, by_path, err = _cli(capsys, "plan", "--config",
+                              os.path.join(ROOT, TINY))
+  assert status == 0, err
+  assert by_name == by_path and "t_c25" in by_name
+  line = _one_line_error(capsys, "train", "--config", "rankin")
+  assert line == ("--config: no config file or shipped config named 'rankin'. Did "
+                  "you mean \"ranking\"? Fix: pass a path to a .yaml or .json file, or "
+                  "a shipped config: criteo, movielens, ranking, tiny.")
+  line = _one_line_error(capsys, "train", "--config", "configs/rankin.yaml")
+  assert line == ("configs/rankin.yaml: config file not found. Did you mean the "
+                  "shipped config 'ranking' (--config ranking)? Fix: check the path, "
+                  "or name a shipped config: criteo, movielens, ranking, tiny.")
+  assert os.listdir(tmp_path) == []  # No runs/rankin/, no logs/.
+
+
+def test_a_config_beside_the_missing_one_is_suggested(capsys, tmp_path):
+  (tmp_path / "mine.yaml").write_text("tables: {}\n")
+  line = _one_line_error(capsys, "plan", "--config", str(tmp_path / "mien.yaml"))
+  assert line == (f"{tmp_path}/mien.yaml: config file not found. Did you mean "
+                  f"\"{tmp_path}/mine.yaml\"? Fix: check the path, or name a shipped "
+                  "config: criteo, movielens, ranking, tiny.")
+
+
+@pytest.mark.parametrize("command,module,message", [
+    ("plan", "tensorflow", "plan needs TensorFlow, which is not installed. Fix: pip "
+     "install 'tpu_embed_ext[cpu]' (or [tf], or [tpu] on a Cloud TPU VM)."),
+    ("train", "tensorflow_datasets", "train needs tensorflow_datasets (the training "
+     "data), which is not installed. Fix: pip install 'tpu_embed_ext[data]'."),
+    ("train", "matplotlib", "train needs matplotlib (the learning curve), which is "
+     "not installed. Fix: pip install 'tpu_embed_ext[data]'."),
+    ("export", "tensorflow_datasets", "export needs tensorflow_datasets (the "
+     "training data), which is not installed. Fix: pip install "
+     "'tpu_embed_ext[data]'."),
+])
+def test_a_missing_extra_is_named_before_anything_is_made(capsys, monkeypatch,
+                                                          tmp_path, command, module,
+                                                          message):
+  import importlib.util
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == module else find_spec(name, *a))
+  monkeypatch.chdir(tmp_path)
+  assert _usage_error(capsys, command, "--config", "tiny") == message
+  assert os.listdir(tmp_path) == []
+
+
+def test_a_module_missing_while_running_names_the_extra(capsys, monkeypatch):
+  from tpu_embed_ext import __main__ as cli
+
+  def run(*_):
+    raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+  monkeypatch.setattr(cli.COMMANDS["plan"], "_run", run)
+  assert _one_line_error(capsys, "plan", "--config", "tiny") == (
+      "plan needs matplotlib (the learning curve), which is not installed. Fix: pip "
+      "install 'tpu_embed_ext[data]'.")
+
+
+def test_the_printed_command_runs_as_printed(monkeypatch, tmp_path):
+  """``console.program``: tpu-embed when PATH finds this installation's, else
+  its script by path (relative below the working directory)."""
+  bin_dir = os.path.dirname(sys.executable)
+  script = os.path.join(bin_dir, "tpu-embed")
+  monkeypatch.setenv("PATH", bin_dir + os.pathsep + os.environ["PATH"])
+  assert console.program() == "tpu-embed"
+  monkeypatch.setenv("PATH", "/usr/bin:/bin")
+  monkeypatch.chdir(tmp_path)
+  assert console.program() == script  # Not below tmp_path: absolute.
+  monkeypatch.chdir(os.path.dirname(os.path.dirname(bin_dir)))
+  assert console.program() == os.path.relpath(script)
+  assert os.sep in console.program()  # A path, not a PATH lookup.

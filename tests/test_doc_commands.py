@@ -17,12 +17,15 @@ data_dir (tests/conftest.py), like a fresh machine would.
 A command with a placeholder (``FILE``, ``N``, ``DIR``, ``[--optional]``,
 ``a|b``) fails: the docs write commands as they run, and describe the flags
 in tables. A command that succeeds prints nothing to stderr: other libraries'
-log lines go to a log file (``tpu_embed_ext/console.py``).
+log lines go to a log file (``tpu_embed_ext/library_log.py``), whatever
+``TF_CPP_MIN_LOG_LEVEL`` says: every command runs with it at 0, where
+TensorFlow logs at start-up on any CPU.
 
 Also here: ``plan --data`` on every shipped config, and the help of the
 installed ``tpu-embed`` equal to that of ``python -m tpu_embed_ext``.
 """
 
+import os
 import pathlib
 import re
 import shlex
@@ -67,8 +70,11 @@ COMMANDS = doc_commands()
 
 
 def _run(argv, cwd, **kwargs):
+  """Runs with TensorFlow's C++ logging on (TF_CPP_MIN_LOG_LEVEL=0): it logs at
+  start-up on any CPU, and a command's stderr must still be its own lines."""
+  env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0"}
   return subprocess.run(argv, cwd=cwd, capture_output=True, text=True,
-                        timeout=TIMEOUT, **kwargs)
+                        timeout=TIMEOUT, env=env, **kwargs)
 
 
 def _argv(command: str):
@@ -118,11 +124,19 @@ def test_help_is_the_same_for_both_entry_points(tmp_path):
   script = _run(_argv("tpu-embed --help"), tmp_path)
   assert module.returncode == script.returncode == 0
   assert module.stdout == script.stdout
-  for command in ("plan", "train", "export", "convert-checkpoint"):
+  for command in ("plan", "train", "export", "convert-checkpoint", "emulate"):
     assert f"\n  {command}: " in module.stdout
-  for flag in ("--config", "--steps", "--model_dir", "--out", "--data", "--prefix"):
-    assert f"\n    {flag}\n" in module.stdout
-  assert "examples:\n  python -m tpu_embed_ext train --config" in module.stdout
+  for command, flags in (("plan", ("--config", "--data")),
+                         ("train", ("--config", "--steps", "--model_dir")),
+                         ("export", ("--out",)),
+                         ("convert-checkpoint", ("--prefix", "--checkpoint"))):
+    module = _run([sys.executable, "-m", "tpu_embed_ext", command, "--help"], tmp_path)
+    script = _run(_argv(f"tpu-embed {command} --help"), tmp_path)
+    assert module.returncode == script.returncode == 0
+    assert module.stdout == script.stdout
+    for flag in flags:
+      assert f"\n  {flag}\n" in module.stdout
+    assert f"examples:\n  tpu-embed {command} --config" in module.stdout
 
 
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
@@ -136,13 +150,10 @@ def test_plan_data_works_for_every_shipped_config(config, tmp_path):
     import tensorflow_datasets as tfds
     from tests import test_train
     from tpu_embed_ext import __main__ as cli
-    argv = cli.FLAGS(["tpu_embed_ext", "plan", "--config", f"configs/{config}",
-                      "--engine", "v2", "--topology", "v5p:4", "--data", "2"])
-    try:
-      with tfds.testing.mock_data(as_dataset_fn=test_train._movielens_examples):  # pylint: disable=protected-access
-        assert cli.main(argv) == 0
-    finally:
-      cli.FLAGS.unparse_flags()
+    argv = ["tpu_embed_ext", "plan", "--config", f"configs/{config}",
+            "--engine", "v2", "--topology", "v5p:4", "--data", "2"]
+    with tfds.testing.mock_data(as_dataset_fn=test_train._movielens_examples):  # pylint: disable=protected-access
+      assert cli.main(argv) == 0
     return
   path = ROOT / "configs" / config
   if config == "ranking.yaml":

@@ -10,8 +10,10 @@ container; skipped elsewhere); a full disk is also simulated in-process
 is tested everywhere.
 """
 
+import collections
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -310,3 +312,92 @@ SERVING_CASES = [
 def test_exported_model_checks_every_input(exported, name, value, message):
   with pytest.raises(tf.errors.InvalidArgumentError, match=message):
     exported(**{**_inputs(), **value})
+
+
+# --- non-finite checkpoints ----------------------------------------------------------
+
+_rewrite = jobs.rewrite_checkpoint
+_EMB = "model/embedding/embedding"
+
+
+@pytest.mark.parametrize("key, what, count", [
+    (f"{_EMB}/t_c0/.ATTRIBUTES/VARIABLE_VALUE", "table 't_c0'", 200 * 16),
+    (f"{_EMB}/t_c9.Svelocities/.ATTRIBUTES/VARIABLE_VALUE",
+     "table 't_c9' (slot 'velocities')", 200 * 16),
+], ids=["table", "slot"])
+@pytest.mark.parametrize("fill", [np.nan, np.inf], ids=["nan", "inf"])
+def test_non_finite_checkpoint_is_refused_by_train_and_export(
+    tmp_path, data_dir, straight_dir, capsys, key, what, count, fill):
+  model_dir = _copy(straight_dir, tmp_path)
+  ckpt = _ckpt(model_dir, 10)
+  _rewrite(ckpt, key, fill)
+  config = _config(tmp_path, data_dir)
+  message = (f"{what}: checkpoint {ckpt} holds {count:,} non-finite values (NaN or "
+             f"Inf) of {count:,}; training diverged before it was saved, and restoring "
+             "it would train or serve garbage. Nothing was restored. Fix: resume from "
+             f"an older checkpoint (move {ckpt}.index and ckpt-10.data-* away), and "
+             "lower the learning rate.")
+  def files():  # All but the lock and the libraries' log.
+    return {p: os.path.getmtime(p) for p in model_dir.rglob("*") if p.is_file()
+            and "logs" not in p.parts and p.name != ".lock"}
+  before = files()
+  assert _one_line(capsys, "train", "--config", config, "--tpu", "none", "--steps",
+                   "15", "--model_dir", str(model_dir)) == message
+  out = tmp_path / "serving"
+  assert _one_line(capsys, "export", "--config", config, "--model_dir", str(model_dir),
+                   "--out", str(out)) == message
+  assert not out.exists()
+  assert files() == before  # Nothing written, the state file untouched.
+
+
+def test_check_checkpoint_refuses_non_finite_dense_weights_and_tables(
+    tmp_path, data_dir, straight_dir):
+  from tpu_embed_ext.job.building import build_model, build_variables
+  from tpu_embed_ext.job.config import load
+  from tpu_embed_ext.job.data import example_batch
+  model_dir = _copy(straight_dir, tmp_path)
+  ckpt = _ckpt(model_dir, 10)
+  spec, cfg = load(CONFIG, _overrides(data_dir))
+  model = build_model(spec, cfg)
+  build_variables(model, example_batch(spec, cfg))
+  checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+  model_dir_lib.check_checkpoint(checkpoint, ckpt)  # A finite one passes.
+  model.embedding.embedding.check_checkpoint(ckpt, prefix=_EMB)
+  # The top tower's last kernel [32, 1] (keyed through the dense optimizer).
+  _rewrite(ckpt, "optimizer/_trainable_variables/9/.ATTRIBUTES/VARIABLE_VALUE", np.nan)
+  with pytest.raises(model_dir_lib.CheckpointError, match=re.escape(
+      f": checkpoint {ckpt} holds ")) as info:
+    model_dir_lib.check_checkpoint(checkpoint, ckpt)
+  assert str(info.value).startswith("variable model/top/"), str(info.value)
+  assert " holds 32 non-finite values (NaN or Inf) of 32;" in str(info.value)
+  model.embedding.embedding.check_checkpoint(ckpt, prefix=_EMB)  # Tables are finite.
+  _rewrite(ckpt, f"{_EMB}/t_c3.Saccumulators/.ATTRIBUTES/VARIABLE_VALUE", -np.inf)
+  with pytest.raises(model_dir_lib.CheckpointError, match=re.escape(
+      f"table 't_c3' (slot 'accumulators'): checkpoint {ckpt} holds 3,200 non-finite")):
+    model.embedding.embedding.check_checkpoint(ckpt, prefix=_EMB)
+
+
+def test_checks_before_a_restore_read_each_tensor_once(tmp_path, data_dir, straight_dir,
+                                                       monkeypatch):
+  # resume_point's CRC read counts the non-finite values too; the engine's and
+  # the model's checks reuse that count instead of reading the tables again.
+  model_dir = _copy(straight_dir, tmp_path)
+  reads = collections.Counter()
+  load = tf.train.load_checkpoint
+
+  class Counting:
+    def __init__(self, prefix):
+      self._reader = load(prefix)
+
+    def __getattr__(self, name):
+      return getattr(self._reader, name)
+
+    def get_tensor(self, key):
+      reads[key] += 1
+      return self._reader.get_tensor(key)
+
+  monkeypatch.setattr(tf.train, "load_checkpoint", Counting)
+  train_lib.export(CONFIG, model_dir=str(model_dir), out=str(tmp_path / "serving"),
+                   overrides=_overrides(data_dir), log=lambda line: None)
+  tables = [k for k in reads if k.startswith(_EMB)]
+  assert len(tables) > 26 and set(reads.values()) == {1}, reads

@@ -45,10 +45,12 @@ def _dataset():
 
 
 class Ranker(keras.Model):
+  """Embeddings of the feature config (default ``_feature_config()``) into one logit."""
 
-  def __init__(self):
+  def __init__(self, feature_config=None, engine=None):
     super().__init__()
-    self.embedding = tee.EmbeddingLayer(_feature_config())
+    self.embedding = tee.EmbeddingLayer(feature_config or _feature_config(),
+                                        engine=engine)
     self.head = keras.layers.Dense(
         1, kernel_initializer=keras.initializers.GlorotUniform(seed=3))
 

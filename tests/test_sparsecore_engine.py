@@ -5,7 +5,8 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import errors
+from tpu_embed_ext import derived_names, errors
+from tests import jobs
 from tpu_embed_ext.sparsecore import checkpoint_layouts, convert_checkpoint
 from tests.test_sparsecore_convert import OPTIMIZERS, _config, _train, _values
 from tests.test_sparsecore_limits import FA, FB
@@ -54,14 +55,14 @@ def test_saves_and_restores_tpu_embedding_v2_layout(tmp_path):
     np.testing.assert_array_equal(var.numpy(), emb.variables[table.name]["parameters"])
 
 
-def _limits_engine(**config):
+def _limits_engine(batch=8, **config):
   sgd = api.SGD(0.5)
   tables = {n: api.TableConfig(vocabulary_size=r, dim=2, name=n, optimizer=sgd,
                                combiner="mean",
                                initializer=tf.random_uniform_initializer(seed=r))
             for n, r in (("a", 64), ("b", 32))}
-  features = {"fa": api.FeatureConfig(table=tables["a"], output_shape=[8]),
-              "fb": api.FeatureConfig(table=tables["b"], output_shape=[8])}
+  features = {"fa": api.FeatureConfig(table=tables["a"], output_shape=[batch]),
+              "fb": api.FeatureConfig(table=tables["b"], output_shape=[batch])}
   return tee.CPUEmbedding(features, engine="v2", topology="2x2",
                           sparse_core_config=api.SparseCoreEmbeddingConfig(**config))
 
@@ -157,11 +158,79 @@ def test_what_is_not_emulated_says_so():
   with strategy.scope():
     emb = tee.CPUEmbedding({"f": api.FeatureConfig(table=table, output_shape=[4])},
                            engine="v2",
-                           topology="2x2")
+                           topology="4x2")
   ids = strategy.experimental_distribute_values_from_function(
       lambda ctx: {"f": tf.constant([1, 2, 3, 4], tf.int64)})
   with pytest.raises(errors.ConfigError) as e:
     emb.enqueue(ids, training=True)
   assert str(e.value) == (
-      "SparseCore input limits are emulated on one CPU replica holding the global "
-      "batch, not on 2. Fix: drop topology= under a multi-replica strategy.")
+      "SparseCore input limits are emulated with each CPU replica as one chip (or "
+      "one replica holding the global batch): the topology 4x2 (4 chips x 2 "
+      "SparseCores) has 4 chips, the strategy 2 replicas. Fix: give a topology of 2 "
+      "chips in one process, or drop topology=.")
+
+
+def test_stacked_checkpoint_holding_nan_is_refused_naming_the_stack(tmp_path):
+  optimizer = "adagrad"
+  emb = tee.CPUEmbedding(_config(optimizer), OPTIMIZERS[optimizer](), engine="v2",
+                         topology="2x2")
+  _train(emb, 2)
+  path = tf.train.Checkpoint(embedding=emb).write(str(tmp_path / "stacked"))
+  emb.check_checkpoint(path)  # Finite: passes.
+  layouts = checkpoint_layouts(path)
+  stack = layouts[0].stack
+  tables = ", ".join(f"'{l.table}'" for l in layouts if l.stack == stack)
+  key = derived_names.checkpoint_key("embedding", stack, "accumulators")
+  jobs.rewrite_checkpoint(path, key, np.nan)
+  with pytest.raises(tee.Error) as info:
+    emb.check_checkpoint(path)
+  assert str(info.value).startswith(
+      f"SparseCore stack '{stack}' of table(s) {tables} (slot 'accumulators'): "
+      f"checkpoint {path} holds "), str(info.value)
+  assert "non-finite values (NaN or Inf)" in str(info.value)
+
+
+def _halves(f):
+  """Chip k's samples of a 2-chip global batch, as replica k receives them."""
+  half = f.sample_count // 2
+  return [tf.RaggedTensor.from_value_rowids(
+      f.ids[(f.samples >= k * half) & (f.samples < (k + 1) * half)],
+      f.samples[(f.samples >= k * half) & (f.samples < (k + 1) * half)] - k * half,
+      half) for k in (0, 1)]
+
+
+@pytest.mark.parametrize("inside_run", [True, False])
+def test_each_replica_is_a_chip(inside_run):
+  # 2 replicas on a 2-chip topology drop (and fail) as one replica holding
+  # the global batch does: replica k's ids are chip k's.
+  config = dict(max_ids_per_chip_per_sample=2, allow_id_dropping=True)
+  whole = _limits_engine(**config)
+  whole.enqueue({"fa": _ragged(FA), "fb": _ragged(FB)}, training=True)
+  expected = whole.dequeue()
+  whole.apply_gradients({"fa": tf.ones([8, 2]), "fb": tf.ones([8, 2])})
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with strategy.scope():
+    emb = _limits_engine(batch=4, **config)  # each replica holds 4 samples
+  fa, fb = _halves(FA), _halves(FB)
+  batch = strategy.experimental_distribute_values_from_function(
+      lambda ctx: {"fa": fa[ctx.replica_id_in_sync_group],
+                   "fb": fb[ctx.replica_id_in_sync_group]})
+
+  def step(features):
+    if inside_run:
+      emb.enqueue(features, training=True)
+    acts = emb.dequeue()
+    emb.apply_gradients({"fa": tf.ones([4, 2]), "fb": tf.ones([4, 2])})
+    return acts
+
+  if not inside_run:
+    emb.enqueue(batch, training=True)
+  acts = strategy.run(step, args=(batch,))
+  for name in ("fa", "fb"):
+    np.testing.assert_array_equal(
+        np.concatenate([a.numpy() for a in
+                        strategy.experimental_local_results(acts[name])]),
+        expected[name].numpy())
+  for table in ("a", "b"):
+    np.testing.assert_array_equal(emb.variables[table]["parameters"].numpy(),
+                                  whole.variables[table]["parameters"].numpy())

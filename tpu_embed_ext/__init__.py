@@ -23,6 +23,7 @@ _EXPORTS = {
     "from_keras_optimizer": "keras_optimizers",
     "CPUEmbedding": "emulation.engine", "create_embedding": "emulation.dispatch",
     "EmbeddingLayer": "layer",
+    "emulate_tpu": "emulated_tpu",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,105 +1,148 @@
-"""Command line: ``python -m tpu_embed_ext COMMAND [flags]`` (also ``tpu-embed``).
+"""Command line: ``tpu-embed COMMAND [flags]`` (also ``python -m tpu_embed_ext``).
 
-  plan    --config FILE [--proto] [--engine v2 --topology T [--data N]]
-  train   --config FILE [--steps N] [--model_dir DIR] [--tpu auto|none|NAME]
-  export  --config FILE --model_dir DIR [--out DIR]
-  convert-checkpoint --config FILE --checkpoint PREFIX --out PREFIX --topology T|none
+  plan    --config C [--proto] [--engine v2 --topology T [--data N]]
+  train   --config C [--steps N] [--model_dir DIR] [--tpu auto|none|emulate[:N]|NAME]
+  export  --config C --model_dir DIR [--out DIR]
+  convert-checkpoint --config C --checkpoint PREFIX --out PREFIX --topology T|none
+  emulate [--replicas N] [--sparsecore] [--topology T] SCRIPT [ARGS...]
 
-``--help`` prints every command's flags and examples (``console.help_text``),
-the same for ``tpu-embed`` and ``python -m tpu_embed_ext``. Other libraries'
-log lines go to a log file (``console.ThirdPartyLog``) unless ``--verbose``.
+``--config`` is a file or the name of a shipped config (``tiny``,
+``ranking``...: ``config_files.resolve``). ``--help`` lists the commands,
+``COMMAND --help`` shows one command's flags (``console``).
 
-A user error (a bad config or flag, a model_dir in use or not writable, a
-damaged checkpoint, tables larger than memory) prints one line, ``error:``
-with what is wrong, where and the fix, and exits with status 2;
-``--verbose`` shows the traceback instead.
+``COMMANDS`` maps a name to a plain ``main(argv) -> int`` of the arguments
+after the name. The absl commands define their flags in a ``FlagValues`` of
+their own when they run, never in absl's global ``FLAGS``: ``emulate`` runs a
+script that defines its own ``--tpu`` or ``--model_dir``.
+
+A user error (a bad config, flag or command, a model_dir in use or not
+writable, a damaged checkpoint, tables larger than memory, a missing extra)
+prints one line, ``error:`` with what is wrong, where and the fix, and exits
+with status 2; ``--verbose`` shows the traceback instead. Other libraries'
+output goes to a log file (``library_log.LibraryLog``) unless ``--verbose``.
 """
 
+import functools
+import importlib.util
 import os
+import re
 import sys
+import traceback
+from typing import Callable, Dict, List, Optional, Sequence
 
-from absl import app, flags
+from tpu_embed_ext import console, errors
 
-from tpu_embed_ext import console
+# name -> (DEFINE function, default, help, keyword arguments).
+_FLAGS = {
+    "config": ("string", "ranking", "The config: a .yaml/.json file, or the name of "
+               "a shipped config (tiny, ranking, criteo, movielens).", {}),
+    "proto": ("bool", False, "Also print the TPUEmbeddingConfiguration proto.", {}),
+    "steps": ("integer", None, "The table step to train to (default: the config's "
+              "train.steps; a resumed run counts the steps before it).", {}),
+    "model_dir": ("string", None, "Checkpoints, logs, metrics (default: runs/<config "
+                  "name without extension>).", {}),
+    "tpu": ("string", "auto", "'auto' (use a TPU if one is attached), 'none' (CPU "
+            "emulation), 'emulate' or 'emulate:N' (the job's TPU path on an "
+            "emulated TPU of N replicas, default 8, on CPU), or a TPU name/address.",
+            {}),
+    "out": ("string", None, "export: where to write the SavedModel (default: "
+            "<model_dir>/serving); convert-checkpoint: the prefix of the converted "
+            "checkpoint (required).", {}),
+    "verbose": ("bool", False, "Show TensorFlow's and other libraries' log lines "
+                "and progress bars (default: a log file), and on an error the "
+                "traceback.", {}),
+    # SparseCore (TPUEmbeddingV2): tpu_embed_ext/sparsecore/, docs/sparsecore.md.
+    "engine": ("enum", "v1", "v2 adds TPUEmbeddingV2's (SparseCore) stacked layout "
+               "on --topology.", {"enum_values": ["v1", "v2"]}),
+    "topology": ("string", "v5p:4", "GENERATION:CHIPS (v5p:4, v6e:8, tpu7x:4) or "
+                 "CHIPSxSPARSECORES; convert-checkpoint: none for per-table keys "
+                 "(required there).", {}),
+    "data": ("integer", 0, "With --engine v2: measure the ids each stack sends to "
+             "each SparseCore over this many training batches (drawn from the spec "
+             "when the config names no dataset).", {}),
+    "hotness": ("string", "", "--data drawn from the spec: ids per example, N for "
+                "every feature or FEATURE=N,... (default: a sequence feature's "
+                "max_sequence_length, else 1).", {}),
+    "ids": ("enum", "zipf", "--data drawn from the spec: how ids are drawn over each "
+            "table's vocabulary.", {"enum_values": ["zipf", "uniform"]}),
+    "checkpoint": ("string", None, "The checkpoint to convert (per-table or "
+                   "SparseCore-stacked): a prefix, or a directory for its newest "
+                   "checkpoint (required).", {}),
+    "prefix": ("string", None, "The embedding's path in the checkpoint (default: "
+               "found in its object graph; needed only when several objects hold "
+               "the tables).", {}),
+    "batch_size": ("integer", 0, "With --engine v2: per-chip batch of features "
+                   "without output_shape (the stacker's output samples).", {}),
+}
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("config", "configs/ranking.yaml", "The config file (YAML or JSON).")
-flags.DEFINE_bool("proto", False, "Also print the TPUEmbeddingConfiguration proto.")
-flags.DEFINE_integer("steps", None, "The table step to train to (default: the "
-                     "config's train.steps; a resumed run counts the steps before "
-                     "it).")
-flags.DEFINE_string("model_dir", None, "Checkpoints, logs, metrics (default: "
-                    "runs/<config file name without extension>).")
-flags.DEFINE_string("tpu", "auto", "'auto' (use a TPU if one is attached), "
-                    "'none' (CPU emulation), or a TPU name/address.")
-flags.DEFINE_string("out", None, "export: where to write the SavedModel (default: "
-                    "<model_dir>/serving); convert-checkpoint: the prefix of the "
-                    "converted checkpoint (required).")
-flags.DEFINE_bool("verbose", False, "Show TensorFlow's and other libraries' log "
-                  "lines and progress bars (default: a log file), and on an error "
-                  "the traceback.")
-# SparseCore (TPUEmbeddingV2): tpu_embed_ext/sparsecore/, docs/sparsecore.md.
-flags.DEFINE_enum("engine", "v1", ["v1", "v2"], "v2 adds TPUEmbeddingV2's "
-                  "(SparseCore) stacked layout on --topology.")
-flags.DEFINE_string("topology", "v5p:4", "GENERATION:CHIPS (v5p:4, v6e:8, tpu7x:4) "
-                    "or CHIPSxSPARSECORES; convert-checkpoint: none for per-table "
-                    "keys (required there).")
-flags.DEFINE_integer("data", 0, "With --engine v2: measure the ids each stack "
-                     "sends to each SparseCore over this many training batches "
-                     "(drawn from the spec when the config names no dataset).")
-flags.DEFINE_string("hotness", "", "--data drawn from the spec: ids per example, "
-                    "N for every feature or FEATURE=N,... (default: a sequence "
-                    "feature's max_sequence_length, else 1).")
-flags.DEFINE_enum("ids", "zipf", ["zipf", "uniform"], "--data drawn from the "
-                  "spec: how ids are drawn over each table's vocabulary.")
-flags.DEFINE_string("checkpoint", None, "The checkpoint to convert (per-table or "
-                    "SparseCore-stacked): a prefix, or a directory for its newest "
-                    "checkpoint (required).")
-flags.DEFINE_string("prefix", None, "The embedding's path in the checkpoint "
-                    "(default: found in its object graph; needed only when several "
-                    "objects hold the tables).")
-flags.DEFINE_integer("batch_size", 0, "With --engine v2: per-chip batch of features "
-                     "without output_shape (the stacker's output samples).")
+# Modules a command cannot start without -> (what it is, the extra to install).
+_EXTRAS = {
+    "tensorflow": ("TensorFlow", "cpu",
+                   " (or [tf], or [tpu] on a Cloud TPU VM)"),
+    "tensorflow_datasets": ("tensorflow_datasets (the training data)", "data", ""),
+    "importlib_resources": ("importlib_resources (for tensorflow_datasets)", "data", ""),
+    "matplotlib": ("matplotlib (the learning curve)", "data", ""),
+}
+_NEEDS = {"plan": ("tensorflow",),
+          "train": ("tensorflow", "tensorflow_datasets", "importlib_resources",
+                    "matplotlib"),
+          "export": ("tensorflow", "tensorflow_datasets", "importlib_resources"),
+          "convert-checkpoint": ("tensorflow",)}
+
+_HELP = ("--help", "-h", "--helpshort", "--helpfull", "-?", "help")
+_owns_process = False  # run(): this process is the command (log watcher, faulthandler).
 
 
-def _model_dir():
-  if FLAGS.model_dir:
-    return FLAGS.model_dir
-  return os.path.join("runs", os.path.splitext(os.path.basename(FLAGS.config))[0])
+def _flag_values(command: str):
+  """A FlagValues holding the flags of ``command`` and ``--verbose``."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  values = flags.FlagValues()
+  for name in (*console.COMMAND_FLAGS[command], "verbose"):
+    kind, default, text, kwargs = _FLAGS[name]
+    getattr(flags, f"DEFINE_{kind}")(name=name, default=default, help=text,
+                                     flag_values=values, **kwargs)
+  return values
 
 
-def _plan():
-  import tpu_embed_ext as tee
-  from tpu_embed_ext import job
-  spec = tee.EmbeddingSpec.from_file(FLAGS.config)
+def _model_dir(f, config: str) -> str:
+  if f.model_dir:
+    return f.model_dir
+  return os.path.join("runs", os.path.splitext(os.path.basename(config))[0])
+
+
+def _plan(f, config: str, progress):
+  del progress
+  import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
+  from tpu_embed_ext import job  # pylint: disable=g-import-not-at-top
+  spec = tee.EmbeddingSpec.from_file(config)
   hotness = None
-  if FLAGS.data and FLAGS.hotness:  # Checked before the plan is computed.
-    from tpu_embed_ext.data import spec_ids
-    hotness = spec_ids.parse_hotness(FLAGS.hotness, spec)
+  if f.data and f.hotness:  # Checked before the plan is computed.
+    from tpu_embed_ext.data import spec_ids  # pylint: disable=g-import-not-at-top
+    hotness = spec_ids.parse_hotness(f.hotness, spec)
   plan = tee.plan(spec)
   print(plan)
   shortfall = job.memory_shortfall(spec)
   if shortfall:
     print(f"\nCPU emulation (train --tpu none) would not fit: {shortfall}")
-  if FLAGS.proto:
+  if f.proto:
     print()
     print(plan.config_proto())
-  if FLAGS.engine == "v2":
+  if f.engine == "v2":
     print()
-    print(plan.sparsecore(FLAGS.topology, batch_size=FLAGS.batch_size))
-    if FLAGS.data:
-      from tpu_embed_ext.sparsecore import report, topology
+    print(plan.sparsecore(f.topology, batch_size=f.batch_size))
+    if f.data:
+      from tpu_embed_ext.sparsecore import report, topology  # pylint: disable=g-import-not-at-top
       print()
       print(report.measure_training_data(
-          plan.spec, topology.parse_topology(FLAGS.topology), FLAGS.data,
-          hotness=hotness, distribution=FLAGS.ids, batch_size=FLAGS.batch_size))
+          plan.spec, topology.parse_topology(f.topology), f.data,
+          hotness=hotness, distribution=f.ids, batch_size=f.batch_size))
 
 
-def _train():
-  from tpu_embed_ext import job
-  model_dir = _model_dir()
-  metrics = job.train(FLAGS.config, model_dir=model_dir, steps=FLAGS.steps,
-                        tpu=FLAGS.tpu)
+def _train(f, config: str, progress):
+  from tpu_embed_ext import job  # pylint: disable=g-import-not-at-top
+  model_dir = _model_dir(f, f.config)
+  metrics = job.train(config, model_dir=model_dir, steps=f.steps, tpu=f.tpu,
+                      log=progress(model_dir))
   speed = metrics.get("examples_per_second")
   print(f"\nheld-out AUC {metrics['eval_auc']:.4f}"
         + (f" (planted model: {metrics['planted_auc']:.4f})"
@@ -107,12 +150,13 @@ def _train():
         + f" at step {metrics['steps']}, on {metrics['where']}"
         + (f", {speed:,.0f} examples/s." if speed else
            " (already trained: nothing to do)."))
-  print(where_everything_went(FLAGS.config, model_dir))
+  print(where_everything_went(f.config, model_dir))
 
 
 def where_everything_went(config: str, model_dir: str) -> str:
-  """The closing summary of ``train``: every output and the next command."""
-  from tpu_embed_ext import model_dir as model_dir_lib
+  """The closing summary of ``train``: every output and the next command,
+  spelled so that it runs as printed from here (``console.program``)."""
+  from tpu_embed_ext import model_dir as model_dir_lib  # pylint: disable=g-import-not-at-top
   checkpoints = os.path.join(model_dir, "checkpoints")
   steps = model_dir_lib.checkpoint_steps(checkpoints)
   newest = f" (newest: ckpt-{steps[0]})" if steps else ""
@@ -122,99 +166,212 @@ def where_everything_went(config: str, model_dir: str) -> str:
           ("history", os.path.join(model_dir, "history.csv")),
           ("TensorBoard logs", os.path.join(model_dir, "logs") +
            f"   (tensorboard --logdir {os.path.join(model_dir, 'logs')})")]
+  library_log = os.path.join(model_dir, "logs", "libraries.log")
+  if os.path.exists(library_log):  # Not with --verbose: they were shown.
+    rows.append(("library log", library_log + "   (TensorFlow's and other "
+                 "libraries' lines)"))
   lines = [f"Results in {model_dir}:"]
   lines += [f"  {name:<17} {path}" for name, path in rows]
   lines += ["Next, export for serving:",
-            f"  python -m tpu_embed_ext export --config {config} --model_dir "
+            f"  {console.program()} export --config {config} --model_dir "
             f"{model_dir} --out {os.path.join(model_dir, 'serving')}"]
   return "\n".join(lines)
 
 
-def _export():
-  from tpu_embed_ext import job
-  out = FLAGS.out or os.path.join(_model_dir(), "serving")
-  print("SavedModel written to", job.export(FLAGS.config, model_dir=_model_dir(),
-                                              out=out))
+def _export(f, config: str, progress):
+  from tpu_embed_ext import job  # pylint: disable=g-import-not-at-top
+  model_dir = _model_dir(f, f.config)
+  out = f.out or os.path.join(model_dir, "serving")
+  print("SavedModel written to", job.export(config, model_dir=model_dir, out=out,
+                                              log=progress(model_dir)))
 
 
-def _convert_checkpoint():
-  import tpu_embed_ext as tee
-  from tpu_embed_ext import sparsecore
-  if not (FLAGS.checkpoint and FLAGS.out and FLAGS["topology"].present):
-    raise app.UsageError("convert-checkpoint needs --checkpoint PREFIX|DIR --out PREFIX "
-                         "--topology T (a SparseCore topology, or none for per-table).")
-  topology = None if FLAGS.topology == "none" else FLAGS.topology
-  spec = tee.EmbeddingSpec.from_file(FLAGS.config)
-  source = FLAGS.checkpoint
+def _convert_checkpoint(f, config: str, progress):
+  del progress
+  import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
+  from tpu_embed_ext import sparsecore  # pylint: disable=g-import-not-at-top
+  if not (f.checkpoint and f.out and f["topology"].present):
+    raise errors.ConfigError(
+        "convert-checkpoint needs --checkpoint PREFIX|DIR --out PREFIX --topology T "
+        "(a SparseCore topology, or none for per-table). Fix: pass all three.")
+  topology = None if f.topology == "none" else f.topology
+  spec = tee.EmbeddingSpec.from_file(config)
+  source = f.checkpoint
   if os.path.isdir(source):  # A checkpoints directory: its newest readable one.
-    from tpu_embed_ext import model_dir as model_dir_lib
+    from tpu_embed_ext import model_dir as model_dir_lib  # pylint: disable=g-import-not-at-top
     source, _ = model_dir_lib.resume_point(source, repair=False)
     if source is None:
       raise model_dir_lib.CheckpointError(
-          f"no checkpoint (ckpt-<step>.index) in {FLAGS.checkpoint}. Fix: pass a "
+          f"no checkpoint (ckpt-<step>.index) in {f.checkpoint}. Fix: pass a "
           "checkpoint prefix, e.g. runs/ranking/checkpoints/ckpt-1500.")
   print(f"Converting {source} table by table...", flush=True)
-  layouts = sparsecore.convert_checkpoint(source, FLAGS.out, spec, topology,
-                                          prefix=FLAGS.prefix)
+  layouts = sparsecore.convert_checkpoint(source, f.out, spec, topology,
+                                          prefix=f.prefix)
   form = (f"SparseCore layout for {sparsecore.parse_topology(topology)} "
           f"({len({l.stack for l in layouts})} stacks)" if layouts else "per-table")
-  print(f"{source} -> {FLAGS.out}: {form}.")
+  print(f"{source} -> {f.out}: {form}.")
 
 
-COMMANDS = {"plan": _plan, "train": _train, "export": _export,
-            "convert-checkpoint": _convert_checkpoint}
+def _missing_extra(command: str, module: str) -> str:
+  what, extra, more = _EXTRAS[module]
+  return (f"{command} needs {what}, which is not installed. Fix: pip install "
+          f"'tpu_embed_ext[{extra}]'{more}.")
 
 
-def _one_line(e: BaseException):
+def _one_line(e: BaseException, command: str) -> Optional[str]:
   """The line a user sees for an error they can fix, or None for a bug."""
-  from tpu_embed_ext import errors
   if isinstance(e, errors.Error):
     return " ".join(str(e).split())
+  if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in _EXTRAS:
+    return _missing_extra(command, e.name.split(".")[0])
   if isinstance(e, KeyboardInterrupt):
     return ("interrupted. Run the same command again to resume from the newest "
             "checkpoint.")
   return None
 
 
-def main(argv):
-  if len(argv) != 2 or argv[1] not in COMMANDS:
-    raise app.UsageError(f"usage: python -m tpu_embed_ext {{{'|'.join(COMMANDS)}}} "
-                         "--config FILE [flags]; --help lists every flag")
-  command = argv[1]
-  log = None
-  if not FLAGS.verbose:
-    model_dir = _model_dir() if command in ("train", "export") else None
-    if command == "export" and not os.path.isdir(model_dir):
-      model_dir = None  # Not made here: export reports the missing checkpoint.
-    log = console.ThirdPartyLog(
-        os.path.join(model_dir, "logs", "libraries.log") if model_dir else None,
-        datasets=command == "train" or (command == "plan" and FLAGS.data > 0))
+def _usage_error(message: str) -> int:
+  """A mistake on the command line itself: one line, exit 2."""
+  print(f"error: {message}", file=sys.stderr)
+  return 2
+
+
+class _AbslCommand:
+  """A command whose flags absl parses: ``main(argv) -> int``."""
+
+  def __init__(self, name: str, run: Callable):
+    self.name, self._run = name, run
+
+  def __call__(self, argv: Sequence[str]) -> int:
+    if any(a in _HELP for a in argv):
+      print(console.command_help(self.name, _flag_values(self.name)))
+      return 0
+    from absl import flags  # pylint: disable=g-import-not-at-top
+    f = _flag_values(self.name)
+    try:
+      rest = f([f"tpu-embed {self.name}", *argv])[1:]
+    except flags.Error as e:
+      return _usage_error(self._flag_error(e))
+    if rest:
+      return _usage_error(
+          f"unexpected argument {rest[0]!r} after {self.name}. Fix: give values "
+          f"with their flags (tpu-embed {self.name} --help).")
+    for module in _NEEDS[self.name]:
+      if importlib.util.find_spec(module) is None:
+        return _usage_error(_missing_extra(self.name, module))
+    return self._guarded(f)
+
+  def _flag_error(self, e: Exception) -> str:
+    name = getattr(e, "flagname", None)
+    if name is None:  # A bad value: absl says "flag --steps=abc: <why>".
+      bad = re.match(r"flag --(\w+)=(.*?): (.*)", " ".join(str(e).split()))
+      if not bad:
+        return f"{' '.join(str(e).split())}. Fix: see tpu-embed {self.name} --help."
+      flag, value, why = bad.groups()
+      return (f"--{flag}: {value!r} is not a valid value ({why}). Fix: see "
+              f"tpu-embed {self.name} --help.")
+    ours = [f"--{n}" for n in (*console.COMMAND_FLAGS[self.name], "verbose")]
+    elsewhere = [c for c, names in console.COMMAND_FLAGS.items() if name in names]
+    where = (f" (a flag of {' and '.join(elsewhere)})." if elsewhere
+             else "." + errors.did_you_mean(f"--{name}", ours))
+    return (f"unknown flag --{name} for {self.name}{where} {self.name} takes "
+            f"{', '.join(ours)} (tpu-embed {self.name} --help).")
+
+  def _guarded(self, f) -> int:
+    """Runs the command with other libraries' output in a log file: the
+    command's stderr carries its own messages only."""
+    from tpu_embed_ext import config_files, library_log  # pylint: disable=g-import-not-at-top
+    log = (None if f.verbose else
+           library_log.LibraryLog(self.name, process=_owns_process))
+    terminal = log.terminal if log else sys.stderr
+
+    def progress(model_dir):
+      def line(text):  # The model_dir is good once the job reports progress.
+        if log:
+          log.move_to(os.path.join(model_dir, "logs", "libraries.log"))
+        print(text, flush=True)
+      return line
+
+    status = 2
+    try:
+      if self.name == "train" or (self.name == "plan" and f.data > 0):
+        _quiet_datasets()
+      self._run(f, config_files.resolve(f.config), progress)
+      status = 0
+    except (Exception, KeyboardInterrupt) as e:  # pylint: disable=broad-except
+      line = _one_line(e, self.name)
+      if f.verbose:
+        raise
+      if line is None:  # A bug: its traceback reaches the terminal.
+        status = 1
+        report = traceback.format_exc()
+        print(report, file=sys.stderr)  # The log, after what led to it.
+        print(report + "(the log of TensorFlow and other libraries: "
+              f"{log.destination})", file=terminal)
+      else:
+        print(f"error: {line} (--verbose shows the traceback)", file=terminal)
+    finally:
+      if log:
+        log.close()
+    return status
+
+
+def _quiet_datasets():
+  if importlib.util.find_spec("tensorflow_datasets") is not None:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    tfds.disable_progress_bar()
+
+
+def _emulate(argv: List[str]) -> int:
+  """``emulate``: tpu_embed_ext/emulated_tpu/runner.py parses its own arguments."""
   try:
-    COMMANDS[command]()
-  except (Exception, KeyboardInterrupt) as e:  # pylint: disable=broad-except
-    line = None if FLAGS.verbose else _one_line(e)
-    if line is None:
+    from tpu_embed_ext.emulated_tpu import runner  # pylint: disable=g-import-not-at-top
+  except ModuleNotFoundError as e:
+    if not (e.name or "").startswith("tpu_embed_ext.emulated_tpu"):
       raise
-    print(f"error: {line} (--verbose shows the traceback)", file=sys.stderr)
-    return 2
-  finally:
-    note = log.close() if log else ""
-    if note:
-      print(note, flush=True)
-  return 0
+    return _usage_error("emulate is not available in this installation of "
+                        "tpu_embed_ext. Fix: install a version that has it.")
+  status = runner.main(argv)
+  if _owns_process:  # Ends as a finished `python SCRIPT` would (runner.py).
+    runner.exit_now(status)
+  return status
 
 
-_HELP = ("--help", "-h", "--helpshort", "--helpfull", "-?", "help")
+COMMANDS: Dict[str, Callable[[List[str]], int]] = {
+    "plan": _AbslCommand("plan", _plan),
+    "train": _AbslCommand("train", _train),
+    "export": _AbslCommand("export", _export),
+    "convert-checkpoint": _AbslCommand("convert-checkpoint", _convert_checkpoint),
+    "emulate": _emulate,
+}
 
 
-def run(argv=None):
+def main(argv: Sequence[str]) -> int:
+  """``tpu-embed`` with ``argv`` (``argv[0]`` the program); the exit status."""
+  args = list(argv[1:])
+  if not args or args[0] in _HELP:
+    from tpu_embed_ext import config_files  # pylint: disable=g-import-not-at-top
+    print(console.overview(list(COMMANDS), list(config_files.shipped_configs())))
+    return 0 if args else 2
+  command = args[0]
+  if command not in COMMANDS:
+    if command.startswith("-"):
+      return _usage_error(
+          f"the command comes first: tpu-embed COMMAND [flags], got {command!r}. "
+          f"Commands: {', '.join(COMMANDS)} (tpu-embed --help).")
+    return _usage_error(
+        f"unknown command {command!r}.{errors.did_you_mean(command, COMMANDS)} "
+        f"Commands: {', '.join(COMMANDS)} (tpu-embed --help).")
+  return COMMANDS[command](args[1:])
+
+
+def run(argv: Optional[Sequence[str]] = None) -> None:
   """The entry point of ``tpu-embed`` and ``python -m tpu_embed_ext``."""
+  global _owns_process
   argv = list(sys.argv if argv is None else argv)
-  if len(argv) == 1 or any(a in _HELP for a in argv[1:]):
-    print(console.help_text(FLAGS))
-    sys.exit(0 if len(argv) > 1 else 2)
+  _owns_process = True
   console.quiet_cpp(argv)
-  app.run(main, argv=argv)
+  sys.exit(main(argv))
 
 
 if __name__ == "__main__":

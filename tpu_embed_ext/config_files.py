@@ -12,13 +12,16 @@ MAX_NODES. A recursive alias is refused the same way.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
+from typing import Dict
 
 from tpu_embed_ext import errors
 
-__all__ = ["load", "MAX_BYTES", "MAX_NODES", "MAX_DEPTH"]
+__all__ = ["load", "resolve", "shipped_configs", "MAX_BYTES", "MAX_NODES",
+           "MAX_DEPTH"]
 
 MAX_BYTES = 16 * 1024 * 1024
 MAX_NODES = 1_000_000
@@ -27,12 +30,73 @@ has about 10,000."""
 MAX_DEPTH = 100
 
 
+def shipped_configs() -> Dict[str, str]:
+  """``{name: path}`` of the configs shipped with the package (``tiny``...).
+
+  They are the clone's top-level ``configs/``, installed as package data in
+  ``tpu_embed_ext/configs/`` (setup.py); a source checkout that is not
+  installed reads them from ``configs/`` beside the package.
+  """
+  package = os.path.dirname(os.path.abspath(__file__))
+  for directory in (os.path.join(package, "configs"),
+                    os.path.join(os.path.dirname(package), "configs")):
+    if os.path.isdir(directory):
+      return {name[:-len(".yaml")]: os.path.join(directory, name)
+              for name in sorted(os.listdir(directory)) if name.endswith(".yaml")}
+  return {}
+
+
+def resolve(config: str) -> str:
+  """The file a ``--config`` value names: a path as given, or a shipped name.
+
+  An existing path wins (a ``configs/tiny.yaml`` edited in the working
+  directory is read, not the shipped one). Otherwise a bare name, with or
+  without ``.yaml``, is a shipped config; anything else is returned as given,
+  for ``load`` to report.
+  """
+  if os.path.exists(config) or os.sep in config:
+    return config
+  shipped = shipped_configs()
+  name = config[:-len(".yaml")] if config.endswith(".yaml") else config
+  if name in shipped:
+    return shipped[name]
+  if "." in name:  # c.json, c.yml: a file name, reported by load.
+    return config
+  raise errors.ConfigError(
+      f"no config file or shipped config named {config!r}."
+      f"{errors.did_you_mean(name, shipped)} Fix: pass a path to a .yaml or "
+      f".json file, or a shipped config: {_names(shipped)}.", path="--config")
+
+
+def _names(shipped) -> str:
+  return ", ".join(shipped) or "(none found: reinstall tpu_embed_ext)"
+
+
+def _near(path: str) -> str:
+  """' Did you mean ...?' for a missing config file: a config file beside
+  it with a close name, else a shipped config with a close name."""
+  directory, name = os.path.split(path)
+  try:
+    siblings = [os.path.join(directory, n) for n in os.listdir(directory or ".")
+                if n.endswith((".yaml", ".yml", ".json"))]
+  except OSError:
+    siblings = []
+  near = errors.did_you_mean(path, siblings)
+  if near:
+    return near
+  stem, shipped = os.path.splitext(name)[0], shipped_configs()
+  match = ([stem] if stem in shipped else
+           difflib.get_close_matches(stem, shipped, n=1, cutoff=0.6))
+  return (f" Did you mean the shipped config {match[0]!r} (--config {match[0]})?"
+          if match else "")
+
+
 def load(path: str):
   """The dict form of the ``.yaml``/``.yml``/``.json`` file at ``path``."""
   if not os.path.exists(path):
     raise errors.ConfigError(
-        "config file not found. Fix: check the path (configs/ holds the "
-        "examples).", file=path)
+        f"config file not found.{_near(path)} Fix: check the path, or name a "
+        f"shipped config: {_names(shipped_configs())}.", file=path)
   if os.path.isdir(path):
     raise errors.ConfigError(
         "is a directory, not a config file. Fix: name a .yaml or .json file, "

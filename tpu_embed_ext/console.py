@@ -1,24 +1,22 @@
-"""What the command line prints: its help, and where other libraries' output goes.
+"""What the command line says about itself: its help, and how to call it again.
 
-Quiet by default, never silent on long work: our own progress (building the
-dataset, training, conversion) goes to stdout; TensorFlow's, tfds' and absl's
-log lines, Python warnings and tfds progress bars go to a log file, and a
-closing line says how many went there. ``--verbose`` shows them all (and a
-traceback on an error).
+``tpu-embed --help`` lists the commands; ``tpu-embed COMMAND --help`` shows
+one command's flags and examples. Where other libraries' output goes is
+``library_log.py``.
 """
 
 from __future__ import annotations
 
-import logging
 import os
+import shutil
 import sys
-import tempfile
 import textwrap
-from typing import Dict, Optional, Sequence
+from typing import Dict, Sequence
 
-__all__ = ["COMMAND_FLAGS", "EXAMPLES", "help_text", "quiet_cpp", "ThirdPartyLog"]
+__all__ = ["COMMAND_FLAGS", "SUMMARIES", "EXAMPLES", "overview", "command_help",
+           "program", "quiet_cpp"]
 
-# Flags each command reads, in the order help shows them (--verbose: all).
+# Flags each command reads, in the order its help shows them (and --verbose).
 COMMAND_FLAGS: Dict[str, Sequence[str]] = {
     "plan": ("config", "proto", "engine", "topology", "batch_size", "data",
              "hotness", "ids"),
@@ -36,103 +34,84 @@ SUMMARIES = {
     "export": "write the newest checkpoint of --model_dir as a serving SavedModel",
     "convert-checkpoint": "convert a checkpoint between per-table keys and "
                           "TPUEmbeddingV2's (SparseCore) stacked layout",
+    "emulate": "run a TPU training script on CPU with emulated TPU devices: "
+               "emulate [--replicas N] [--sparsecore] [--topology T] SCRIPT [ARGS...]",
 }
 
-EXAMPLES = (
-    "python -m tpu_embed_ext train --config configs/ranking.yaml",
-    "python -m tpu_embed_ext export --config configs/ranking.yaml --model_dir runs/ranking",
-    "python -m tpu_embed_ext plan --config configs/criteo.yaml --engine v2 "
-    "--topology v5p:4 --data 20",
-    "python -m tpu_embed_ext convert-checkpoint --config configs/ranking.yaml "
-    "--checkpoint runs/ranking/checkpoints --out runs/ranking/v5p4/ckpt "
-    "--topology v5p:4",
-)
+EXAMPLES = {
+    "plan": ("tpu-embed plan --config tiny",
+             "tpu-embed plan --config criteo --engine v2 --topology v5p:4 --data 20"),
+    "train": ("tpu-embed train --config ranking",
+              "tpu-embed train --config tiny --steps 10 --model_dir runs/try --tpu none"),
+    "export": ("tpu-embed export --config ranking --model_dir runs/ranking",),
+    "convert-checkpoint": (
+        "tpu-embed convert-checkpoint --config ranking --checkpoint "
+        "runs/ranking/checkpoints --out runs/ranking/v5p4/ckpt --topology v5p:4",),
+}
+
+_USAGE = "usage: tpu-embed COMMAND [flags]   (or: python -m tpu_embed_ext COMMAND [flags])"
 
 
-def help_text(flags) -> str:
-  """The help of ``tpu-embed`` and ``python -m tpu_embed_ext`` (the same text)."""
-  lines = ["usage: tpu-embed COMMAND [flags]   (or: python -m tpu_embed_ext "
-           "COMMAND [flags])", "", "commands:"]
-  for command, names in COMMAND_FLAGS.items():
-    lines += [""] + textwrap.wrap(f"{command}: {SUMMARIES[command]}", 80,
-                                  initial_indent="  ", subsequent_indent="    ")
-    for name in names:
-      lines += _flag_lines(flags[name])
-  lines += ["", "every command:"] + _flag_lines(flags["verbose"])
-  lines += ["", "examples:"] + [f"  {e}" for e in EXAMPLES]
-  lines += ["", "A user error prints one line, error: <what, where, the fix>, "
-            "and exits with status 2.", "Documentation: README.md, docs/cli.md."]
+def overview(commands: Sequence[str], config_names: Sequence[str]) -> str:
+  """``tpu-embed --help``: every command, one paragraph each."""
+  lines = [_USAGE, "", "commands:"]
+  for command in commands:
+    lines += textwrap.wrap(f"{command}: {SUMMARIES[command]}", 80,
+                           initial_indent="  ", subsequent_indent="      ")
+  lines += ["", "tpu-embed COMMAND --help shows a command's flags and examples.",
+            "--config takes a .yaml/.json file or a shipped config: "
+            f"{', '.join(config_names)}."] + _closing()
   return "\n".join(lines)
+
+
+def command_help(command: str, flag_values) -> str:
+  """``tpu-embed COMMAND --help``: the command's flags and examples."""
+  lines = [f"usage: tpu-embed {command} [flags]", ""]
+  lines += textwrap.wrap(SUMMARIES[command] + ".", 80)
+  lines += ["", "flags:"]
+  for name in (*COMMAND_FLAGS[command], "verbose"):
+    lines += _flag_lines(flag_values[name])
+  lines += ["", "examples:"] + [f"  {e}" for e in EXAMPLES[command]]
+  return "\n".join(lines + _closing())
+
+
+def _closing():
+  return ["", "A user error prints one line, error: <what, where, the fix>, and "
+          "exits with status 2.", "Documentation: README.md, docs/cli.md."]
 
 
 def _flag_lines(flag) -> list:
   shown = not isinstance(flag.default, bool) and flag.default not in (None, "")
   text = flag.help + (f" Default: {flag.default}." if shown else "")
-  return [f"    --{flag.name}"] + textwrap.wrap(
-      text, 80, initial_indent=" " * 8, subsequent_indent=" " * 8,
+  return [f"  --{flag.name}"] + textwrap.wrap(
+      text, 80, initial_indent=" " * 6, subsequent_indent=" " * 6,
       break_on_hyphens=False)
 
 
-class ThirdPartyLog:
-  """Sends other libraries' log lines, warnings and progress bars to ``path``.
+def program() -> str:
+  """How to call this command line again from here, so that a printed
+  command runs as printed: ``tpu-embed`` when that is on PATH and is this
+  installation, else this installation's script by its path (the virtualenv
+  need not be active), else this Python with ``-m tpu_embed_ext``."""
+  bin_dir = os.path.dirname(sys.executable)
+  script = os.path.join(bin_dir, "tpu-embed")
+  found = shutil.which("tpu-embed")
+  if found and os.path.realpath(found) == os.path.realpath(script):
+    return "tpu-embed"
+  if os.access(script, os.X_OK):
+    return _short(script)
+  return f"{_short(sys.executable)} -m tpu_embed_ext"
 
-  Python logging (absl, TensorFlow's and tfds' loggers) and ``warnings`` go
-  through the root logger; its handlers are pointed at the file. TensorFlow's
-  C++ logging is cut at warnings before TensorFlow loads (``TF_CPP_MIN_LOG_LEVEL``,
-  set by ``quiet_cpp``). With ``datasets``, tfds' progress bars are switched off.
-  """
 
-  def __init__(self, path: Optional[str], *, datasets: bool = False):
-    self.path = path or os.path.join(tempfile.gettempdir(),
-                                     f"tpu_embed_ext-{os.getuid()}.log")
-    try:
-      os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-      self._file = open(self.path, "a", encoding="utf-8")
-    except OSError:  # A read-only model_dir: the command reports it itself.
-      self.path = os.path.join(tempfile.gettempdir(),
-                               f"tpu_embed_ext-{os.getuid()}.log")
-      self._file = open(self.path, "a", encoding="utf-8")
-    self._start = self._file.tell()
-    self._saved = []
-    root = logging.getLogger()
-    for handler in root.handlers:
-      target = getattr(handler, "python_handler", handler)  # absl's wraps one.
-      if (isinstance(target, logging.StreamHandler)
-          and target.stream in (sys.stderr, sys.stdout, sys.__stderr__)):
-        self._saved.append((target, target.stream))
-        target.setStream(self._file)
-    if not self._saved:
-      handler = logging.StreamHandler(self._file)
-      root.addHandler(handler)
-      self._saved.append((handler, None))
-    logging.captureWarnings(True)
-    if datasets and _importable("tensorflow_datasets"):
-      import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-      tfds.disable_progress_bar()
-
-  def close(self) -> str:
-    """Restores the handlers; returns a closing note if anything was logged."""
-    self._file.flush()
-    written = self._file.tell() - self._start
-    for handler, stream in self._saved:
-      if stream is None:
-        logging.getLogger().removeHandler(handler)
-      else:
-        handler.setStream(stream)
-    logging.captureWarnings(False)
-    self._file.close()
-    if not written:
-      return ""
-    return (f"(TensorFlow's and other libraries' log lines are in {self.path}; "
-            "--verbose shows them here.)")
+def _short(path: str) -> str:
+  relative = os.path.relpath(path)
+  if relative.startswith(".."):
+    return path
+  return relative if os.sep in relative else os.path.join(".", relative)
 
 
 def quiet_cpp(argv: Sequence[str]) -> None:
-  """Hides TensorFlow's C++ info and warning lines unless --verbose is given."""
+  """Cuts TensorFlow's C++ info lines at the source unless --verbose (fewer
+  lines in the log; what is still printed goes to the log all the same)."""
   if not any(a in ("--verbose", "--verbose=true", "--verbose=True") for a in argv):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-
-def _importable(name: str) -> bool:
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  return importlib.util.find_spec(name) is not None

@@ -16,9 +16,9 @@ Engines: on CPU (no ``TPUStrategy`` in scope) the layer runs
 runs ``TPUEmbedding`` (TPU v2-v4) or ``TPUEmbeddingV2`` (SparseCore, v5p/v6e),
 chosen by ``create_embedding`` as TensorFlow documents for the hardware. The
 TPU branches were NOT run on TPU hardware: no TPU is reachable where this
-package is developed. They are exercised on CPU up to the point where a TPU is
-needed (construction with a stand-in strategy, the engine chosen, the protocol
-each engine needs); see tests/test_layer.py.
+package is developed. They run end to end under the emulated TPU
+(``emulate_tpu``, whose ``TPUEmbedding`` / ``TPUEmbeddingV2`` are this
+package's engine): tests/test_emulated_keras.py.
 
 Saving: see ``save_own_variables`` and the README's "Saving and restoring".
 """
@@ -39,6 +39,7 @@ from tpu_embed_ext import errors
 from tpu_embed_ext import layer_gradients
 from tpu_embed_ext import layer_weights
 from tpu_embed_ext.emulation import dispatch
+from tpu_embed_ext.emulation import engine as engine_lib
 from tpu_embed_ext.spec import EmbeddingSpec
 
 __all__ = ["EmbeddingLayer", "PAD_ID"]
@@ -117,6 +118,11 @@ class EmbeddingLayer(keras.layers.Layer):
   # --- Keras weights -------------------------------------------------------
 
   def _tables(self) -> List[tf.Variable]:
+    # Under a TPUStrategy the tables are the TPU engine's (TPUEmbedding
+    # refuses embedding_tables there; TPUEmbeddingV2's are sharded, stacked
+    # views): they are checkpointed with the engine, not Keras weights.
+    if self._kind != "cpu":
+      return []
     return list(self.embedding.embedding_tables.values())
 
   @property
@@ -333,13 +339,15 @@ class EmbeddingLayer(keras.layers.Layer):
     if self._kind == "cpu":
       self.embedding.apply_gradients(gradients)
       return
-    # TPU engines have no step of their own: advance the one that
-    # create_embedding bound the schedules to.
     if self._kind == "tpu_v2":
       self.embedding.apply_gradients(gradients, step.preserved)
     else:
       self.embedding.apply_gradients(gradients)
-    self.embedding.step.assign_add(1)
+    # TensorFlow's TPU engines have no step of their own: advance the one
+    # that create_embedding bound the schedules to. Ours (CPUEmbedding, also
+    # behind the emulated TPU's engines) advances it in apply_gradients.
+    if not isinstance(self.embedding, engine_lib.CPUEmbedding):
+      self.embedding.step.assign_add(1)
 
   def _serving_lookup(self, features, weights):
     # The standard CPU lookup of a TPU-trained model, with no TPU ops.

@@ -1,32 +1,33 @@
 """``EmbeddingLayer`` in a Keras weights file (``model.save``, ``save_weights``).
 
-Keys: ``<table>`` a table, ``<table>.<slot>`` one of its optimizer slots,
-``.step`` the table step, ``.gradient_sink`` the sink. Loading checks every
-table, slot and shape before the first variable is written.
+Keys (``derived_names.weights_key``): ``<table>`` a table, ``<table>.<slot>``
+one of its optimizer slots (``%``, ``/`` and a name ``.`` percent-encoded:
+HDF5 reads ``/`` as a group), ``.step`` the table step, ``.gradient_sink``
+the sink. No two tables share a key (refused when the spec is made).
+Loading checks every table, slot and shape before the first variable is
+written.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict
 
 import numpy as np
 import tensorflow as tf
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.derived_names import SINK_KEY, SLOT_NAMES, STEP_KEY, weights_key
 
 __all__ = ["keyed_variables", "save", "load", "STEP_KEY", "SINK_KEY"]
-
-# A leading dot keeps them apart from table names.
-STEP_KEY = ".step"
-SINK_KEY = ".gradient_sink"
 
 
 def keyed_variables(layer) -> Dict[str, tf.Variable]:
   """Every saved variable by its key in a Keras weights file.
 
   ``<table>`` is a table, ``<table>.<slot>`` one of its optimizer slots
-  (HDF5 reads "/" as a group, so TensorFlow's ``<table>/<slot>`` is not
-  usable), ``.step`` the table step, ``.gradient_sink`` the sink.
+  (``derived_names.weights_key``), ``.step`` the table step,
+  ``.gradient_sink`` the sink.
   """
   if layer._kind != "cpu":
     raise errors.ConfigError(
@@ -35,8 +36,8 @@ def keyed_variables(layer) -> Dict[str, tf.Variable]:
         "tf.train.Checkpoint, whose keys equal TPUEmbedding's.")
   state = {}
   for table, variables in layer.embedding.variables.items():
-    state[table] = variables["parameters"]
-    state.update({f"{table}.{slot}": variable
+    state[weights_key(table)] = variables["parameters"]
+    state.update({weights_key(table, slot): variable
                   for slot, variable in variables.items()
                   if slot != "parameters"})
   state[STEP_KEY] = layer.embedding.step
@@ -50,30 +51,51 @@ def save(layer, store) -> None:
     store[key] = np.asarray(variable.numpy())
 
 
+# {layer: (the store it failed to load from, the error)}. Keras visits a
+# layer again under its other paths after it failed to load (saving_lib's
+# _load_state marks only loaded layers visited): in a subclassed model the
+# second path ("layers/<name>") holds nothing, and Keras reports the last
+# error. Keras hands every path the same store object (H5IOStore.get returns
+# itself), so an empty visit of that store repeats the first error.
+_failures: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def load(layer, store) -> None:
   """Restores what ``save_own_variables`` wrote, or changes nothing.
 
   Every table, slot and shape is checked before the first variable is
   written; a mismatch names the table.
   """
+  failed = _failures.pop(layer, None)
+  if failed is not None and failed[0]() is store and not list(store.keys()):
+    raise failed[1]
+  try:
+    _load(layer, store)
+  except errors.ConfigError as e:
+    try:
+      _failures[layer] = (weakref.ref(store), e)
+    except TypeError:
+      pass  # a store without weak references (a dict): visited once
+    raise
+
+
+def _load(layer, store) -> None:
   state = keyed_variables(layer)
   stored = set(store.keys())
-  # Keys of the other tables, which may start with "<table>." too.
   owner = {STEP_KEY: None, SINK_KEY: None}
   for table, variables in layer.embedding.variables.items():
-    owner.update({table if s == "parameters" else f"{table}.{s}": table
-                  for s in variables})
-  others = {t: {k for k, o in owner.items() if o != t}
-            for t in layer.embedding.variables}
+    owner.update({weights_key(table, s): (table, s) for s in variables})
   for table, variables in layer.embedding.variables.items():
-    if table not in stored:
+    if weights_key(table) not in stored:
       raise errors.ConfigError(
           f"EmbeddingLayer '{layer.name}': table '{table}' is not in the "
           f"saved weights (they hold {sorted(stored)}). Fix: load weights "
           "saved from a layer with the same spec, or rename the table back.")
+    # Exact keys: another table's key (a table named "<table>.<slot>") is
+    # never taken for one of this table's slots.
     slots = sorted(s for s in variables if s != "parameters")
-    saved = sorted(k[len(table) + 1:] for k in stored - others[table]
-                   if k.startswith(f"{table}."))
+    saved = sorted(s for s in SLOT_NAMES if weights_key(table, s) in stored
+                   and owner.get(weights_key(table, s), (table,))[0] == table)
     if saved != slots:
       raise errors.ConfigError(
           f"EmbeddingLayer '{layer.name}': table '{table}' is saved with "
@@ -94,8 +116,9 @@ def load(layer, store) -> None:
   for key, variable in state.items():
     want, have = list(variable.shape), list(values[key].shape)
     if have != want:
-      what = f"table '{owner[key]}'" if owner[key] else f"'{key}'"
-      where = f" (slot '{key}')" if owner[key] and key != owner[key] else ""
+      table, slot = owner[key] or (None, None)
+      what = f"table '{table}'" if table is not None else f"'{key}'"
+      where = f" (slot '{slot}')" if slot not in (None, "parameters") else ""
       raise errors.ConfigError(
           f"EmbeddingLayer '{layer.name}': {what} is saved with shape "
           f"{have}{where}, this layer has {want}. Fix: load into a spec with "

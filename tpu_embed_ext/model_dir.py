@@ -18,7 +18,8 @@ logs. The rules, each because a run once lost work without them:
   only when training writes a good checkpoint of the same step.
 - A restore is checked first (``check_checkpoint``): every variable the model
   would restore must be in the checkpoint with the same shape, so a changed
-  config is refused, naming the first mismatch, before anything is written.
+  config is refused, naming the first mismatch, before anything is written;
+  and finite (``checkpoint_scan``: counted in the same read as the CRCs).
 """
 
 from __future__ import annotations
@@ -34,17 +35,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import keras
 import tensorflow as tf
 
-from tpu_embed_ext import atomic, errors
+from tpu_embed_ext import atomic, checkpoint_scan, errors
+from tpu_embed_ext.checkpoint_scan import CheckpointError
 
 __all__ = ["CheckpointError", "ModelDirError", "lock", "check_writable",
            "checkpoint_steps", "resume_point", "repair_state", "check_checkpoint",
            "read_run_record", "write_run_record", "write_json"]
 
 _CKPT = re.compile(r"^ckpt-(\d+)\.index$")
-
-
-class CheckpointError(errors.Error, ValueError):
-  """A checkpoint that cannot be read, or does not fit the model."""
 
 
 class ModelDirError(errors.Error, OSError):
@@ -100,19 +98,6 @@ def checkpoint_steps(directory: str) -> List[int]:
   return sorted(steps, reverse=True)
 
 
-def _unreadable(prefix: str) -> Optional[str]:
-  """None if every tensor of the checkpoint reads back, else why not."""
-  try:
-    reader = tf.train.load_checkpoint(prefix)
-    for name in reader.get_variable_to_shape_map():
-      reader.get_tensor(name)
-  except (tf.errors.OpError, ValueError, IndexError) as e:
-    # IndexError: a truncated .data file ("Read less bytes than requested").
-    return (getattr(e, "message", None) or str(e) or type(e).__name__
-            ).strip().splitlines()[0]
-  return None
-
-
 def resume_point(directory: str, log=print, *, repair: bool = True
                  ) -> Tuple[Optional[str], int]:
   """(prefix of the newest readable checkpoint or None, its step).
@@ -126,7 +111,7 @@ def resume_point(directory: str, log=print, *, repair: bool = True
   bad = []
   for i, step in enumerate(steps):
     prefix = os.path.join(directory, f"ckpt-{step}")
-    why = _unreadable(prefix)
+    why = checkpoint_scan.scan(prefix).error
     if why is None:
       if bad:
         log(f"Falling back to {prefix} (step {step}): the newer checkpoint"
@@ -230,14 +215,17 @@ def _expected_variables(root) -> Dict[str, Tuple[str, List[int]]]:
 
 
 def check_checkpoint(root, path: str, *, what: str = "this model") -> None:
-  """CheckpointError unless ``path`` holds every variable of ``root``, same shapes.
+  """CheckpointError unless ``path`` holds every variable of ``root``, same
+  shapes, all finite.
 
   ``root`` is what would restore it (a ``tf.train.Checkpoint``, a model...).
   Nothing is read into variables, so a refused restore changes nothing. The
-  first mismatch in checkpoint-key order is named.
+  first mismatch in checkpoint-key order is named. Each tensor is read once
+  per checkpoint (``checkpoint_scan``), also across calls.
   """
   stored = dict(tf.train.list_variables(path))
-  for key, (name, shape) in sorted(_expected_variables(root).items()):
+  expected = _expected_variables(root)
+  for key, (name, shape) in sorted(expected.items()):
     if key not in stored:
       raise CheckpointError(
           f"checkpoint {path} has no variable {name} (shape {shape}), which "
@@ -248,6 +236,8 @@ def check_checkpoint(root, path: str, *, what: str = "this model") -> None:
           f"variable {name}: checkpoint {path} holds shape {list(stored[key])}, "
           f"{what} has {shape}. Fix: restore a checkpoint written with the same "
           "config, or use another --model_dir.")
+  checkpoint_scan.check_finite(
+      path, {key: f"variable {name}" for key, (name, _) in expected.items()})
 
 
 def read_run_record(model_dir: str) -> List[Dict[str, Any]]:

@@ -94,6 +94,7 @@ class EmbeddingSpec:
     # also for a spec built directly rather than by from_dict.
     derived_names.check_table_names(
         {t.name: self.optimizer_for(t.name).slot_names for t in self.tables})
+    derived_names.check_feature_names([f.name for f in self.features])
 
   # --- parsing ---------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from typing import Mapping
 
 import numpy as np
 
-from tpu_embed_ext import errors
+from tpu_embed_ext import derived_names, errors
 
 __all__ = ["require_mapping", "entries", "require_fields", "check_keys",
            "positive_int", "number", "size", "parse_initializer", "parse_quantization",
@@ -61,6 +61,7 @@ def entries(config, section, kind, fields):
           "derives (variables, checkpoint keys) are strings. Fix: quote it: "
           f'"{name}":' if name != "" else
           f"{kind} name is empty. Fix: give it a name.", path=path)
+    derived_names.check_characters(kind, name)
     require_mapping(raw, path, f"a {kind}")
     check_keys(raw, fields, path, f"{kind} field")
     yield name, raw, path

@@ -1,7 +1,8 @@
 """``create_embedding``: the right mid-level API object for where code runs.
 
 The TPU branch was not run on TPU hardware (none is reachable where this
-package is developed); tests exercise the dispatch with a stand-in strategy.
+package is developed); it runs end to end under the emulated TPU
+(``emulate_tpu``: tests/test_emulated_keras.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ def create_embedding(feature_config, optimizer=None, *, engine=None,
   from tensorflow.python.distribute import tpu_strategy
   strategy = strategy or tf.distribute.get_strategy()
   if isinstance(strategy, (tpu_strategy.TPUStrategy, tpu_strategy.TPUStrategyV2)):
-    step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+    # Every replica advances it once per step (EmbeddingLayer): the first
+    # replica's increment is the step's, so it counts steps, not replicas
+    # times steps.
+    step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step",
+                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
     if hasattr(feature_config, "feature_config"):
       feature_config = feature_config.feature_config(step=step)
     if isinstance(optimizer, optimizers.OptimizerSpec):

@@ -269,7 +269,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   def _put(self, batches: Dict[int, Any], training: bool):
     """Checks every replica's batch, then records them (all or none)."""
     self._batches.check_free(list(batches), self._replicas.num_local)
-    prepared = {replica: self._prepare(features, weights, training)
+    prepared = {replica: self._prepare(features, weights, training,
+                                       replica=replica)
                 for replica, (features, weights) in batches.items()}
     for replica, pending in prepared.items():
       self._batches.put(replica, pending, self._replicas.num_local)
@@ -297,7 +298,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     """Every feature's activation shape as fixed so far (``shapes.py``)."""
     return self._shapes.stored
 
-  def _prepare(self, features, weights, training, strict=True) -> protocol.Pending:
+  def _prepare(self, features, weights, training, strict=True,
+               replica=None) -> protocol.Pending:
     """Checks a batch as ``TPUEmbedding.enqueue`` does; its occurrences.
 
     Structures first, then input shapes. ``strict`` (``enqueue``, the TPU
@@ -342,8 +344,9 @@ class CPUEmbedding(autotrackable.AutoTrackable):
               [self._tables[f.table].config.vocabulary_size
                for f in self._features])])
     if self._sparsecore is not None:
-      occurrences = sparsecore_limits.keep(self._sparsecore, self._replicas,
-                                           occurrences, verdict)
+      occurrences = sparsecore_limits.keep(
+          self._sparsecore, self._replicas, occurrences, verdict,
+          self._replicas.local_replica() if replica is None else replica)
     return protocol.Pending(features, occurrences, verdict, training)
 
   def _activations(self, pending: protocol.Pending):

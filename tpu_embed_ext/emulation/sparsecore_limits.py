@@ -40,19 +40,35 @@ def state(tables, features, engine: str, feature_config, optimizer, topology,
                                   sparse_core_config)
 
 
-def keep(sparsecore, replicas, occurrences, verdict):
-  """Each feature's occurrences SparseCore keeps this step (sparsecore/limits.py)."""
-  if replicas.num_local > 1:
+def keep(sparsecore, replicas, occurrences, verdict, replica: int = 0):
+  """Each feature's occurrences SparseCore keeps this step (sparsecore/limits.py).
+
+  One replica holds the global batch of every chip of the topology; under a
+  strategy with several replicas, each replica is one chip (replica ``i`` is
+  chip ``i``, as ``TPUStrategy`` places replica ``i`` on core ``i``) and holds
+  that chip's batch: its ids are checked as that chip's, the other chips
+  being empty (every limit is counted per chip, so they do not interact).
+  """
+  chips = sparsecore.topology.chips
+  if replicas.num_workers > 1 or (replicas.num_local > 1 and chips != replicas.num_local):
     raise errors.ConfigError(
-        "SparseCore input limits are emulated on one CPU replica holding the "
-        f"global batch, not on {replicas.num_local}. Fix: drop topology= "
-        "under a multi-replica strategy.")
+        f"SparseCore input limits are emulated with each CPU replica as one chip "
+        f"(or one replica holding the global batch): the topology "
+        f"{sparsecore.topology} has {chips} chips, the strategy "
+        f"{replicas.num_local * replicas.num_workers} replicas"
+        + (f" over {replicas.num_workers} workers" if replicas.num_workers > 1 else "")
+        + f". Fix: give a topology of {replicas.num_local} chips in one process, "
+        "or drop topology=.")
   deps = [verdict.assertion] if verdict is not None and verdict.assertion is not None else []
   with tf.control_dependencies(deps):  # ids in range first
-    samples = [o.rows if o.rows is not None else tf.range(tf.size(o.ids, tf.int64))
-               for o in occurrences]
-    masks = sparsecore.keep_masks(samples, [o.ids for o in occurrences],
-                                  [o.num_rows for o in occurrences])
+    rows = [o.rows if o.rows is not None else tf.range(tf.size(o.ids, tf.int64))
+            for o in occurrences]
+    samples, counts = rows, [o.num_rows for o in occurrences]
+    if replicas.num_local > 1:  # this replica's batch, placed as its chip's
+      samples = [tf.cast(r, tf.int64) + replica * tf.cast(n, tf.int64)
+                 for r, n in zip(rows, counts)]
+      counts = [n * chips for n in counts]
+    masks = sparsecore.keep_masks(samples, [o.ids for o in occurrences], counts)
   return [o._replace(ids=tf.boolean_mask(o.ids, k), rows=tf.boolean_mask(r, k),
                      gains=None if o.gains is None else tf.boolean_mask(o.gains, k))
-          for o, r, k in zip(occurrences, samples, masks)]
+          for o, r, k in zip(occurrences, rows, masks)]

@@ -120,7 +120,7 @@ def create_variables(owner, table: Table, stacked: bool) -> Dict[str, tf.Variabl
   def getter(name, shape, dtype, initializer, trainable):
     del shape
     return tf.Variable(
-        name=name, initial_value=functools.partial(
+        name=derived_names.graph_name(name), initial_value=functools.partial(
             initializer, (table.config.vocabulary_size, table.config.dim),
             dtype=dtype),
         shape=(table.config.vocabulary_size, table.config.dim), dtype=dtype,
@@ -151,35 +151,50 @@ def create_variables(owner, table: Table, stacked: bool) -> Dict[str, tf.Variabl
 
 
 def check_checkpoint(tables: List[Table], path: str, prefix: str):
-  """ConfigError unless ``path`` holds every table and slot, same shapes.
+  """ConfigError unless ``path`` holds every table and slot, same shapes;
+  CheckpointError if one holds NaN or Inf.
 
-  A lookup-only table needs its parameters only (its slots, if stored, are
-  not read).
+  Keys are TensorFlow's (``derived_names.checkpoint_key``); a table's slots
+  are the slot keys of its own name present in the checkpoint (another
+  table's variable is never taken for one). A lookup-only table needs its
+  parameters only (its slots, if stored, are not read).
   """
+  from tpu_embed_ext import checkpoint_scan  # pylint: disable=g-import-not-at-top
   stored = dict(tf.train.list_variables(path))
+  ours = {derived_names.checkpoint_key(prefix, t.name, s)
+          for t in tables for s in (None,) + slot_names(t)}
+  described = {}
   for table in tables:
-    key = lambda slot: (f"{prefix}/{table.name}" + (f".S{slot}" if slot else "")
-                        + "/.ATTRIBUTES/VARIABLE_VALUE")
+    key = functools.partial(derived_names.checkpoint_key, prefix, table.name)
     want = [table.config.vocabulary_size, table.config.dim]
-    if key(None) not in stored:
+    if key() not in stored:
       raise errors.ConfigError(
           f"table '{table.name}' is not in checkpoint {path}. Fix: restore a "
           "checkpoint of the same spec, or rename the table back.")
-    if list(stored[key(None)]) != want:
+    if list(stored[key()]) != want:
       raise errors.ConfigError(
           f"table '{table.name}': checkpoint {path} holds shape "
-          f"{list(stored[key(None)])}, this spec has {want}. Fix: restore into a "
+          f"{list(stored[key()])}, this spec has {want}. Fix: restore into a "
           "spec with the same vocabulary_size and dim.")
+    described[key()] = f"table '{table.name}'"
     if table.optimizer is None:
       continue
-    have = sorted(k.split(".S", 1)[1].split("/", 1)[0] for k in stored
-                  if k.startswith(f"{prefix}/{table.name}.S"))
+    have = sorted(s for s in derived_names.SLOT_NAMES if key(s) in stored and (
+        key(s) not in ours or s in table.optimizer.slot_names))
     if sorted(table.optimizer.slot_names) != have:
       raise errors.ConfigError(
           f"table '{table.name}': checkpoint {path} holds optimizer slots {have}, "
           f"its {table.optimizer.type_name} optimizer needs "
           f"{sorted(table.optimizer.slot_names)}. Fix: restore with the optimizer "
           "the checkpoint was trained with.")
+    for slot in have:
+      if list(stored[key(slot)]) != want:
+        raise errors.ConfigError(
+            f"table '{table.name}': checkpoint {path} holds its {slot} slot with "
+            f"shape {list(stored[key(slot)])}, this spec has {want}. Fix: the "
+            "checkpoint is damaged; restore an earlier one.")
+      described[key(slot)] = f"table '{table.name}' (slot '{slot}')"
+  checkpoint_scan.check_finite(path, described)
 
 
 def name_of(tables: List[Table], table) -> str:

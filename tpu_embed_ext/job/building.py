@@ -8,6 +8,7 @@ from tpu_embed_ext import errors
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext.job.config import TrainConfig, keras_config
 from tpu_embed_ext.job.outputs import StepLoss
+from tpu_embed_ext.job.replicated import call_model, rows
 from tpu_embed_ext.spec import EmbeddingSpec
 
 __all__ = ["build_model", "build_variables", "restore"]
@@ -15,8 +16,11 @@ __all__ = ["build_model", "build_variables", "restore"]
 
 def build_model(spec: EmbeddingSpec, cfg: TrainConfig, *, engine=None):
   from tpu_embed_ext.model import RankingModel
+  from tpu_embed_ext.job.data import feature_columns
   keras.utils.set_random_seed(cfg.seed)
-  model = RankingModel(spec, engine=engine, **dict(cfg.model))
+  multi_hot = [name for name, (_, layout) in feature_columns(spec, cfg).items()
+               if layout != "dense"]
+  model = RankingModel(spec, engine=engine, multi_hot=multi_hot, **dict(cfg.model))
   loss = keras.losses.BinaryCrossentropy(from_logits=True)
   model.compile(
       optimizer=keras.optimizers.get(keras_config(cfg.dense_optimizer)),
@@ -25,10 +29,14 @@ def build_model(spec: EmbeddingSpec, cfg: TrainConfig, *, engine=None):
   return model
 
 
-def build_variables(model, batch):
-  """Creates every variable (model and dense optimizer) before a restore."""
+def build_variables(model, batch, batch_size=None):
+  """Creates every variable (model and dense optimizer) before a restore.
+
+  Under a strategy the model is called in ``strategy.run``, one slice of the
+  batch (padded to ``batch_size``) per replica, as a TPU needs.
+  """
   features, _ = batch
-  model(features, training=False)
+  call_model(model, features, batch_size or rows(features))
   model.optimizer.build(model.trainable_variables)
 
 

@@ -9,18 +9,23 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_embed_ext.job.config import TrainConfig
+from tpu_embed_ext.job.replicated import call_model, rows
 
 __all__ = ["evaluate", "planted_auc"]
 
 
-def evaluate(model, eval_ds) -> Dict[str, float]:
-  """Loss and exact AUC over the held-out batches."""
+def evaluate(model, eval_ds, batch_size=None) -> Dict[str, float]:
+  """Loss and exact AUC over the held-out batches.
+
+  Under a strategy each batch runs in ``strategy.run``, padded to
+  ``batch_size`` and split over the replicas (``replicated.call_model``).
+  """
   from tpu_embed_ext.data.pipeline import auc
   labels, scores, losses = [], [], []
   bce = keras.losses.BinaryCrossentropy(from_logits=True, reduction="sum")
   count = 0
   for features, label in eval_ds:
-    logits = model(features, training=False)
+    logits = call_model(model, features, batch_size or rows(features))
     label = tf.reshape(tf.cast(label, tf.float32), [-1, 1])
     losses.append(float(bce(label, logits)))
     count += int(label.shape[0])

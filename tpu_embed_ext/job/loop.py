@@ -24,7 +24,8 @@ from tpu_embed_ext.job.memory import check_memory
 from tpu_embed_ext.job.outputs import (STEP_LOSS, append_history,
                                        learning_rate_series, plot_learning_curve,
                                        purge_summaries, trim_history)
-from tpu_embed_ext.job.strategy import resolve_strategy
+from tpu_embed_ext.job import replicated
+from tpu_embed_ext.job.strategy import emulation, resolve_strategy
 
 __all__ = ["train"]
 
@@ -112,7 +113,9 @@ def train(config_path: str, *, model_dir: str, steps: Optional[int] = None,
     verbose = 1 if sys.stdout.isatty() else 2
   if log is None:
     log = (lambda line: print(line, flush=True)) if verbose else (lambda line: None)
-  with in_file(config_path):
+  # The emulated TPU first: its logical devices exist only if made before
+  # TensorFlow initialises (loading the config may run ops).
+  with emulation(tpu), in_file(config_path):
     spec, cfg = load(config_path, overrides)
     total = check_steps(steps, cfg.steps)
     model_dir_lib.check_writable(model_dir)
@@ -184,7 +187,7 @@ def _train(spec, cfg, model_dir, total, tpu, verbose, log):
     model = build_model(spec, cfg)
     checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     _, eval_ds = input_datasets(spec, cfg)
-    build_variables(model, first_batch(eval_ds, cfg))
+    build_variables(model, first_batch(eval_ds, cfg), cfg.batch_size)
     done = 0
     if resume:
       restore(model, checkpoint, resume)
@@ -217,7 +220,7 @@ def _train(spec, cfg, model_dir, total, tpu, verbose, log):
     # run writes them again.
     purge_summaries(os.path.join(model_dir, "logs"), done)
 
-    evaluate_fn = functools.partial(evaluate, model, eval_ds)
+    evaluate_fn = functools.partial(evaluate, model, eval_ds, cfg.batch_size)
     blocks = _Blocks(
         manager=tf.train.CheckpointManager(checkpoint, checkpoints, max_to_keep=3),
         block=cfg.steps_per_checkpoint, start=done, total=total,
@@ -225,7 +228,11 @@ def _train(spec, cfg, model_dir, total, tpu, verbose, log):
         rates=learning_rate_series(spec, model.optimizer), log=log)
     start = time.perf_counter()
     if done < total:
-      train_ds, _ = input_datasets(spec, cfg, skip_batches=done)
+      if strategy is None:
+        train_ds, _ = input_datasets(spec, cfg, skip_batches=done)
+      else:
+        train_ds = replicated.fit_dataset(
+            lambda: input_datasets(spec, cfg, skip_batches=done)[0])
       model.fit(train_ds, epochs=1, steps_per_epoch=total - done, shuffle=False,
                 verbose=1 if verbose == 1 else 0, callbacks=[blocks])
     seconds = time.perf_counter() - start - blocks.seconds

@@ -22,21 +22,15 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
-from tensorflow.python.trackable import constants, trackable_utils
+from tensorflow.python.trackable import constants
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.derived_names import LAYOUTS_NAME, variable_key
 
 __all__ = ["LAYOUTS_NAME", "BundleWriter", "ObjectGraph", "embedding_paths",
            "find_embedding", "read_rows", "slice_spec", "variable_key"]
 
-LAYOUTS_NAME = "_sparse_core_table_layouts"  # tpu_embedding_v3_utils' key
 _VALUE = "VARIABLE_VALUE"
-
-
-def variable_key(prefix: str, local_name: str) -> str:
-  """The bundle key of a variable tracked as ``local_name`` on the object at ``prefix``."""
-  return (f"{prefix}/{trackable_utils.escape_local_name(local_name)}/"
-          f"{trackable_utils.OBJECT_ATTRIBUTES_NAME}/{_VALUE}")
 
 
 def slice_spec(shape: Sequence[int], start: int, length: int) -> str:

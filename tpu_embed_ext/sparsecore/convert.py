@@ -28,7 +28,7 @@ import tensorflow as tf
 from tensorflow.python.trackable import constants
 from tensorflow.python.util import nest
 
-from tpu_embed_ext import atomic, errors, tf_optimizers
+from tpu_embed_ext import atomic, derived_names, errors, tf_optimizers
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.checkpoint import (LAYOUTS_NAME, BundleWriter, ObjectGraph,
@@ -76,8 +76,7 @@ def _feature_config(config, optimizer):
   return config, [t for _, t in tables]
 
 
-def _local(name: str, slot: str) -> str:
-  return name if slot == _PARAMETERS else f"{name}/{slot}"
+_local = derived_names.local_name
 
 
 def checkpoint_layouts(path: str, prefix: str = "embedding") -> Optional[List[
@@ -90,9 +89,11 @@ def checkpoint_layouts(path: str, prefix: str = "embedding") -> Optional[List[
   return sc_layout.layouts_from_proto(reader.get_tensor(key))
 
 
-def _slots_under(children, name: str) -> List[str]:
-  """Slot names tracked as ``<name>/<slot>`` on the embedding object."""
-  return sorted(c[len(name) + 1:] for c in children if c.startswith(name + "/"))
+def _slots_under(children, name: str, others=()) -> List[str]:
+  """Slot names tracked as ``<name>/<slot>`` on the embedding object: exact
+  local names, never the variable of another table in ``others``."""
+  return [s for s in derived_names.SLOT_NAMES
+          if _local(name, s) in children and _local(name, s) not in others]
 
 
 class _PerTableSource:
@@ -104,7 +105,7 @@ class _PerTableSource:
         raise errors.ConfigError(
             f"table '{t.name}' is not in checkpoint {path} (no key "
             f"{variable_key(prefix, t.name)}). {_FIX}, or pass its --prefix.")
-      _check_slots(t, _slots_under(children, t.name), path)
+      _check_slots(t, _slots_under(children, t.name, {x.name for x in tables}), path)
       for slot in (_PARAMETERS,) + t.slots:
         _check_shape(t, slot, _stored_shape(shapes, prefix, t.name, slot, path), path)
 

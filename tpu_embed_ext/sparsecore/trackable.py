@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable_base
 
-from tpu_embed_ext import errors
+from tpu_embed_ext import derived_names, errors
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.checkpoint import LAYOUTS_NAME
 
@@ -110,7 +110,9 @@ def check_layouts(stored: Sequence[sc_layout.TableLayout],
 
 def check_checkpoint(path: str, layouts: Sequence[sc_layout.TableLayout],
                      prefix: str = "embedding") -> None:
-  """``check_layouts`` on checkpoint ``path`` before restoring it (changes nothing)."""
+  """``check_layouts`` on checkpoint ``path`` before restoring it, and every
+  stacked table and slot finite (``checkpoint_scan``); changes nothing."""
+  from tpu_embed_ext import checkpoint_scan  # pylint: disable=g-import-not-at-top
   from tpu_embed_ext.sparsecore.convert import checkpoint_layouts  # pylint: disable=g-import-not-at-top
   stored = checkpoint_layouts(path, prefix)
   if stored is None:
@@ -118,6 +120,14 @@ def check_checkpoint(path: str, layouts: Sequence[sc_layout.TableLayout],
         f"checkpoint {path} holds per-table keys, not a SparseCore layout. Fix: "
         "convert it (python -m tpu_embed_ext convert-checkpoint --topology ...).")
   check_layouts(stored, layouts)
+  described = {}
+  for stack, members in sc_layout.layouts_by_stack(layouts).items():
+    tables = ", ".join(f"'{l.table}'" for l in members)
+    for slot in (None, *derived_names.SLOT_NAMES):
+      what = "" if slot is None else f" (slot '{slot}')"
+      described[derived_names.checkpoint_key(prefix, stack, slot)] = (
+          f"SparseCore stack '{stack}' of table(s) {tables}{what}")
+  checkpoint_scan.check_finite(path, described)
 
 
 def track_stacked(owner, variables: Mapping[str, Mapping[str, tf.Variable]],

@@ -1,0 +1,268 @@
+"""``TPUEmbeddingV2`` (SparseCore) under the emulated TPU, on ``CPUEmbedding``.
+
+Inside ``emulate_tpu(sparsecore=True)``, ``tpu_embedding_v3.TPUEmbeddingV2``
+(and ``tf.tpu.experimental.embedding.TPUEmbeddingV2``) is this class: the
+engine ``CPUEmbedding(engine="v2", topology=...)`` with ``TPUEmbeddingV2``'s
+contract under a ``TPUStrategy`` (``tensorflow/python/tpu/tpu_embedding_v3.py``,
+TF 2.21):
+
+* ``embedding_lookup(features, weights)`` / ``__call__``, inside
+  ``strategy.run``, returns ``(activations, preserved_outputs)``;
+  ``apply_gradients(gradients, preserved_outputs)`` applies that batch's
+  gradients (a ``None`` gradient is a zero gradient);
+* ``enqueue(features, weights, device)`` / ``dequeue(partitioned)``: the two
+  halves of ``embedding_lookup``;
+* the topology is the strategy's: ``num_replicas_in_sync`` chips of
+  ``tpu_hardware_feature.num_embedding_devices_per_chip`` SparseCores (4 when
+  it reports none, as upstream): tables are stacked for it, each replica's
+  ids are checked against ``SparseCoreEmbeddingConfig``'s limits as its
+  chip's (dropped with ``allow_id_dropping``), and checkpoints hold the
+  stacked variables and ``_sparse_core_table_layouts``;
+* ``embedding_tables`` / ``variables`` are keyed by stacked table name, as
+  upstream's; their values are read-only views of the stacked layout
+  (``StackedTable``: ``.values`` is one shard per replica, as
+  ``TPUEmbeddingShardedVariable``'s).
+
+What is not SparseCore's: ``preserved_outputs`` is a dict keyed by stacked
+table name, as upstream's, but its values are the number of ids each stack
+received from this replica, not SparseCore's CSR buffers (pass it back to
+``apply_gradients`` unchanged, as programs do). ``pipeline_execution_with_tensor_core=True``
+makes a TPU look up tables one step old; that is not emulated and is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.trackable import base as trackable_base
+from tensorflow.python.util import nest
+
+from tpu_embed_ext import errors
+from tpu_embed_ext.emulation import engine as engine_lib
+from tpu_embed_ext.sparsecore import layout as sc_layout
+from tpu_embed_ext.sparsecore import topology as sc_topology
+
+__all__ = ["TPUEmbeddingV2", "StackedTable", "topology_of"]
+
+# Library code, left alone by autograph (as the engine's own methods are).
+_library_code = tf.autograph.experimental.do_not_convert
+
+# TPUEmbeddingV2's fallback when the TPU reports no SparseCores per chip.
+_DEFAULT_SPARSECORES_PER_CHIP = 4
+
+
+def _tpu_strategy_classes():
+  # Looked up when called: inside the emulation these names are its strategy.
+  from tensorflow.python.distribute import tpu_strategy  # pylint: disable=g-import-not-at-top
+  return (tpu_strategy.TPUStrategy, tpu_strategy.TPUStrategyV2)
+
+
+def topology_of(strategy) -> sc_topology.Topology:
+  """The SparseCore topology a ``TPUEmbeddingV2`` under ``strategy`` shards over."""
+  per_chip = (strategy.extended.tpu_hardware_feature.num_embedding_devices_per_chip
+              or _DEFAULT_SPARSECORES_PER_CHIP)
+  return sc_topology.Topology(strategy.num_replicas_in_sync, int(per_chip),
+                              name=f"emulated {strategy.num_replicas_in_sync}x{per_chip}")
+
+
+class StackedTable:
+  """A read-only view of one stacked variable (``TPUEmbeddingShardedVariable``'s face).
+
+  ``values`` holds one shard per replica (the stacked rows split evenly, as
+  the TPU keeps them on its chips); ``read_value()`` / ``numpy()`` the whole
+  stacked variable, padding included. The engine keeps its variables per
+  table; this is built from them when read.
+  """
+
+  def __init__(self, name: str, source, num_shards: int):
+    self._name = name
+    self._source = source  # the engine's stacked checkpoint object
+    self._num_shards = num_shards
+
+  @property
+  def name(self) -> str:
+    return self._name
+
+  @property
+  def shape(self) -> tf.TensorShape:
+    return tf.TensorShape(self._source._shape)  # pylint: disable=protected-access
+
+  def read_value(self) -> tf.Tensor:
+    return self._source._serialize_to_tensors()[trackable_base.VARIABLE_VALUE_KEY]  # pylint: disable=protected-access
+
+  def numpy(self) -> np.ndarray:
+    return self.read_value().numpy()
+
+  @property
+  def values(self):
+    return tuple(tf.split(self.read_value(), self._num_shards, axis=0))
+
+  def assign(self, *args, **kwargs):
+    del args, kwargs
+    raise errors.ConfigError(
+        f"stacked table '{self._name}' is a read-only view in the emulated "
+        "TPUEmbeddingV2 (its tables are kept per table). Fix: restore a "
+        "checkpoint (tf.train.Checkpoint(embedding=...).restore) to change "
+        "the tables.")
+
+
+class TPUEmbeddingV2(engine_lib.CPUEmbedding):
+  """``TPUEmbeddingV2`` under the emulated ``TPUStrategy`` (see the module doc)."""
+
+  DEFAULT_MAX_IDS_PER_TABLE = 256
+  DEFAULT_MAX_UNIQUE_IDS_PER_TABLE = 256
+
+  def __init__(self, feature_config, optimizer=None,
+               pipeline_execution_with_tensor_core: bool = False,
+               sparse_core_embedding_config=None):
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, _tpu_strategy_classes()):
+      # Upstream's check and message (RuntimeError), on the emulated classes.
+      raise RuntimeError(
+          f"TPUEmbeddingV2 should be created under TPUStrategy but found {strategy}.")
+    if pipeline_execution_with_tensor_core:
+      raise errors.ConfigError(
+          "TPUEmbeddingV2(pipeline_execution_with_tensor_core=True) makes a TPU "
+          "look up tables one step old, which the emulated TPU does not "
+          "reproduce. Fix: pass pipeline_execution_with_tensor_core=False "
+          "(results then equal a TPU's without pipelining).")
+    _check_weight_decay(feature_config, optimizer)
+    topology = topology_of(strategy)
+    super().__init__(feature_config, optimizer, engine="v2", topology=topology,
+                     sparse_core_config=sparse_core_embedding_config)
+    stack_of = {l.table: l.stack for l in self._sparsecore.layouts}
+    object.__setattr__(self, "_topology", topology)
+    object.__setattr__(self, "_feature_stacks",
+                       [stack_of[self._tables[f.table].name] for f in self._features])
+    object.__setattr__(self, "_stacks", sorted(set(stack_of.values())))
+
+  # --- tables --------------------------------------------------------------
+
+  @property
+  def embedding_tables(self) -> Dict[str, StackedTable]:
+    """``{stacked table name: StackedTable}`` (parameters only), as upstream."""
+    return {stack: slots["parameters"] for stack, slots in self.variables.items()}
+
+  @property
+  def variables(self) -> Dict[str, Dict[str, StackedTable]]:
+    """``{stacked table name: {"parameters": ..., <slot>: ...}}``, as upstream.
+
+    The engine's per-table variables: ``table_variables(table)``.
+    """
+    self.build()
+    out = {}
+    for stack in self._stacks:
+      out[stack] = {}
+      for slot in ("parameters", *self._slot_names(stack)):
+        name = stack if slot == "parameters" else f"{stack}/{slot}"
+        out[stack][slot] = StackedTable(name, self._lookup_dependency(name),
+                                        self._topology.chips)
+    return out
+
+  def table_variables(self, table) -> Dict[str, tf.Variable]:
+    """``{"parameters": var, <slot>: var}`` of one table, unstacked."""
+    self.build()
+    return self._variables[self.table_name(table)]
+
+  def _slot_names(self, stack):
+    first = next(l.table for l in self._sparsecore.layouts if l.stack == stack)
+    return [s for s in self._variables[first] if s != "parameters"]
+
+  @property
+  def embedding_layouts(self):
+    """``{table name: SparseCoreTableLayout}`` proto per table, as upstream."""
+    proto = sc_layout.layouts_to_proto(self._sparsecore.layouts)
+    return {t.table_name: t for t in proto.tables}
+
+  # --- the SparseCore protocol ---------------------------------------------
+
+  @_library_code
+  def embedding_lookup(self, features, weights=None):
+    """``(activations, preserved_outputs)`` of this replica's batch."""
+    return self.dequeue(self.enqueue(features, weights))
+
+  @_library_code
+  def __call__(self, features, weights=None):
+    return self.embedding_lookup(features, weights)
+
+  @_library_code
+  def enqueue(self, features, weights=None, device: Optional[str] = None):
+    """Checks and records a batch; returns what ``dequeue`` takes.
+
+    Outside ``strategy.run``, plain (not distributed) values without
+    ``device`` are one replica's batch, on the first replica's device: so
+    upstream traces it for Keras ("Use any of the TPU devices and trace once
+    for a single device").
+    """
+    reps = self._replicas
+    if (device is None and reps.num_local > 1 and not reps.in_replica_fn()
+        and len(reps.split(features)) == 1):
+      device = reps.strategy.extended.worker_devices[0]
+    super().enqueue(features, weights, training=True, device=device)
+    return self._ids_per_stack()
+
+  @_library_code
+  def dequeue(self, partitioned_tensors):
+    """``(activations, preserved_outputs)`` of the batch ``enqueue`` recorded."""
+    self._check_preserved(partitioned_tensors, "dequeue(partitioned_tensors)")
+    return super().dequeue(), partitioned_tensors
+
+  @_library_code
+  def apply_gradients(self, gradients, preserved_outputs=None):
+    """Applies this replica's gradients of the batch of ``preserved_outputs``."""
+    if self._variables is None:
+      raise RuntimeError(
+          "apply_gradients called on unbuilt TPUEmbeddingV2 object. Please either "
+          "call the embedding lookup method first or manually call the build "
+          "method.")
+    self._check_preserved(preserved_outputs, "apply_gradients(preserved_outputs)")
+    super().apply_gradients(gradients)
+
+  def _local_replica(self, what) -> int:
+    # A lookup outside strategy.run is the first replica's (see enqueue);
+    # apply_gradients there stays an error, as on a TPU.
+    if what == "dequeue()":
+      return self._replicas.local_replica()
+    return super()._local_replica(what)
+
+  def _put(self, batches, training):
+    super()._put(batches, training)
+    object.__setattr__(self, "_enqueued", sorted(batches))
+
+  def _ids_per_stack(self) -> Dict[str, tf.Tensor]:
+    """Ids each stack received from the batches just enqueued (the
+    preserved outputs)."""
+    pending = self._batches._pending  # pylint: disable=protected-access
+    counts = {stack: [] for stack in self._stacks}
+    for replica in self._enqueued:
+      for stack, occ in zip(self._feature_stacks, pending[replica].occurrences):
+        counts[stack].append(tf.size(occ.ids, tf.int32))
+    return {stack: tf.add_n(c) if c else tf.zeros([], tf.int32)
+            for stack, c in counts.items()}
+
+  def _check_preserved(self, preserved: Any, what: str):
+    keys = sorted(preserved) if isinstance(preserved, dict) else None
+    if keys != self._stacks:
+      raise errors.InputError(
+          f"TPUEmbeddingV2.{what} got {type(preserved).__name__}"
+          + (f" with keys {keys}" if keys is not None else "")
+          + f", not the preserved outputs of this object's lookup (a dict keyed "
+          f"by stacked table name: {self._stacks}). Fix: pass the second output "
+          "of embedding_lookup (or enqueue's output to dequeue), unchanged.")
+
+
+def _check_weight_decay(feature_config, optimizer):
+  """Upstream's NotImplementedError for weight decay, table by table."""
+  for feature in nest.flatten(feature_config):
+    table = feature.table
+    table_optimizer = table.optimizer or optimizer
+    if table_optimizer is None:
+      continue
+    if (getattr(table_optimizer, "weight_decay_factor", None) is not None or
+        getattr(table_optimizer,
+                "multiply_weight_decay_factor_by_learning_rate", None) is not None):
+      raise NotImplementedError(
+          "weight_decay_factor and multiply_weight_decay_factor_by_learning_rate "
+          f"are not supported yet. But found in table {table.name} setting.")

@@ -1,0 +1,352 @@
+"""The emulated TPU's system: resolver, topology, start-up and the strategy.
+
+How TensorFlow decides it is on a TPU, and what stands in for each step here
+(TensorFlow 2.21 sources):
+
+* ``TPUClusterResolver`` (``cluster_resolver/tpu/tpu_cluster_resolver.py``)
+  asks the Cloud TPU client or the local TPU VM for its workers.
+  ``EmulatedTPUClusterResolver`` answers for one local host with
+  ``replicas`` cores, whatever ``tpu=`` names.
+* ``connect_to_cluster`` (``eager/remote.py``) starts a gRPC server and
+  resets the eager context to the cluster. The emulated TPU is local:
+  connecting to its resolver does nothing (any other cluster is connected
+  as before).
+* ``initialize_tpu_system`` (``tpu/tpu_strategy_util.py``) runs the TPU's
+  configuration op and returns the ``Topology`` it reports. Here it returns
+  the topology of the emulated shape: one task, ``replicas`` chips of one
+  core in a line (``mesh_shape [replicas, 1, 1, 1]``).
+* ``TPUStrategy`` (``distribute/tpu_strategy.py``) replicates compiled
+  functions over TPU cores. ``EmulatedTPUStrategy`` is a ``MirroredStrategy``
+  over ``replicas`` logical CPU devices (the engine's replicas,
+  ``emulation/replicas.py``) with the face of a ``TPUStrategy``.
+
+Identity. The emulated classes subclass the real ones
+(``EmulatedTPUStrategy(MirroredStrategy, TPUStrategyV2)``,
+``EmulatedTPUClusterResolver(TPUClusterResolver)``), so
+``isinstance(s, tf.distribute.TPUStrategy)`` holds both for the patched name
+and for the real class that Keras, keras-rs or a module imported earlier may
+hold. Their behaviour is the mirrored machinery's: each class overrides every
+method the real class defines itself (``tests/test_emulated_tpu.py`` checks
+that none is left to the real class), either with its CPU meaning or with a
+``NotEmulatedError`` naming the method. The real ``__init__`` is never run
+(it would look for a TPU). ``isinstance(s, MirroredStrategy)`` also holds,
+which is how the engine (``replicas.check_strategy``) accepts it.
+
+The name checks TensorFlow and Keras make (a class whose name, or a base's,
+starts with ``TPUStrategy``: ``tpu_replication.is_tpu_strategy``, Keras's
+``_is_tpu_strategy``) see the real base and read ``extended.num_hosts`` (1)
+and ``extended._device_assignment`` (None), which the extended provides.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.protobuf.tpu import topology_pb2
+from tensorflow.python.distribute import (distribute_lib, mirrored_strategy,
+                                          tpu_strategy)
+from tensorflow.python.distribute.cluster_resolver.tpu import (
+    tpu_cluster_resolver as tpu_resolver_lib)
+from tensorflow.python.eager import context
+from tensorflow.python.tpu import tpu_hardware_feature, tpu_system_metadata
+from tensorflow.python.training import server_lib
+
+from tpu_embed_ext import emulated_tpu
+from tpu_embed_ext.emulated_tpu import patching
+
+__all__ = ["configure_logical_devices", "logical_devices", "EmulatedTPUClusterResolver",
+           "initialize_tpu_system", "shutdown_tpu_system", "connect_to_cluster",
+           "EmulatedTPUStrategy", "EmulatedExperimentalTPUStrategy",
+           "TPUStrategyV1NotEmulated", "hardware_feature", "emulated_topology",
+           "is_emulated_tpu_strategy"]
+
+_HOW_TO_GET_DEVICES = (
+    "Fix: enter emulate_tpu before any TensorFlow op runs, or run the program "
+    "with `python -m tpu_embed_ext emulate --replicas {n} SCRIPT`, or its tests "
+    "with `pytest --emulate-tpu={n}`, which set the devices up first.")
+
+
+def configure_logical_devices(replicas: int) -> None:
+  """Splits the CPU into ``replicas`` logical devices if TensorFlow still can.
+
+  TensorFlow fixes its logical devices when it initialises (the first op);
+  before that, a split into fewer devices is replaced (one into at least as
+  many is kept). Initialises nothing.
+  """
+  if context.context()._initialized:  # pylint: disable=protected-access
+    return
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  configured = tf.config.get_logical_device_configuration(cpu) or []
+  if len(configured) < replicas:
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+
+
+def logical_devices(replicas: int) -> Tuple[str, ...]:
+  """The first ``replicas`` logical CPU devices (made first if TF still can)."""
+  configure_logical_devices(replicas)
+  devices = tf.config.list_logical_devices("CPU")
+  if len(devices) < replicas:
+    raise emulated_tpu.EmulationError(
+        f"emulate_tpu(replicas={replicas}) needs {replicas} logical CPU devices, "
+        f"but TensorFlow is already initialised with {len(devices)} and cannot "
+        "add more. " + _HOW_TO_GET_DEVICES.format(n=replicas))
+  return tuple(d.name for d in devices[:replicas])
+
+
+def _active(what: str) -> "emulated_tpu.Emulation":
+  emulation = emulated_tpu.current()
+  if emulation is None:
+    raise emulated_tpu.EmulationError(
+        f"the emulated {what} was used outside emulate_tpu: it stands for a TPU "
+        "only while the emulation is active. Fix: create it inside "
+        "`with tpu_embed_ext.emulate_tpu(...)`.")
+  return emulation
+
+
+def _not_emulated(what: str, why: str = "") -> emulated_tpu.NotEmulatedError:
+  return emulated_tpu.NotEmulatedError(
+      f"{what} is not emulated: the emulated TPU runs each replica on one CPU "
+      "device (no logical devices inside a replica, no model parallelism"
+      f"{', ' + why if why else ''}). Fix: run this part on a TPU, or leave it "
+      "out under emulate_tpu.")
+
+
+# --- the TPU system ---------------------------------------------------------
+
+
+def hardware_feature(emulation) -> tpu_hardware_feature.HardwareFeature:
+  """What ``tpu_hardware_feature`` reports: SparseCore (V2) or V1."""
+  proto = topology_pb2.TPUHardwareFeature()
+  if emulation.sparsecore:
+    proto.embedding_feature = topology_pb2.TPUHardwareFeature.EmbeddingFeature.V2
+    proto.num_embedding_devices_per_chip = emulation.topology.sparsecores_per_chip
+  else:
+    proto.embedding_feature = topology_pb2.TPUHardwareFeature.EmbeddingFeature.V1
+  return tpu_hardware_feature.HardwareFeature(proto)
+
+
+def emulated_topology(emulation) -> "tf.tpu.experimental.Topology":
+  """One task with ``replicas`` single-core chips in a line."""
+  n = emulation.replicas
+  coordinates = np.zeros((1, n, 4), dtype=np.int32)
+  coordinates[0, :, 0] = np.arange(n)
+  return tf.tpu.experimental.Topology(mesh_shape=[n, 1, 1, 1],
+                                      device_coordinates=coordinates)
+
+
+def _metadata(emulation) -> tpu_system_metadata.TPUSystemMetadata:
+  devices = [tf.config.LogicalDevice(name, "TPU") for name in emulation.devices]
+  return tpu_system_metadata.TPUSystemMetadata(
+      num_cores=emulation.replicas, num_hosts=1,
+      num_of_cores_per_host=emulation.replicas,
+      topology=emulated_topology(emulation), devices=devices)
+
+
+class EmulatedTPUClusterResolver(tpu_resolver_lib.TPUClusterResolver):
+  """``TPUClusterResolver`` of the emulated TPU: one local host, any ``tpu=``."""
+
+  def __init__(self, tpu=None, zone=None, project=None, job_name="worker",
+               coordinator_name=None, coordinator_address=None,
+               credentials="default", service=None, discovery_url=None):
+    # The real __init__ contacts the Cloud TPU API or the TPU VM: not called.
+    del zone, project, coordinator_name, credentials, service, discovery_url
+    self._emulation = _active("TPUClusterResolver")
+    self._tpu = "local" if tpu in (None, "", "local") else tpu
+    self._coordinator_address = coordinator_address
+    self._tpu_topology = None
+    self.task_type = job_name
+    self.task_id = 0
+    self.rpc_layer = None
+
+  @staticmethod
+  def connect(tpu=None, zone=None, project=None):
+    resolver = EmulatedTPUClusterResolver(tpu, zone, project)
+    initialize_tpu_system(resolver)
+    return resolver
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, type, value, traceback):  # pylint: disable=redefined-builtin
+    del type, value, traceback
+
+  def master(self, task_type=None, task_id=None, rpc_layer=None):
+    del task_type, task_id, rpc_layer
+    return ""  # Local, as a TPU VM's own resolver.
+
+  def get_master(self):
+    return self.master()
+
+  def get_job_name(self):
+    return self.task_type
+
+  def get_coordination_service_leader(self):
+    return ""
+
+  def get_tpu_system_metadata(self):
+    return _metadata(self._emulation)
+
+  def cluster_spec(self):
+    return server_lib.ClusterSpec({})
+
+  def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+    del task_type, task_id, config_proto
+    return {"TPU": self._emulation.replicas}
+
+  def set_tpu_topology(self, serialized_tpu_topology):
+    self._tpu_topology = topology_pb2.TopologyProto()
+    self._tpu_topology.ParseFromString(serialized_tpu_topology)
+
+  @property
+  def tpu_hardware_feature(self):
+    return hardware_feature(self._emulation)
+
+  @property
+  def environment(self):
+    return ""
+
+  def _start_local_server(self):
+    pass  # No server: the emulated TPU is in this process.
+
+  def __deepcopy__(self, memo):
+    del memo
+    return self  # As the real one: it stands for one TPU system.
+
+
+def initialize_tpu_system(cluster_resolver=None):
+  """Returns the emulated ``Topology`` (serialized inside a ``tf.function``)."""
+  del cluster_resolver
+  topology = emulated_topology(_active("initialize_tpu_system"))
+  if not context.executing_eagerly():
+    return tf.constant(topology.serialized())
+  return topology
+
+
+def shutdown_tpu_system(cluster_resolver=None):
+  del cluster_resolver
+  _active("shutdown_tpu_system")
+
+
+def connect_to_cluster(cluster_spec_or_resolver, *args, **kwargs):
+  """No-op for the emulated TPU's resolver; TensorFlow's for any other."""
+  if isinstance(cluster_spec_or_resolver, EmulatedTPUClusterResolver):
+    return None
+  real = patching.original("tensorflow.python.eager.remote", "connect_to_cluster")
+  return real(cluster_spec_or_resolver, *args, **kwargs)
+
+
+# --- the strategy ------------------------------------------------------------
+
+
+class EmulatedTPUExtended(mirrored_strategy.MirroredExtended):
+  """``MirroredExtended`` over the emulated cores, with ``TPUExtended``'s facts."""
+
+  def __init__(self, container_strategy, emulation, num_replicas=None):
+    devices = emulation.devices[:num_replicas or emulation.replicas]
+    super().__init__(container_strategy, devices=list(devices),
+                     cross_device_ops=tf.distribute.ReductionToOneDevice())
+    self._emulation = emulation
+    # Read by tpu_replication.is_tpu_strategy's callers (outside compilation).
+    self._device_assignment = None
+
+  @property
+  def tpu_hardware_feature(self):
+    return hardware_feature(self._emulation)
+
+  @property
+  def num_hosts(self):
+    return 1
+
+  @property
+  def num_replicas_per_host(self):
+    return len(self.worker_devices)
+
+  def experimental_logical_device(self, logical_device_id):
+    raise _not_emulated("TPUStrategy.extended.experimental_logical_device")
+
+
+class _TPUFace:
+  """What the emulated strategies add to ``MirroredStrategy``.
+
+  Listed before the real TPU class in the bases, so these win over it; the
+  rest resolves to ``MirroredStrategy`` / ``Strategy``.
+  """
+
+  def _start(self, resolver, device_assignment, what):
+    emulation = _active(what)
+    num_replicas = None
+    if device_assignment is not None:
+      if device_assignment.num_cores_per_replica != 1:
+        raise _not_emulated(
+            f"{what} with a device assignment of "
+            f"num_cores_per_replica={device_assignment.num_cores_per_replica}")
+      num_replicas = device_assignment.num_replicas
+      if num_replicas > emulation.replicas:
+        raise _not_emulated(
+            f"{what} with a device assignment of {num_replicas} replicas on "
+            f"{emulation.replicas} emulated cores",
+            "nor more replicas than cores")
+    extended = EmulatedTPUExtended(self, emulation, num_replicas)
+    # Not MirroredStrategy.__init__: its super() call would reach the real
+    # TPU class's __init__, which looks for a TPU.
+    distribute_lib.Strategy.__init__(self, extended)
+    self._tpu_cluster_resolver = resolver or EmulatedTPUClusterResolver()
+
+  @property
+  def cluster_resolver(self):
+    return self._tpu_cluster_resolver
+
+  def run(self, fn, args=(), kwargs=None, options=None):
+    """``strategy.run``, which a TPU refuses to run eagerly (as here)."""
+    tpu_strategy.validate_run_function(fn)
+    return distribute_lib.StrategyBase.run(self, fn, args, kwargs, options)
+
+
+def is_emulated_tpu_strategy(strategy) -> bool:
+  """Whether ``strategy`` is one of the emulated TPU strategies."""
+  return isinstance(strategy, _TPUFace)
+
+
+class EmulatedTPUStrategy(_TPUFace, mirrored_strategy.MirroredStrategy,
+                          tpu_strategy.TPUStrategyV2):
+  """``tf.distribute.TPUStrategy`` on the emulated TPU's logical CPU devices."""
+
+  def __init__(self, tpu_cluster_resolver=None,
+               experimental_device_assignment=None,
+               experimental_spmd_xla_partitioning=False):
+    if experimental_spmd_xla_partitioning:
+      raise _not_emulated("TPUStrategy(experimental_spmd_xla_partitioning=True)",
+                          "no XLA SPMD partitioning")
+    self._start(tpu_cluster_resolver, experimental_device_assignment,
+                "TPUStrategy")
+
+  def experimental_assign_to_logical_device(self, tensor, logical_device_id):
+    raise _not_emulated("TPUStrategy.experimental_assign_to_logical_device")
+
+  def experimental_split_to_logical_devices(self, tensor, partition_dimensions):
+    raise _not_emulated("TPUStrategy.experimental_split_to_logical_devices")
+
+  def experimental_replicate_to_logical_devices(self, tensor):
+    raise _not_emulated("TPUStrategy.experimental_replicate_to_logical_devices")
+
+
+class EmulatedExperimentalTPUStrategy(_TPUFace, mirrored_strategy.MirroredStrategy,
+                                      tpu_strategy.TPUStrategy):
+  """``tf.distribute.experimental.TPUStrategy`` on the emulated TPU."""
+
+  def __init__(self, tpu_cluster_resolver=None, device_assignment=None):
+    self._start(tpu_cluster_resolver, device_assignment,
+                "tf.distribute.experimental.TPUStrategy")
+
+
+class TPUStrategyV1NotEmulated:
+  """``tf.compat.v1.distribute.experimental.TPUStrategy``: refused."""
+
+  def __init__(self, *args, **kwargs):
+    del args, kwargs
+    raise _not_emulated(
+        "tf.compat.v1.distribute.experimental.TPUStrategy (TPUStrategyV1, for "
+        "TF1 graph-mode programs)", "no TF1 sessions; use tf.distribute.TPUStrategy")

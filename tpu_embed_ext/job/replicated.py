@@ -1,0 +1,117 @@
+"""Calling the model outside ``fit`` under a TPU strategy: one batch per replica.
+
+On a TPU, ``TPUEmbedding`` is looked up inside ``strategy.run`` only, every
+replica with a batch of the shape it was built for. ``fit`` does that; the
+job's own calls (building the variables on the first held-out batch, the
+held-out evaluation) do it here: the global batch is padded to the training
+batch size (the held-out split's last batch may be smaller), split into one
+contiguous slice per replica, run with ``strategy.run``, and the padding
+dropped from the outputs. Off a strategy (``--tpu none``) the model is
+called directly.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import tensorflow as tf
+
+from tpu_embed_ext import errors
+from tpu_embed_ext.layer import PAD_ID
+
+__all__ = ["call_model", "rows", "fit_dataset"]
+
+
+def call_model(model, features, batch_size: int):
+  """``model(features, training=False)`` under the strategy in scope, if any."""
+  strategy = tf.distribute.get_strategy()
+  if not tf.distribute.has_strategy():
+    return model(features, training=False)
+  replicas = strategy.num_replicas_in_sync
+  if batch_size % replicas:
+    raise errors.ConfigError(
+        f"batch_size {batch_size} does not split over {replicas} replicas. Fix: "
+        f"use a batch size divisible by {replicas}.", path="train.batch_size")
+  n = rows(features)
+  padded = tf.nest.map_structure(lambda x: _pad(x, batch_size), features,
+                                 expand_composites=False)
+  per = batch_size // replicas
+  per_replica = strategy.experimental_distribute_values_from_function(
+      lambda ctx: tf.nest.map_structure(
+          lambda x: _rows_slice(x, ctx.replica_id_in_sync_group * per, per),
+          padded, expand_composites=False))
+  outputs = _replicated_call(model)(per_replica)
+  return tf.concat(strategy.experimental_local_results(outputs), 0)[:n]
+
+
+# model -> its replicated call (one tf.function per model, traced once per shape).
+_CALLS = weakref.WeakKeyDictionary()
+
+
+def _replicated_call(model):
+  """``strategy.run`` of the model in a ``tf.function``: a TPUStrategy runs
+  nothing eagerly."""
+  if model not in _CALLS:
+    strategy = tf.distribute.get_strategy()
+    _CALLS[model] = tf.function(
+        lambda f: strategy.run(lambda x: model(x, training=False), args=(f,)),
+        reduce_retracing=True)
+  return _CALLS[model]
+
+
+def rows(features) -> int:
+  x = tf.nest.flatten(features, expand_composites=False)[0]
+  if isinstance(x, tf.SparseTensor):
+    return int(x.dense_shape[0])
+  if isinstance(x, tf.RaggedTensor):
+    return int(x.nrows())
+  return int(x.shape[0])
+
+
+def _pad(x, size: int):
+  """``x`` with empty (zero, id-less) rows up to ``size`` rows."""
+  if isinstance(x, tf.SparseTensor):
+    return tf.sparse.reset_shape(x, [size, x.dense_shape[1]])
+  if isinstance(x, tf.RaggedTensor):
+    missing = size - x.nrows()
+    empty = tf.RaggedTensor.from_row_lengths(
+        tf.zeros([0], x.dtype), tf.zeros([missing], x.row_splits.dtype))
+    return tf.concat([x, empty], 0)
+  missing = size - tf.shape(x)[0]
+  return tf.pad(x, [[0, missing]] + [[0, 0]] * (x.shape.rank - 1))
+
+
+def _rows_slice(x, start: int, count: int):
+  if isinstance(x, tf.SparseTensor):
+    return tf.sparse.slice(x, [start, 0], [count, x.dense_shape[1]])
+  return x[start:start + count]
+
+
+def fit_dataset(make_dataset):
+  """The training dataset as ``fit`` under a strategy needs it.
+
+  Under a strategy Keras's ``fit`` iterates the dataset twice: it takes the
+  first batch of one iterator to build the model (reduced with MEAN across
+  replicas), then trains from a new iterator. So:
+
+  * every iterator must see the batches of the first: the shuffle reshuffles
+    per iterator (``reshuffle_each_iteration``), and a second iterator would
+    train on another order than ``--tpu none`` and a resumed run. The dataset
+    is built anew inside each iterator (``flat_map``), whose first pass is the
+    order of a single run;
+  * ragged and sparse ids cannot be reduced: they become ``[B, L]`` matrices
+    padded with -1, which the model reads back as ragged rows
+    (``RankingModel(multi_hot=...)``).
+  """
+  return tf.data.Dataset.range(1).flat_map(lambda _: _pad_multi_hot(make_dataset()))
+
+
+def _pad_multi_hot(dataset):
+  def pad(features, label):
+    categorical = {
+        name: (x.to_tensor(default_value=PAD_ID) if isinstance(x, tf.RaggedTensor)
+               else tf.sparse.to_dense(x, default_value=PAD_ID)
+               if isinstance(x, tf.SparseTensor) else x)
+        for name, x in features["categorical"].items()}
+    return dict(features, categorical=categorical), label
+  return dataset.map(pad)
