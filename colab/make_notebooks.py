@@ -14,6 +14,8 @@ def nb(cells, accelerator=None):
   if accelerator:
     n.metadata["accelerator"] = accelerator
   n.cells = [nbf.v4.new_markdown_cell(c[1]) if c[0] == "md" else nbf.v4.new_code_cell(c[1]) for c in cells]
+  for i, cell in enumerate(n.cells):
+    cell.id = f"cell-{i}"  # stable across regenerations (nbformat's are random)
   return n
 
 SETUP = f"""# Installs tpu_embed_ext, with nothing to upload by hand:
@@ -44,6 +46,30 @@ CONFIG = os.environ.get("TEE_NOTEBOOK_CONFIG", "configs/ranking.yaml")
 WORKDIR = os.environ.get("TEE_NOTEBOOK_WORKDIR", "/tmp/tee_quickstart")
 print("tpu_embed_ext from", REPO_DIR)"""
 
+# Run right after SETUP (not inside it: the install-cell tests exec SETUP in
+# their own process, which must keep its logging).
+QUIET = """# Other libraries' lines go to a log file, not under the cells: TensorFlow's C++
+# start-up lines (some CPUs print them whatever TF_CPP_MIN_LOG_LEVEL says), absl,
+# TensorFlow and tfds log lines, Python warnings and tfds' progress bars. The
+# package's own progress lines stay. `!tail $LIBRARY_LOG` shows the rest.
+import logging
+LIBRARY_LOG = WORKDIR.rstrip("/") + "-libraries.log"
+log_file = open(LIBRARY_LOG, "a")
+logging.getLogger().handlers[:] = [logging.StreamHandler(log_file)]
+logging.getLogger("tensorflow").handlers[:] = []  # in a notebook it logs to stdout
+logging.captureWarnings(True)
+stderr_fd = os.dup(2)
+os.dup2(log_file.fileno(), 2)  # the C++ lines, while the libraries load
+try:
+  import tensorflow as tf
+  import tensorflow_datasets as tfds
+  import tpu_embed_ext.train
+finally:
+  os.dup2(stderr_fd, 2)
+  os.close(stderr_fd)
+tfds.disable_progress_bar()
+print("library log:", LIBRARY_LOG)"""
+
 CURVE = """from IPython.display import Image, display
 # Training loss and AUC per block of steps, beside the held-out ones.
 display(Image(filename=os.path.join(WORKDIR, "learning_curve.png")))"""
@@ -65,6 +91,7 @@ for p, label in zip(probabilities, labels[:5].numpy()):
 quick = nb([
  ("md", "# tpu_embed_ext quickstart\n\nSpec -> plan -> train on the CPU emulation of the TPU embedding engine -> evaluate -> export for serving -> predict. Runs on any CPU runtime (no TPU needed; none is requested)."),
  ("code", SETUP),
+ ("code", QUIET),
  ("md", "## 1. The spec\nOne frozen spec holds every table, its optimizer (global, pattern overrides, per-table overrides) and its schedule."),
  ("code", """import tpu_embed_ext as tee
 spec = tee.EmbeddingSpec.from_file(CONFIG)
@@ -76,8 +103,10 @@ print(plan)
 print("tags:", {t: g for t, g in plan.tags.items() if g is not None})"""),
  ("md", "## 3. Train on CPU emulation\n`CPUEmbedding` applies each table's own TPU optimizer math, sparsely. Run the cell again and it resumes (or, if finished, does nothing)."),
  ("code", """from tpu_embed_ext import train as train_lib
+# 5 blocks of steps, each ending with a checkpoint and a held-out evaluation:
+# 5 points on the learning curve.
 metrics = train_lib.train(CONFIG, model_dir=WORKDIR, steps=STEPS, tpu="none",
-                          overrides={"steps_per_checkpoint": STEPS // 2}, verbose=2)
+                          overrides={"steps_per_checkpoint": max(1, STEPS // 5)}, verbose=2)
 metrics"""),
  ("md", "## 4. Evaluate\nHeld-out AUC next to the AUC of the model that generated the labels (the best any model can do), and the learning curve."),
  ("code", """print(f"held-out AUC {metrics['eval_auc']:.4f} (planted model {metrics.get('planted_auc', float('nan')):.4f})")
@@ -90,6 +119,7 @@ assert 0.5 < metrics["eval_auc"] <= 1.0, metrics"""),
 tpu = nb([
  ("md", "# Training on a Colab TPU (with a CPU fallback)\n\nDetects a TPU runtime and trains with `TPUEmbedding` on it; without one (or in CI) it falls back to the CPU emulation and says so. The TPU path was not run by this package's CI: no TPU is reachable there."),
  ("code", SETUP.replace("tee_quickstart", "tee_tpu")),
+ ("code", QUIET),
  ("code", """import tensorflow as tf
 try:
   resolver = tf.distribute.cluster_resolver.TPUClusterResolver()
@@ -105,8 +135,10 @@ spec = tee.EmbeddingSpec.from_file(CONFIG)
 for line in tee.plan(spec).warnings:
   print("SparseCore note:", line)"""),
  ("code", """from tpu_embed_ext import train as train_lib
+# 5 blocks of steps, each ending with a checkpoint and a held-out evaluation:
+# 5 points on the learning curve.
 metrics = train_lib.train(CONFIG, model_dir=WORKDIR, steps=STEPS, tpu=TPU,
-                          overrides={"steps_per_checkpoint": STEPS // 2}, verbose=2)
+                          overrides={"steps_per_checkpoint": max(1, STEPS // 5)}, verbose=2)
 print("trained on:", metrics["where"])
 print(f"held-out AUC {metrics['eval_auc']:.4f}")"""),
  ("code", CURVE),

@@ -2,6 +2,7 @@
 
 Run from the repository root: .venv/bin/python docs/make_bad_inputs.py
 """
+import re
 import sys
 sys.path.insert(0, ".")
 import tests.test_spec as ts, tests.test_optimizers as to, tests.test_keras_optimizers as tk
@@ -304,6 +305,17 @@ for name in tj.WRONG_KIND:
                f"<model_dir>/{name} is {kind}, but a run writes its {name} {'directory' if kind == 'a file' else 'file'} there. Fix: move it away, or pass another --model_dir; nothing was written.",
                f"tests/test_job_faults.py::test_an_output_path_of_the_wrong_kind_is_one_line_before_any_work[{name}]"))
 esc = lambda t: str(t).replace("|", "\\|").replace("\n", " ")
+
+
+def text(t):
+  """A cell of prose. "[a] [b]" outside `code` would be a reference-style
+  link to the site's cross-reference plugin (mkdocs autorefs): the second
+  bracket is escaped."""
+  parts = esc(t).split("`")
+  return "`".join(re.sub(r"\]( ?)\[", r"]\1\\[", p) if i % 2 == 0 else p
+                  for i, p in enumerate(parts))
+
+
 out = ["# Bad inputs and their errors", "",
        "Every row is pinned by the test it names (the message is asserted). Errors name the",
        "table or feature, the field, the value and the fix; a rejected training step leaves every",
@@ -315,6 +327,7 @@ out = ["# Bad inputs and their errors", "",
        "exception. A one-off run of 2 x 3,000 examples also passed (after fixing the three crashes "
        "it found: lists given where a name belongs, a string as a schedule argument).", "",
        "| bad input | error | message (start) | test |", "|---|---|---|---|"]
-out += [f"| {esc(a)} | {esc(b)} | {esc(c)} | `{esc(d)}` |" for a, b, c, d in rows]
-open("docs/BAD_INPUTS.md", "w").write("\n".join(out) + "\n")
+out += [f"| {text(a)} | {text(b)} | {text(c)} | `{esc(d)}` |" for a, b, c, d in rows]
+from tpu_embed_ext import atomic
+atomic.write_text("docs/BAD_INPUTS.md", "\n".join(out) + "\n")
 print(len(rows))

@@ -3,10 +3,15 @@ random moments and compare with uninterrupted runs.
 
   .venv/bin/python tests/fault_injection.py --rounds 5 --seed 1 --work /tmp/fi
 
-For each command it first runs it uninterrupted (the reference, timed), then
-runs it again ``--rounds`` times, each killed with SIGKILL after a random
-delay in [0.3, 1.0] x the reference's duration (the first ~30% is Python and
-TensorFlow starting up), and checks after every kill and at the end:
+For each command it first runs it uninterrupted (the reference), then runs it
+again ``--rounds`` times, each killed with SIGKILL at a moment chosen from
+what the run shows on disk, not from the clock: the harness picks one of the
+command's stages at random (``STAGES``: a new checkpoint, a temporary sibling
+being filled, the output being swapped...) and kills the process as soon as
+that stage is seen. A stage the run passes unseen (it finished first) counts
+as "finished"; no verdict depends on when the kill lands, so a loaded machine
+changes which moments are hit, never the result. Then it checks what the
+README promises:
 
 - ``train``: after the kills, one more run finishes the job; every variable
   of its final checkpoint is bit-identical to the reference's, history.csv
@@ -16,7 +21,9 @@ TensorFlow starting up), and checks after every kill and at the end:
   (the reference); each killed run writes the same --out again. After every
   kill the --out loads and equals the reference (it is the old complete
   output or the new complete one, and both equal it): a partial output, or
-  none, fails the check.
+  none, fails the check. A killed run may leave its temporary siblings
+  (``.<out>.tmp-<pid>-<n>``...); the next run deletes them: after one more
+  uninterrupted run none is left and --out still equals the reference.
 
 Sizes are small (configs/tiny.yaml, 10 steps in blocks of 5, one evaluation
 batch). tests/test_fault_injection.py runs it with one round per command in
@@ -39,6 +46,31 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Per command: stage name -> glob patterns ({out} is the command's output:
+# the model_dir, --out; {out_sibling} its hidden siblings' stem). A stage is reached when a file or
+# directory matching one of them appears that was not there, with the same
+# inode, when the run started: a fresh checkpoint, a temporary sibling, an
+# output replaced by a rename.
+STAGES = {
+    "train": {
+        "a new checkpoint": ["{out}/checkpoints/ckpt-*.index"],
+        "a checkpoint being written": ["{out}/checkpoints/ckpt-*_temp*",
+                                       "{out}/checkpoints/checkpoint.tmp*"],
+        "a row of history.csv": ["{out}/.history.csv.tmp-*", "{out}/history.csv"],
+        "the TensorBoard file": ["{out}/logs/events.out.tfevents.*"],
+    },
+    "export": {
+        "the new SavedModel being filled": ["{out_sibling}.tmp-*/variables/*"],
+        "the new SavedModel complete beside --out": ["{out_sibling}.tmp-*/saved_model.pb"],
+        "--out swapped": ["{out}/saved_model.pb"],
+    },
+    "convert-checkpoint": {
+        "the new checkpoint being staged": ["{out_sibling}.tmp-*/*"],
+        "the old checkpoint moved aside": ["{out_sibling}.bak-*"],
+        "--out replaced": ["{out}.index"],
+    },
+}
+
 
 class Harness:
 
@@ -58,29 +90,37 @@ class Harness:
   def command(self, *args):
     return [sys.executable, "-m", "tpu_embed_ext", *args, "--config", self.config]
 
-  def run(self, *args, timeout=600) -> float:
-    """Runs to the end; returns its duration in seconds."""
+  def run(self, *args) -> float:
+    """Runs to the end; returns its duration in seconds (for the log only)."""
     began = time.monotonic()
     out = subprocess.run(self.command(*args), env=self.env, cwd=self.work,
-                         capture_output=True, text=True, timeout=timeout)
+                         capture_output=True, text=True)
     if out.returncode:
       raise AssertionError(f"{args[0]} failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return time.monotonic() - began
 
-  def kill(self, reference: float, *args) -> str:
-    """Starts the command and SIGKILLs it after a random delay; 'killed' or 'finished'."""
-    delay = self.rng.uniform(0.3, 1.0) * reference
+  def kill(self, out: str, *args) -> str:
+    """Starts the command and SIGKILLs it once a random stage of ``STAGES``
+    shows on disk; 'killed at <stage>' or 'finished before <stage>'."""
+    stage = self.rng.choice(sorted(STAGES[args[0]]))
+    head, tail = os.path.split(out)
+    patterns = [p.format(out=out, out_sibling=os.path.join(head, "." + tail))
+                for p in STAGES[args[0]][stage]]
+    before = _entries(patterns)
     proc = subprocess.Popen(self.command(*args), env=self.env, cwd=self.work,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-      proc.wait(timeout=delay)
-      what = "finished"
-    except subprocess.TimeoutExpired:
+    # Polls until the stage shows or the run ends; no clock decides anything.
+    while proc.poll() is None and _entries(patterns) <= before:
+      time.sleep(0.005)
+    if proc.poll() is None:
       proc.send_signal(signal.SIGKILL)
       proc.wait()
-      what = "killed"
+      what = f"killed at {stage}"
       self.kills += 1
-    self.log(f"  {args[0]}: {what} after {delay:.1f}s")
+    else:
+      assert proc.returncode == 0, f"{args[0]} failed ({proc.returncode})"
+      what = f"finished before {stage} showed"
+    self.log(f"  {args[0]}: {what}")
     return what
 
   # --- train ------------------------------------------------------------------------
@@ -91,7 +131,7 @@ class Harness:
     self.log(f"train: reference {duration:.1f}s")
     killed = os.path.join(self.work, "killed")
     for _ in range(rounds):
-      self.kill(duration, "train", "--model_dir", killed, "--tpu", "none")
+      self.kill(killed, "train", "--model_dir", killed, "--tpu", "none")
     self.run("train", "--model_dir", killed, "--tpu", "none")
     final = lambda d: os.path.join(d, "checkpoints", "ckpt-10")
     want, got = variables(final(straight)), variables(final(killed))
@@ -114,16 +154,20 @@ class Harness:
 
   def export(self, model_dir: str, rounds: int):
     out = os.path.join(self.work, "export_out")
-    duration = self.run("export", "--model_dir", model_dir, "--out", out)
+    args = ("export", "--model_dir", model_dir, "--out", out)
+    duration = self.run(*args)
     self.log(f"export: reference {duration:.1f}s")
     want = serve(out)  # the uninterrupted export, which the kills try to replace
     for _ in range(rounds):
-      self.kill(duration, "export", "--model_dir", model_dir, "--out", out)
+      self.kill(out, *args)
       got = serve(out)  # the previous complete export, or the new complete one
       np.testing.assert_array_equal(got, want, err_msg="export after a kill")
-      assert not leftovers(self.work, "export_out"), leftovers(self.work, "export_out")
+    # The killed runs' temporary siblings are the next run's to delete.
+    self.run(*args)
+    np.testing.assert_array_equal(serve(out), want, err_msg="export after the kills")
+    assert not leftovers(self.work, "export_out"), leftovers(self.work, "export_out")
     self.log(f"export: --out loads and serves the reference's outputs after "
-             f"{rounds} kill round(s)")
+             f"{rounds} kill round(s); the next run left no temporary file")
 
   # --- convert-checkpoint -----------------------------------------------------------
 
@@ -131,19 +175,38 @@ class Harness:
     src = os.path.join(model_dir, "checkpoints", "ckpt-10")
     out = os.path.join(self.work, "converted")
     args = ("convert-checkpoint", "--checkpoint", src, "--prefix",
-            "model/embedding/embedding", "--topology", "v6e:8", "--out")
-    duration = self.run(*args, out)
+            "model/embedding/embedding", "--topology", "v6e:8", "--out", out)
+    duration = self.run(*args)
     self.log(f"convert-checkpoint: reference {duration:.1f}s")
     want = variables(out)  # the uninterrupted conversion
-    for _ in range(rounds):
-      self.kill(duration, *args, out)
-      recover(out)  # what every reader in the package does first
+
+    def check(when):
       got = variables(out)
-      assert want.keys() == got.keys(), "convert after a kill: other keys"
+      assert want.keys() == got.keys(), f"convert {when}: other keys"
       for key in want:
-        assert raw(want[key]) == raw(got[key]), f"convert: {key} differs"
-      assert not leftovers(self.work, "converted"), leftovers(self.work, "converted")
-    self.log(f"convert-checkpoint: --out complete and equal after {rounds} kill round(s)")
+        assert raw(want[key]) == raw(got[key]), f"convert {when}: {key} differs"
+
+    for _ in range(rounds):
+      self.kill(out, *args)
+      recover(out)  # what every reader in the package does first
+      check("after a kill")
+    self.run(*args)
+    check("after the kills")
+    assert not leftovers(self.work, "converted"), leftovers(self.work, "converted")
+    self.log(f"convert-checkpoint: --out complete and equal after {rounds} kill "
+             f"round(s); the next run left no temporary file")
+
+
+def _entries(patterns) -> set:
+  """(path, inode) of what matches ``patterns`` now (a replaced file is new)."""
+  found = set()
+  for pattern in patterns:
+    for path in glob.glob(pattern):
+      try:
+        found.add((path, os.stat(path).st_ino))
+      except FileNotFoundError:
+        pass  # renamed or deleted since glob saw it
+  return found
 
 
 def variables(prefix):

@@ -82,7 +82,7 @@ def _kill_after(mode, target, n, new=""):
   package = os.path.dirname(atomic.__file__)
   return subprocess.run([sys.executable, "-c", _KILL_AFTER_RENAMES, mode, str(target),
                          str(n), str(new), package], capture_output=True, text=True,
-                        timeout=60)
+                        timeout=600)
 
 
 def test_checkpoint_prefix_killed_after_every_rename_is_old_or_new(tmp_path):
@@ -301,7 +301,7 @@ def test_convert_command_errors_are_one_line(tmp_path, tiny_checkpoint):
   out = subprocess.run(
       [sys.executable, "-m", "tpu_embed_ext", "convert-checkpoint", "--config", TINY,
        "--checkpoint", src, "--out", src, "--topology", "v5p:1"],
-      capture_output=True, text=True, timeout=120, env=env)
+      capture_output=True, text=True, timeout=600, env=env)
   assert out.returncode == 2, out.stderr
   lines = [l for l in out.stderr.splitlines() if l.startswith("error:") or "Traceback" in l]
   assert lines == [f"error: --out {src} would overwrite the input checkpoint {src} (the "

@@ -1,5 +1,7 @@
 """synthetic_clicks builds offline and deterministically; the pipeline's layouts."""
 
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -7,12 +9,12 @@ import tensorflow_datasets as tfds
 
 from tpu_embed_ext.data import pipeline, synthetic_clicks
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 @pytest.fixture(scope="module")
-def builder(tmp_path_factory):
-  b = tfds.builder("synthetic_clicks/tiny", data_dir=str(tmp_path_factory.mktemp("d")))
-  b.download_and_prepare()
-  return b
+def builder(tiny_data_dir):
+  return tfds.builder("synthetic_clicks/tiny", data_dir=tiny_data_dir)  # built once
 
 
 def _examples(builder, split="train", n=None):
@@ -20,9 +22,21 @@ def _examples(builder, split="train", n=None):
   return list(tfds.as_numpy(ds.take(n or -1)))
 
 
-def test_build_is_deterministic_and_offline(builder, tmp_path):
+def test_build_is_deterministic_and_offline(builder, tmp_path, capsys):
+  # Built again by the training job's data step, which prints progress as
+  # examples are generated: 4,000 train and 1,000 test examples, 20% each.
+  from tpu_embed_ext.job import config, data
+  spec, cfg = config.load(os.path.join(ROOT, "configs", "tiny.yaml"),
+                          {"data_dir": str(tmp_path)})
+  data.input_datasets(spec, cfg)
+  printed = capsys.readouterr().out.splitlines()
+  expected = [f"  {split}: {k * n // 5:,} of {n:,} examples generated ({20 * k}%)"
+              for split, n in (("train", 4000), ("test", 1000)) for k in range(1, 6)]
+  assert [l for l in printed if l.startswith("  ")] == expected, printed
+  assert printed[0].startswith("Building the synthetic_clicks/tiny dataset in ")
+  assert printed[-1] == "Built synthetic_clicks/tiny."
   other = tfds.builder("synthetic_clicks/tiny", data_dir=str(tmp_path))
-  other.download_and_prepare()
+  assert other.is_prepared()
   a, b = _examples(builder, n=50), _examples(other, n=50)
   for x, y in zip(a, b):
     for key in x:

@@ -4,11 +4,16 @@
   a broken anchor or an API symbol that does not resolve (shown below by
   breaking a copy of the site on purpose), and the API page covers every
   public name.
-* Every ```python block of docs/guides/*.md runs: the blocks of one page in
-  order, in one namespace, in a fresh working directory; each block of the
-  README in a fresh process. (Commands: tests/test_doc_commands.py.) A block that needs a
-  TPU is skipped only under an explicit marker with a reason,
-  ``<!-- docs-test: skip (reason) -->`` on the line before it.
+* The site includes every page of docs/ (BAD_INPUTS.md too).
+* Every code block of docs/ runs in a test, or is marked: ```python blocks
+  run here (the blocks of one page in order, in one namespace, from an empty
+  working directory that must stay empty: the pages write into temporary
+  directories), ```sh commands in tests/test_doc_commands.py, the ```yaml
+  examples of config.md here. A block that needs a TPU is skipped only under
+  ``<!-- docs-test: skip (reason) -->`` on the line before it; a block that is
+  not a program (output, a formula, commands for another machine) carries
+  ``<!-- docs-test: fragment (reason) -->``. Each ```python block of the
+  README runs in a fresh process.
 * No file refers to a markdown document that is not in the repository, and
   every ``tests/test_x.py::test_y`` the docs cite exists.
 """
@@ -25,11 +30,12 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-GUIDES = sorted((DOCS / "guides").glob("*.md"))
+DOC_PAGES = sorted(DOCS.rglob("*.md"))
 SCANNED = ["README.md", "mkdocs.yml", "docs", "tpu_embed_ext", "tests", "benchmarks",
            "colab", "configs"]
 TEXT_SUFFIXES = {".md", ".py", ".yaml", ".yml", ".ipynb", ".json", ".txt"}
-_SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s*\((?P<reason>[^)]*)\)\s*-->")
+_MARK = re.compile(r"<!--\s*docs-test:\s*(?P<kind>skip|fragment)\s*"
+                   r"\((?P<reason>[^)]*)\)\s*-->")
 _MKDOCS = importlib.util.find_spec("mkdocs") is not None
 _NO_MKDOCS = "mkdocs is not installed: pip install -e '.[docs]' (the test extra has it)"
 
@@ -40,7 +46,7 @@ def _build(config_dir: pathlib.Path, site: pathlib.Path):
   # No -q: mkdocs then drops warnings before --strict counts them.
   return subprocess.run(
       [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
-      cwd=config_dir, capture_output=True, text=True, timeout=180,
+      cwd=config_dir, capture_output=True, text=True, timeout=600,
       env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
 
 
@@ -50,6 +56,13 @@ def test_site_builds_strict(tmp_path):
   assert out.returncode == 0, out.stdout + out.stderr
   api = (tmp_path / "site" / "api" / "index.html").read_text()
   assert "CPUEmbedding" in api and "export_for_serving" in api
+  # Every page of docs/ is in the site, BAD_INPUTS.md (linked from the README) too.
+  pages = {p.relative_to(DOCS).with_suffix("") for p in DOC_PAGES}
+  built = {p.parent.relative_to(tmp_path / "site")
+           for p in (tmp_path / "site").rglob("index.html")} | {pathlib.Path("index")}
+  assert pages <= built, sorted(map(str, pages - built))
+  bad_inputs = (tmp_path / "site" / "BAD_INPUTS" / "index.html").read_text()
+  assert "Smallest and largest ids:] [1] [6]" in bad_inputs  # brackets kept as text
 
 
 @pytest.mark.skipif(not _MKDOCS, reason=_NO_MKDOCS)
@@ -80,35 +93,124 @@ def test_api_page_documents_every_public_name():
   assert not missing, f"add `::: tpu_embed_ext.<module>.<name>` to docs/api.md: {missing}"
 
 
-# --- the guides' code ----------------------------------------------------------
+# --- the code of the docs --------------------------------------------------------
 
-def code_blocks(text: str):
-  """``(line number, code, skip reason or None)`` of every ```python block."""
+def fenced_blocks(text: str):
+  """``(line, language, code, mark)`` of every fenced block, indented ones too.
+
+  ``mark`` is ``(kind, reason)`` from ``<!-- docs-test: skip (reason) -->``
+  or ``<!-- docs-test: fragment (reason) -->`` on the line before the fence,
+  else None; a marker without a reason is a ValueError.
+  """
   blocks, lines, i = [], text.splitlines(), 0
   while i < len(lines):
-    if lines[i].strip() == "```python":
+    fence = lines[i].strip()
+    if fence.startswith("```"):
+      indent = len(lines[i]) - len(lines[i].lstrip())
       start, previous = i + 1, next((l for l in reversed(lines[:i]) if l.strip()), "")
       end = next(j for j in range(start, len(lines)) if lines[j].strip() == "```")
-      skip = _SKIP.search(previous)
-      if skip and not skip.group("reason").strip():
-        raise ValueError(f"line {i + 1}: a skipped block needs a reason")
-      blocks.append((start + 1, "\n".join(lines[start:end]) + "\n",
-                     skip.group("reason").strip() if skip else None))
+      mark = _MARK.search(previous)
+      if mark and not mark.group("reason").strip():
+        raise ValueError(f"line {i + 1}: a {mark.group('kind')} marker needs a reason")
+      blocks.append((start + 1, fence[3:].strip(),
+                     "\n".join(l[indent:] for l in lines[start:end]) + "\n",
+                     (mark.group("kind"), mark.group("reason").strip()) if mark else None))
       i = end
     i += 1
   return blocks
 
 
-@pytest.mark.parametrize("page", GUIDES, ids=[p.stem for p in GUIDES])
-def test_guide_code_runs(page, tmp_path, monkeypatch):
-  monkeypatch.chdir(tmp_path)
+def code_blocks(text: str):
+  """``(line number, code, skip reason or None)`` of every ```python block."""
+  return [(line, code, mark[1] if mark else None)
+          for line, language, code, mark in fenced_blocks(text) if language == "python"]
+
+
+CODE_PAGES = [p for p in DOC_PAGES if code_blocks(p.read_text())]
+
+
+@pytest.mark.parametrize("page", CODE_PAGES,
+                         ids=[str(p.relative_to(DOCS)) for p in CODE_PAGES])
+def test_docs_code_runs(page, tmp_path, monkeypatch):
+  """A page's blocks in order, in one namespace, from an empty working
+  directory that stays empty: run from the clone's root, a page leaves
+  nothing in the clone (it writes into temporary directories)."""
+  cwd = tmp_path / "cwd"
+  cwd.mkdir()
+  monkeypatch.chdir(cwd)
   namespace = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
   ran = 0
   for line, code, skip in code_blocks(page.read_text()):
     if skip is None:
       exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec"), namespace)  # pylint: disable=exec-used
       ran += 1
-  assert ran or not code_blocks(page.read_text()), f"{page.name}: every block is skipped"
+  assert ran, f"{page.name}: every block is skipped"
+  assert not os.listdir(cwd), (f"{page.relative_to(ROOT)} wrote {sorted(os.listdir(cwd))} "
+                               "into the working directory: write into tempfile.mkdtemp()")
+
+
+def _commands_run():
+  """``page:line`` of every command tests/test_doc_commands.py runs."""
+  from tests import test_doc_commands
+  return {where for where, _ in test_doc_commands.doc_commands()}
+
+
+def unrun_blocks(where: str, text: str, commands_run) -> list:
+  """Blocks of page ``where`` (its ``text``) that no test runs and no marker excuses.
+
+  Run: ```python blocks (test_docs_code_runs), ```sh blocks whose every
+  command test_doc_commands.py runs, and the ```yaml examples of config.md
+  (test_config_examples_load). Anything else (output, formulas, shell lines
+  for another machine) needs a skip or fragment marker with a reason.
+  """
+  unrun = []
+  for line, language, code, mark in fenced_blocks(text):
+    if mark or language == "python":
+      continue
+    if language == "yaml" and where == "docs/config.md":
+      continue
+    if language in ("sh", "bash", "shell"):
+      logical, number, starts = "", line, []
+      for n, text in enumerate(code.splitlines(), line):
+        if not logical:
+          number = n
+        logical += text.rstrip("\\")
+        if text.endswith("\\"):
+          continue
+        if logical.strip() and not logical.strip().startswith("#"):
+          starts.append(number)
+        logical = ""
+      if all(f"{where}:{n}" in commands_run for n in starts):
+        continue
+    unrun.append(f"{where}:{line} ({language or 'no language'})")
+  return unrun
+
+
+def test_every_docs_block_runs_or_is_marked():
+  commands_run = _commands_run()
+  unrun = [b for page in DOC_PAGES
+           for b in unrun_blocks(str(page.relative_to(ROOT)), page.read_text(), commands_run)]
+  assert not unrun, (
+      "blocks no test runs: make them run, or put <!-- docs-test: fragment "
+      "(why) --> on the line before:\n" + "\n".join(unrun))
+
+
+def test_unrun_blocks_are_found():
+  text = ("```sh\npython -m tpu_embed_ext plan \\\n  --config c.yaml\n# note\n```\n"
+          "```\nw = w - lr * g\n```\n"
+          "<!-- docs-test: fragment (the update, as math) -->\n```\nw = 0\n```\n"
+          "```python\nx = 1\n```\n"
+          "```sh\npip install x\n```\n")
+  blocks = fenced_blocks(text)
+  assert [(b[0], b[1], b[3]) for b in blocks] == [
+      (2, "sh", None), (7, "", None), (11, "", ("fragment", "the update, as math")),
+      (14, "python", None), (17, "sh", None)]
+  assert unrun_blocks("docs/x.md", text, {"docs/x.md:2"}) == [
+      "docs/x.md:7 (no language)", "docs/x.md:17 (sh)"]
+  assert unrun_blocks("docs/x.md", text, set()) == [
+      "docs/x.md:2 (sh)", "docs/x.md:7 (no language)", "docs/x.md:17 (sh)"]
+  with pytest.raises(ValueError, match="fragment marker needs a reason"):
+    fenced_blocks("<!-- docs-test: fragment ( ) -->\n```\nx\n```\n")
 
 
 README_BLOCKS = [(line, code) for line, code, skip in code_blocks(

@@ -30,8 +30,8 @@ CONFIG = "configs/tiny.yaml"
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
+def data_dir(tiny_data_dir):
+  return tiny_data_dir  # the session's: the tiny dataset is built once per process
 
 
 def _overrides(data_dir):
@@ -149,6 +149,7 @@ def test_no_duplicate_tensorboard_points_after_a_kill_mid_block(tmp_path, data_d
   steps = _scalar_steps(model_dir / "logs")
   assert sorted(steps["train/loss"]) == [5, 10]
   assert sorted(steps["learning_rate/dense"]) == list(range(1, 11))
+  assert sorted(steps["train/loss_per_step"]) == list(range(1, 11))
   want = {k: sorted(v) for k, v in _scalar_steps(straight_dir / "logs").items()}
   assert {k: sorted(v) for k, v in steps.items()} == want
   _assert_equal_to_straight(model_dir, straight_dir)

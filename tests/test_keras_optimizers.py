@@ -6,7 +6,7 @@ import tensorflow as tf
 import keras
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import optimizers
+from tpu_embed_ext import optimizers, tf_optimizers
 
 api = tf.tpu.experimental.embedding
 SCHEDULE = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
@@ -37,8 +37,8 @@ def test_translation(keras_opt, expected):
   spec = tee.from_keras_optimizer(keras_opt)
   assert spec == expected
   if not callable(spec.learning_rate):
-    tf_opt = optimizers.to_tf(spec)
-    assert optimizers.from_tf(tf_opt) == spec.replace(
+    tf_opt = tf_optimizers.to_tf(spec)
+    assert tf_optimizers.from_tf(tf_opt) == spec.replace(
         **({"bias_correction": False} if isinstance(spec, optimizers.Adam) else {}))
 
 
@@ -52,7 +52,7 @@ def test_translated_adam_equals_keras_adam_step_by_step():
                           initializer=tf.constant_initializer(w0))
   spec = tee.from_keras_optimizer(keras_opt)
   holder = {}
-  emb = tee.CPUEmbedding({"f": api.FeatureConfig(table)}, optimizers.to_tf(
+  emb = tee.CPUEmbedding({"f": api.FeatureConfig(table)}, tf_optimizers.to_tf(
       spec, learning_rate=lambda: spec.learning_rate * _bias(holder["e"].step)))
   holder["e"] = emb
   for step in range(6):

@@ -17,7 +17,7 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tests import multiworker_data as data
 
-TIMEOUT_S = 240
+TIMEOUT_S = 900
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -6,7 +6,6 @@ specs.
 """
 
 import os
-import re
 import tempfile
 
 import keras

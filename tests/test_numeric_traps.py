@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import numeric_traps, optimizers
+from tpu_embed_ext import numeric_traps, optimizers, tf_optimizers
 from tpu_embed_ext.numeric_traps import NumericTrapError, NumericTrapWarning
 from tpu_embed_ext.spec import EmbeddingSpec
 
@@ -392,7 +392,7 @@ def test_initializer_beyond_float32():
 
 
 def test_tf_optimizer_objects_are_taken_unchecked_and_specs_are_checked():
-  assert optimizers.from_tf(api.FTRL(learning_rate=0.0)).learning_rate == 0.0
+  assert tf_optimizers.from_tf(api.FTRL(learning_rate=0.0)).learning_rate == 0.0
   with pytest.raises(NumericTrapError):
     optimizers.FTRL(learning_rate=0.0)
 

@@ -7,7 +7,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf.tpu import optimization_parameters_pb2 as pb
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import optimizers
+from tpu_embed_ext import optimizers, tf_optimizers
 
 api = tf.tpu.experimental.embedding
 COMMON = dict(learning_rate=0.3, use_gradient_accumulation=True, clip_weight_min=-2.0,
@@ -34,14 +34,14 @@ SPECS = {
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_every_field_reaches_the_tf_optimizer(name):
   spec, tf_class = SPECS[name]
-  tf_opt = optimizers.to_tf(spec)
+  tf_opt = tf_optimizers.to_tf(spec)
   assert type(tf_opt) is tf_class
   for field in dataclasses.fields(spec):
     if field.name in ("clipvalue", "low_dimensional_packing_status", "bias_correction"):
       continue
     assert getattr(tf_opt, field.name) == getattr(spec, field.name), field.name
   assert (tf_opt.clip_gradient_min, tf_opt.clip_gradient_max) == (-0.5, 0.7)
-  assert optimizers.from_tf(tf_opt) == spec
+  assert tf_optimizers.from_tf(tf_opt) == spec
   # The proto TensorFlow writes carries the settings, packing included.
   params = pb.OptimizationParameters()
   tf_opt._set_optimization_parameters(params)
@@ -59,13 +59,13 @@ def test_upstream_packing_flag_bug_is_real_and_fixed():
   params = pb.OptimizationParameters()
   with pytest.raises(TypeError):  # Upstream writes a bool into an enum field.
     api.SGD(0.1, low_dimensional_packing_status=True)._set_optimization_parameters(params)
-  optimizers.to_tf(optimizers.SGD(low_dimensional_packing_status=False)
+  tf_optimizers.to_tf(optimizers.SGD(low_dimensional_packing_status=False)
                    )._set_optimization_parameters(params)
   assert params.low_dimensional_packing_status == pb.LowDimensionalPackingStatus.UNSPECIFIED
 
 
 def test_bias_correction_never_reaches_tensorflow():
-  tf_opt = optimizers.to_tf(optimizers.Adam(bias_correction=True))
+  tf_opt = tf_optimizers.to_tf(optimizers.Adam(bias_correction=True))
   assert not hasattr(tf_opt, "bias_correction")
 
 
@@ -120,4 +120,4 @@ def test_invalid_values_are_pinned(make, message):
 
 def test_from_tf_rejects_foreign_objects():
   with pytest.raises(TypeError, match="unsupported optimizer str"):
-    optimizers.from_tf("sgd")
+    tf_optimizers.from_tf("sgd")

@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import optimizers, serving
+from tpu_embed_ext import optimizers, serving, tf_optimizers
 
 api = tf.tpu.experimental.embedding
 BATCH = 4
@@ -538,7 +538,7 @@ def test_v1_gradient_clipping_fields():
   assert tee.SGD(clip_gradient_max=0.5).clipvalue == (None, 0.5)
   assert optimizers.from_dict({"type": "adam", "clip_gradient_min": -3}).clipvalue == (
       -3.0, None)
-  tf_opt = optimizers.to_tf(tee.FTRL(clip_gradient_min=-0.25))
+  tf_opt = tf_optimizers.to_tf(tee.FTRL(clip_gradient_min=-0.25))
   assert (tf_opt.clip_gradient_min, tf_opt.clip_gradient_max) == (-0.25, None)
   with pytest.raises(tee.ConfigError) as info:
     optimizers.from_dict({"type": "sgd", "clipvalue": 1.0, "clip_gradient_max": 2.0})

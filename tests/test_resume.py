@@ -25,8 +25,8 @@ BLOCK = 10
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
+def data_dir(tiny_data_dir):
+  return tiny_data_dir  # the session's: the tiny dataset is built once per process
 
 
 def _run(model_dir, data_dir, steps, config=CONFIG, **overrides):

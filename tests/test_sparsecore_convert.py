@@ -9,7 +9,7 @@ import tensorflow as tf
 from tensorflow.python.tpu import tpu_embedding_v3_utils
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import errors
+from tpu_embed_ext import errors, tf_optimizers
 from tpu_embed_ext.sparsecore import checkpoint as sparsecore_checkpoint
 from tpu_embed_ext.sparsecore import convert_checkpoint, checkpoint_layouts
 from tpu_embed_ext.sparsecore.topology import Topology
@@ -79,8 +79,8 @@ def test_round_trips_are_bit_identical_with_every_slot(tmp_path, optimizer):
       {"_sparse_core_table_layouts"} | {stack if s == "parameters" else
                                          f"{stack}.S{s}" for s in slots
                                          for stack in ("a_b_c", "d")})
-  fill = dict(zip(tee.optimizers.as_spec(OPTIMIZERS[optimizer]()).slot_names,
-                  tee.optimizers.as_spec(OPTIMIZERS[optimizer]()).slot_initial_values()))
+  fill = dict(zip(tf_optimizers.as_spec(OPTIMIZERS[optimizer]()).slot_names,
+                  tf_optimizers.as_spec(OPTIMIZERS[optimizer]()).slot_initial_values()))
   for l in layouts:
     for slot in slots:
       key = f"embedding/{l.stack}" + ("" if slot == "parameters" else f".S{slot}")
@@ -233,7 +233,7 @@ def test_convert_checkpoint_command(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "tpu_embed_ext", "convert-checkpoint", "--config",
        "configs/tiny.yaml", "--checkpoint", path, "--out", stacked, "--topology",
-       "v6e:8"], capture_output=True, text=True, timeout=120, check=True).stdout
+       "v6e:8"], capture_output=True, text=True, timeout=600, check=True).stdout
   layouts = checkpoint_layouts(stacked)
   stacks = {l.stack for l in layouts}
   assert out.strip().splitlines() == [

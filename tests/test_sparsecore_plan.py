@@ -45,7 +45,7 @@ def test_plan_command_prints_stacks(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "tpu_embed_ext", "plan", "--config", str(config),
        "--engine", "v2", "--topology", "v6e:4"], capture_output=True, text=True,
-      timeout=120, check=True).stdout
+      timeout=600, check=True).stdout
   assert "SparseCore (TPUEmbeddingV2) layout on v6e:4 (4 chips x 2 SparseCores)" in out
   line = next(l for l in out.splitlines() if l.startswith("a_b "))
   assert line.split() == ["a_b", "a", "100", "x", "8", "128", "x", "8", "0", "0",

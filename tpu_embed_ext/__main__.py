@@ -22,7 +22,6 @@ with status 2; ``--verbose`` shows the traceback instead. Other libraries'
 output goes to a log file (``library_log.LibraryLog``) unless ``--verbose``.
 """
 
-import functools
 import importlib.util
 import os
 import re

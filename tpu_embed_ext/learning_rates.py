@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tpu_embed_ext import errors, optimizers
+from tpu_embed_ext import errors
 
 __all__ = ["Schedule", "parse_schedules", "parse_learning_rate",
            "learning_rate_to_config", "RateBinder", "assign_tags",
@@ -388,10 +388,11 @@ class RateBinder:
     self.step = step
     self._rates: Dict[Any, Callable[[], tf.Tensor]] = {}
 
-  def rate(self, spec: optimizers.OptimizerSpec):
+  def rate(self, spec):
+    """``spec``: an optimizer spec (optimizers.py imports this module, not
+    the reverse; only Adam has ``bias_correction``)."""
     lr = spec.learning_rate
-    betas = ((spec.beta_1, spec.beta_2)
-             if isinstance(spec, optimizers.Adam) and spec.bias_correction
+    betas = ((spec.beta_1, spec.beta_2) if getattr(spec, "bias_correction", False)
              else None)
     if betas is None and not isinstance(lr, Schedule):
       return lr if callable(lr) else float(lr)

@@ -7,10 +7,10 @@ and the right fix, plus the ones TensorFlow leaves to the TPU runtime, and the
 numeric traps of numeric_traps.py: values that would write NaN or Inf).
 
 Specs are values: equal fields mean equal specs, they can be hashed, and
-nothing here ever mutates a TensorFlow object. ``to_tf`` builds a fresh TF
-optimizer from a spec through one declarative table (``_TF_MAPPING``); ``from_tf``
-reads one back, so the CPU engine accepts either (both in tf_optimizers.py,
-re-exported here).
+nothing here ever mutates a TensorFlow object. tf_optimizers.py, which
+imports this module (never the reverse), builds a fresh TF optimizer from a
+spec (``to_tf``) and reads one back (``from_tf``), so the CPU engine accepts
+either.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numbers
 import sys
 from typing import Any, Callable, ClassVar, Mapping, Optional, Tuple, Union
 
-from tpu_embed_ext import errors
+from tpu_embed_ext import errors, numeric_traps
 
 # A learning rate: a constant, a zero-arg callable, or a schedule (a Keras 3
 # LearningRateSchedule or learning_rates.Schedule, both called with a step).
@@ -30,7 +30,7 @@ ClipValue = Union[float, Tuple[Optional[float], Optional[float]]]
 
 __all__ = [
     "OptimizerSpec", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL",
-    "TYPES", "from_dict", "to_tf", "from_tf", "as_spec",
+    "TYPES", "from_dict",
 ]
 
 
@@ -103,7 +103,6 @@ class OptimizerSpec:
                   "use a small positive factor such as 1e-4, or None for no decay")
     self._check_clipvalue()
     self._check_fields()
-    from tpu_embed_ext import numeric_traps  # pylint: disable=g-import-not-at-top
     numeric_traps.check_optimizer(self)
 
   def _check_fields(self):
@@ -406,22 +405,3 @@ def from_dict(config: Mapping[str, Any]) -> OptimizerSpec:
     kwargs[key] = value
   return cls(**kwargs)
 
-
-# The TensorFlow side lives in tf_optimizers.py, which imports this module.
-
-def to_tf(spec: OptimizerSpec, learning_rate: Optional[LearningRate] = None):
-  """A fresh ``tf.tpu.experimental.embedding`` optimizer (tf_optimizers.to_tf)."""
-  from tpu_embed_ext import tf_optimizers  # pylint: disable=g-import-not-at-top
-  return tf_optimizers.to_tf(spec, learning_rate)
-
-
-def from_tf(optimizer) -> OptimizerSpec:
-  """The spec of a TF optimizer object (tf_optimizers.from_tf)."""
-  from tpu_embed_ext import tf_optimizers  # pylint: disable=g-import-not-at-top
-  return tf_optimizers.from_tf(optimizer)
-
-
-def as_spec(optimizer, where: str = "") -> OptimizerSpec:
-  """Our spec, or a TF optimizer object as a spec (tf_optimizers.as_spec)."""
-  from tpu_embed_ext import tf_optimizers  # pylint: disable=g-import-not-at-top
-  return tf_optimizers.as_spec(optimizer, where)

@@ -1,8 +1,8 @@
 """TensorFlow's ``tf.tpu.experimental.embedding`` optimizers <-> our specs.
 
 ``to_tf`` builds a fresh TF optimizer from a spec; ``from_tf`` reads one back
-(so the CPU engine accepts either); ``as_spec`` accepts both. Re-exported by
-optimizers.py, where the specs live.
+(so the CPU engine accepts either); ``as_spec`` accepts both. The specs live
+in optimizers.py, which does not import this module (specs -> TF objects).
 """
 
 from __future__ import annotations

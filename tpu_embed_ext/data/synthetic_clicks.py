@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -240,6 +240,12 @@ class SyntheticClicks(tfds.core.GeneratorBasedBuilder):
   }
   BUILDER_CONFIGS = list(_CONFIGS.values())
   DEFAULT_CONFIG_NAME = "default"
+  PROGRESS_STEPS = 5
+  """Progress lines per split: one at every 20% of its examples."""
+
+  progress: Optional[Callable[[str], None]] = None
+  """Called with a line as examples are generated (the training job prints
+  them: building the default config takes about a minute); None: silent."""
 
   def _info(self) -> tfds.core.DatasetInfo:
     features = {name: tfds.features.Sequence(np.int64) for name in CATEGORICAL}
@@ -264,6 +270,9 @@ class SyntheticClicks(tfds.core.GeneratorBasedBuilder):
     n = config.num_train if split == "train" else config.num_test
     rng = np.random.default_rng([config.seed, 1 if split == "train" else 2])
     all_labels, all_logits = [], []
+    # Progress at fixed fractions of the split (not of time): the same lines
+    # on every machine.
+    marks = {n * k // self.PROGRESS_STEPS: k for k in range(1, self.PROGRESS_STEPS + 1)}
     chunk = 20_000
     for start in range(0, n, chunk):
       size = min(chunk, n - start)
@@ -277,6 +286,9 @@ class SyntheticClicks(tfds.core.GeneratorBasedBuilder):
                    for name in CATEGORICAL}
         example.update(dense=dense[i], label=labels[i], planted_logit=logits[i])
         yield start + i, example
+        if self.progress is not None and start + i + 1 in marks:
+          self.progress(f"  {split}: {start + i + 1:,} of {n:,} examples generated "
+                        f"({100 * marks[start + i + 1] // self.PROGRESS_STEPS}%)")
     # Runs once the split is fully generated, before the info is written.
     labels, logits = np.concatenate(all_labels), np.concatenate(all_logits)
     self.info.metadata.setdefault("planted_auc", {})[split] = auc(labels, logits)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tpu_embed_ext import optimizers
+from tpu_embed_ext import optimizers, tf_optimizers
 from tpu_embed_ext.spec import EmbeddingSpec
 from tpu_embed_ext.emulation import engine as engine_lib
 
@@ -48,7 +48,7 @@ def create_embedding(feature_config, optimizer=None, *, engine=None,
     if hasattr(feature_config, "feature_config"):
       feature_config = feature_config.feature_config(step=step)
     if isinstance(optimizer, optimizers.OptimizerSpec):
-      optimizer = optimizers.to_tf(optimizer)
+      optimizer = tf_optimizers.to_tf(optimizer)
     use_v2 = engine == "v2" or (engine is None and _sparsecore(strategy))
     if use_v2:
       from tensorflow.python.tpu import tpu_embedding_v3

@@ -7,6 +7,8 @@ checkpoint keys. The work is done by the modules beside it:
 * ``lookups``: every input kind in occurrence form, activations, and
   per-occurrence gradients;
 * ``shapes``: ``TPUEmbedding``'s activation shapes, fixed and checked;
+* ``payloads``: what each replica's ``apply_gradients`` hands on, and the
+  step run once from all of them (native kernels or TensorFlow ops);
 * ``updates``: one table's step (per-id sums, update rules, writes);
 * ``validation``: ids, weights, gradients and structures, eagerly, in
   graphs and under XLA;
@@ -27,10 +29,9 @@ import tensorflow as tf
 from tensorflow.python.trackable import autotrackable
 
 from tpu_embed_ext import errors, host_memory, spec as spec_lib
-from tpu_embed_ext.emulation import (lookups, native, protocol, replicas,
-                                      shapes,
-                                      sparsecore_limits, tables as tables_lib,
-                                      updates, validation)
+from tpu_embed_ext.emulation import (lookups, native, payloads, protocol,
+                                      replicas, shapes, sparsecore_limits,
+                                      tables as tables_lib, validation)
 
 __all__ = ["CPUEmbedding"]
 
@@ -401,58 +402,19 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           "apply_gradients() needs a batch enqueued with training=True. Fix: "
           "call enqueue(features, training=True) and dequeue() first.")
     self._batches.deliver(replica)
-    # Across workers the payloads are all-gathered by concatenation, which
-    # keeps occurrence-form (ids, grads) whole but not the native op's
-    # per-replica row indices: there the update runs TensorFlow ops. So it
-    # does in graphs for tables without gradient accumulation: Grappler
-    # rewrites the TF-op path's rounds (a while loop) otherwise than the
-    # straight-line step the kernel mirrors (FTRL differed by 2 ulp).
-    rounds = self._engine == "v1" and any(
-        not t.optimizer.use_gradient_accumulation for t in self._tables)
-    native_update = (self._native_step() and self._replicas.num_workers == 1
-                     and not (rounds and not tf.executing_eagerly()))
-    per_table = [[] for _ in self._tables]
-    segments = []  # the native update's inputs, one per feature
-    for feature, occ, grad in zip(self._features, pending.occurrences,
-                                  tf.nest.flatten(gradients)):
-      dim = self._tables[feature.table].config.dim
-      if grad is not None:
-        validation.check_gradient(feature.where, grad, list(occ.shape) + [dim])
-      if native_update:
-        segments.append(native.update.segment(occ, grad, dim))
-        continue
-      per_table[feature.table].append(
-          lookups.occurrence_gradients(occ, grad, dim))
-    if native_update:
-      payload = {"status": validation.status(pending.verdict),
-                 "segments": segments}
-    else:
-      payload = {
-          "status": validation.status(pending.verdict),
-          "ids": [tf.concat([ids for ids, _ in parts], 0) for parts in per_table],
-          "grads": [tf.concat([g for _, g in parts], 0) for parts in per_table]}
+    native_update = payloads.uses_native(self._native_step(), self._engine,
+                                         self._tables, self._replicas.num_workers)
+    payload = payloads.build(pending, tf.nest.flatten(gradients), self._tables,
+                             self._features, native_update=native_update)
     self._replicas.merge(self._apply_all_replicas, payload)
     # Accepted (a rejected step raised above): the batch is used up.
     self._batches.consume(replica)
 
-  def _apply_all_replicas(self, payloads):
-    """The step, once, from the payloads of every replica: native or TF ops."""
-    if "segments" in payloads[0]:
-      return native.update.apply_step(
-          payloads, [native.update.Table(
-              t.name, t.optimizer,
-              [self._variables[t.name][s]
-               for s in ("parameters", *t.optimizer.slot_names)],
-              t.config.vocabulary_size) for t in self._tables],
-          [f.table for f in self._features], [f.where for f in self._features],
-          engine=self._engine, validate=self._validate, step=self.step)
-    return updates.apply_step(
-        payloads, [(t.name, t.optimizer,
-                     [self._variables[t.name][s]
-                      for s in ("parameters", *t.optimizer.slot_names)])
-                    for t in self._tables],
-        engine=self._engine, validate=self._validate, step=self.step,
-        failure=self._failure)
+  def _apply_all_replicas(self, replica_payloads):
+    return payloads.apply(replica_payloads, self._tables, self._features,
+                          self._variables, engine=self._engine,
+                          validate=self._validate, step=self.step,
+                          failure=self._failure)
 
 
 # --- helpers -----------------------------------------------------------------

@@ -23,7 +23,8 @@ import keras
 import tensorflow as tf
 from tensorflow.python.util import nest
 
-from tpu_embed_ext import derived_names, errors, learning_rates, optimizers
+from tpu_embed_ext import (derived_names, errors, learning_rates, optimizers,
+                           tf_optimizers)
 from tpu_embed_ext.emulation import validation
 
 __all__ = ["Table", "Feature", "resolve_all", "resolve", "slot_names", "check_trainable", "name_of",
@@ -90,7 +91,7 @@ def resolve(table, global_optimizer, i: int, engine: str) -> Table:
   tf_optimizer = table.optimizer or global_optimizer
   if tf_optimizer is None:
     return Table(table, name, None, None)
-  spec = optimizers.as_spec(tf_optimizer, where=f"table '{name}'")
+  spec = tf_optimizers.as_spec(tf_optimizer, where=f"table '{name}'")
   if engine == "v2" and spec.weight_decay_factor:
     raise errors.ConfigError(
         f"table '{name}': weight_decay_factor={spec.weight_decay_factor!r} "

@@ -7,6 +7,7 @@ import keras
 from tpu_embed_ext import errors
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext.job.config import TrainConfig, keras_config
+from tpu_embed_ext.job.outputs import StepLoss
 from tpu_embed_ext.job.replicated import call_model, rows
 from tpu_embed_ext.spec import EmbeddingSpec
 
@@ -20,10 +21,11 @@ def build_model(spec: EmbeddingSpec, cfg: TrainConfig, *, engine=None):
   multi_hot = [name for name, (_, layout) in feature_columns(spec, cfg).items()
                if layout != "dense"]
   model = RankingModel(spec, engine=engine, multi_hot=multi_hot, **dict(cfg.model))
+  loss = keras.losses.BinaryCrossentropy(from_logits=True)
   model.compile(
       optimizer=keras.optimizers.get(keras_config(cfg.dense_optimizer)),
-      loss=keras.losses.BinaryCrossentropy(from_logits=True),
-      metrics=[keras.metrics.AUC(from_logits=True, name="auc")])
+      loss=loss, metrics=[keras.metrics.AUC(from_logits=True, name="auc"),
+                          StepLoss(loss)])
   return model
 
 

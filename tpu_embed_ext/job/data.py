@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import sys
 from typing import Any, Dict
 
 import tensorflow as tf
@@ -54,7 +55,12 @@ def input_datasets(spec: EmbeddingSpec, cfg: TrainConfig, *, skip_batches=0):
   if not builder.is_prepared():
     print(f"Building the {cfg.dataset} dataset in {builder.data_dir} (once: later "
           "runs read it from there)...", flush=True)
-    # tfds prints its own lines to stdout: they go to the log (console.py).
+    # Our progress lines (synthetic_clicks reports as it generates) go to
+    # stdout; tfds prints its own lines there too: they go to the log
+    # (console.py).
+    stdout = sys.stdout
+    if hasattr(builder, "progress"):
+      builder.progress = lambda line: print(line, file=stdout, flush=True)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
       builder.download_and_prepare()

@@ -21,8 +21,8 @@ from tpu_embed_ext.job.config import check_steps, in_file, load
 from tpu_embed_ext.job.data import first_batch, input_datasets
 from tpu_embed_ext.job.evaluation import evaluate, planted_auc
 from tpu_embed_ext.job.memory import check_memory
-from tpu_embed_ext.job.outputs import (append_history, check_output_paths,
-                                       learning_rate_series,
+from tpu_embed_ext.job.outputs import (STEP_LOSS, append_history,
+                                       check_output_paths, learning_rate_series,
                                        plot_learning_curve, purge_summaries,
                                        trim_history)
 from tpu_embed_ext.job import replicated
@@ -32,7 +32,8 @@ __all__ = ["train"]
 
 
 class _Blocks(keras.callbacks.Callback):
-  """Ends a block of steps: checkpoint, held-out evaluation, history, logs.
+  """Writes every step's loss to TensorBoard; ends a block of steps:
+  checkpoint, held-out evaluation, history, logs.
 
   Blocks end at table steps that are multiples of ``block`` and at the last
   step, so checkpoint names, history rows, log lines, TensorBoard steps and
@@ -54,6 +55,8 @@ class _Blocks(keras.callbacks.Callback):
 
   def on_train_batch_end(self, batch, logs=None):
     step = self.start + batch + 1
+    with self.writer.as_default():
+      tf.summary.scalar(STEP_LOSS, logs["step_loss"], step=step)
     if step % self.block and step != self.total:
       return
     began = time.perf_counter()

@@ -1,5 +1,5 @@
 """What a run leaves in model_dir besides checkpoints: history.csv, the
-learning-rate series for TensorBoard, learning_curve.png.
+learning-rate series and the per-step loss for TensorBoard, learning_curve.png.
 
 Files are replaced whole (``atomic.write_file``), never appended in place: a
 kill leaves the previous complete history.csv or the new one. A torn last
@@ -22,12 +22,35 @@ import tensorflow as tf
 from tpu_embed_ext import atomic
 from tpu_embed_ext.spec import EmbeddingSpec
 
-__all__ = ["HISTORY", "OUTPUT_FILES", "OUTPUT_DIRS", "check_output_paths",
-           "learning_rate_series", "append_history", "read_history",
-           "trim_history", "plot_learning_curve", "purge_summaries"]
+__all__ = ["HISTORY", "STEP_LOSS", "StepLoss", "OUTPUT_FILES", "OUTPUT_DIRS",
+           "check_output_paths", "learning_rate_series", "append_history",
+           "read_history", "trim_history", "plot_learning_curve", "purge_summaries"]
 
 
 HISTORY = ("step", "loss", "auc", "eval_loss", "eval_auc")
+STEP_LOSS = "train/loss_per_step"
+"""TensorBoard tag of every step's training loss (``train/loss`` is per block)."""
+
+
+class StepLoss(keras.metrics.Metric):
+  """The loss of the last batch alone.
+
+  Keras's ``loss`` in the logs is the mean since the metrics were last reset
+  (a block, here); this is the value behind each point of ``STEP_LOSS``.
+  Under a strategy it is the mean over the replicas' batches.
+  """
+
+  def __init__(self, loss, name: str = "step_loss"):
+    super().__init__(name=name)
+    self._loss = loss
+    self._value = self.add_variable(shape=(), initializer="zeros", name="value",
+                                    aggregation="mean")
+
+  def update_state(self, y_true, y_pred, sample_weight=None):
+    self._value.assign(self._loss(y_true, y_pred, sample_weight))
+
+  def result(self):
+    return self._value
 
 # What a training run writes in its model_dir: files, then directories.
 OUTPUT_FILES = (".lock", "run.json", "history.csv", "metrics.json",

@@ -28,7 +28,8 @@ import tensorflow as tf
 from tensorflow.python.trackable import constants
 from tensorflow.python.util import nest
 
-from tpu_embed_ext import atomic, derived_names, errors, host_memory, optimizers
+from tpu_embed_ext import (atomic, derived_names, errors, host_memory,
+                           tf_optimizers)
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.checkpoint import (LAYOUTS_NAME, BundleWriter, ObjectGraph,
@@ -70,7 +71,7 @@ def _feature_config(config, optimizer):
     t = feature.table
     if any(t is seen for seen, _ in tables):
       continue
-    spec = optimizers.as_spec(t.optimizer or optimizer)
+    spec = tf_optimizers.as_spec(t.optimizer or optimizer)
     tables.append((t, _Table(t.name, t.vocabulary_size, t.dim, tuple(spec.slot_names),
                              tuple(spec.slot_initial_values()))))
   return config, [t for _, t in tables]

@@ -1,0 +1,75 @@
+"""A training step's inputs: what each replica's ``apply_gradients`` hands on,
+and the step run once from the payloads of every replica.
+
+A payload is the replica's batch verdict (``validation.status``) plus either
+the native kernel's per-feature segments (``native.update.segment``) or, per
+table, the occurrence ids and gradients of every feature on it
+(``lookups.occurrence_gradients``). ``replicas.Replicas.merge`` gathers the
+payloads; ``apply`` then runs the step on the native kernels or TensorFlow
+ops. Both paths give the same results (docs/native_kernels.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import tensorflow as tf
+
+from tpu_embed_ext.emulation import lookups, native, updates, validation
+
+__all__ = ["uses_native", "build", "apply"]
+
+
+def uses_native(native_step: bool, engine: str, tables, num_workers: int) -> bool:
+  """Whether this step's payload is the native kernel's.
+
+  Across workers the payloads are all-gathered by concatenation, which keeps
+  occurrence-form (ids, grads) whole but not the native op's per-replica row
+  indices: there the update runs TensorFlow ops. So it does in graphs for
+  tables without gradient accumulation: Grappler rewrites the TF-op path's
+  rounds (a while loop) otherwise than the straight-line step the kernel
+  mirrors (FTRL differed by 2 ulp).
+  """
+  rounds = engine == "v1" and any(
+      not t.optimizer.use_gradient_accumulation for t in tables)
+  return (native_step and num_workers == 1
+          and not (rounds and not tf.executing_eagerly()))
+
+
+def build(pending, gradients, tables, features, *, native_update: bool
+          ) -> Dict[str, Any]:
+  """One replica's payload for its ``pending`` batch and ``gradients``
+  (flattened in feature order; None is a zero gradient)."""
+  per_table: List[list] = [[] for _ in tables]
+  segments = []  # the native update's inputs, one per feature
+  for feature, occ, grad in zip(features, pending.occurrences, gradients):
+    dim = tables[feature.table].config.dim
+    if grad is not None:
+      validation.check_gradient(feature.where, grad, list(occ.shape) + [dim])
+    if native_update:
+      segments.append(native.update.segment(occ, grad, dim))
+    else:
+      per_table[feature.table].append(lookups.occurrence_gradients(occ, grad, dim))
+  status = validation.status(pending.verdict)
+  if native_update:
+    return {"status": status, "segments": segments}
+  return {"status": status,
+          "ids": [tf.concat([ids for ids, _ in parts], 0) for parts in per_table],
+          "grads": [tf.concat([g for _, g in parts], 0) for parts in per_table]}
+
+
+def apply(payloads, tables, features, variables, *, engine: str, validate: bool,
+          step: tf.Variable, failure: tf.Variable):
+  """The step, once, from the payloads of every replica: native or TF ops."""
+  def table_variables(t):
+    return [variables[t.name][s] for s in ("parameters", *t.optimizer.slot_names)]
+
+  if "segments" in payloads[0]:
+    return native.update.apply_step(
+        payloads, [native.update.Table(t.name, t.optimizer, table_variables(t),
+                                       t.config.vocabulary_size) for t in tables],
+        [f.table for f in features], [f.where for f in features],
+        engine=engine, validate=validate, step=step)
+  return updates.apply_step(
+      payloads, [(t.name, t.optimizer, table_variables(t)) for t in tables],
+      engine=engine, validate=validate, step=step, failure=failure)
