@@ -41,12 +41,14 @@ def _feature_config(batch):
           "item": api.FeatureConfig(tables["item"], output_shape=[batch])}
 
 
-def _global_batches():
-  """STEPS global batches: single-hot users, multi-hot items (ragged)."""
+def _global_batches(n=REPLICAS * PER_REPLICA):
+  """STEPS global batches of n samples: single-hot users, multi-hot items (ragged).
+
+  tests/tpu_programs/sparsecore_mid_level.py draws its batches the same way.
+  """
   rng = np.random.RandomState(7)
   out = []
   for _ in range(STEPS):
-    n = REPLICAS * PER_REPLICA
     lengths = rng.randint(1, 4, n)
     out.append({"user": rng.randint(0, VOCAB["user"], n).astype(np.int64),
                 "item": (rng.randint(0, VOCAB["item"], lengths.sum()).astype(np.int64),
@@ -66,11 +68,11 @@ def _gradients(activations):
   return tf.nest.map_structure(lambda a: a - 1.0, activations)
 
 
-def _numpy_reference():
+def _numpy_reference(batches=None):
   """The TPU's math: per-id gradients summed over the global batch, Adagrad once per step."""
   params = {n: _initial(n).astype(np.float64) for n in VOCAB}
   acc = {n: np.full((VOCAB[n], DIM), INITIAL_ACCUMULATOR) for n in VOCAB}
-  for batch in _global_batches():
+  for batch in batches or _global_batches():
     occurrences = {"user": [(s, [i]) for s, i in enumerate(batch["user"])]}
     ids, lengths = batch["item"]
     starts = np.concatenate([[0], np.cumsum(lengths)])
@@ -118,9 +120,10 @@ def _tpu_program(batches, sparse_core_config=None):
   return strategy, embedding
 
 
-def _cpu_run():
-  emb = tee.CPUEmbedding(_feature_config(REPLICAS * PER_REPLICA), engine="v2")
-  for batch in _global_batches():
+def _cpu_run(batches=None):
+  batches = batches or _global_batches()
+  emb = tee.CPUEmbedding(_feature_config(len(batches[0]["user"])), engine="v2")
+  for batch in batches:
     emb.enqueue(_as_tensors(batch), training=True)
     emb.apply_gradients(_gradients(emb.dequeue()))
   return emb
