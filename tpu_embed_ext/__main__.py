@@ -330,10 +330,9 @@ def _emulate(argv: List[str]) -> int:
       raise
     return _usage_error("emulate is not available in this installation of "
                         "tpu_embed_ext. Fix: install a version that has it.")
-  status = runner.main(argv)
-  if _owns_process:  # Ends as a finished `python SCRIPT` would (runner.py).
-    runner.exit_now(status)
-  return status
+  # A script that ran ends the process in runner.main (its fast exit), unless
+  # --finalize asks for Python's normal exit, which returning here gives.
+  return runner.main(argv)
 
 
 COMMANDS: Dict[str, Callable[[List[str]], int]] = {
