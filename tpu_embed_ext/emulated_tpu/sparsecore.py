@@ -40,6 +40,7 @@ from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.emulated_tpu import pipelining, sparsecore_stats
 from tpu_embed_ext.emulation import engine as engine_lib
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore import topology as sc_topology
@@ -108,7 +109,7 @@ class StackedTable:
         "the tables.")
 
 
-class TPUEmbeddingV2(engine_lib.CPUEmbedding):
+class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
   """``TPUEmbeddingV2`` under the emulated ``TPUStrategy`` (see the module doc)."""
 
   DEFAULT_MAX_IDS_PER_TABLE = 256
@@ -122,12 +123,6 @@ class TPUEmbeddingV2(engine_lib.CPUEmbedding):
       # Upstream's check and message (RuntimeError), on the emulated classes.
       raise RuntimeError(
           f"TPUEmbeddingV2 should be created under TPUStrategy but found {strategy}.")
-    if pipeline_execution_with_tensor_core:
-      raise errors.ConfigError(
-          "TPUEmbeddingV2(pipeline_execution_with_tensor_core=True) makes a TPU "
-          "look up tables one step old, which the emulated TPU does not "
-          "reproduce. Fix: pass pipeline_execution_with_tensor_core=False "
-          "(results then equal a TPU's without pipelining).")
     _check_weight_decay(feature_config, optimizer)
     topology = topology_of(strategy)
     super().__init__(feature_config, optimizer, engine="v2", topology=topology,
@@ -137,6 +132,12 @@ class TPUEmbeddingV2(engine_lib.CPUEmbedding):
     object.__setattr__(self, "_feature_stacks",
                        [stack_of[self._tables[f.table].name] for f in self._features])
     object.__setattr__(self, "_stacks", sorted(set(stack_of.values())))
+    self._init_pipelining(pipeline_execution_with_tensor_core)
+
+  compute_sparse_core_stats = classmethod(
+      lambda cls, *args, **kwargs: sparsecore_stats.compute_sparse_core_stats(
+          *args, **kwargs))
+  compute_sparse_core_stats.__doc__ = sparsecore_stats.__doc__
 
   # --- tables --------------------------------------------------------------
 
@@ -181,7 +182,9 @@ class TPUEmbeddingV2(engine_lib.CPUEmbedding):
   @_library_code
   def embedding_lookup(self, features, weights=None):
     """``(activations, preserved_outputs)`` of this replica's batch."""
-    return self.dequeue(self.enqueue(features, weights))
+    with self._pipelined(pipelining.FORWARD):
+      partitioned = self.enqueue(features, weights)
+    return self.dequeue(partitioned)
 
   @_library_code
   def __call__(self, features, weights=None):
@@ -207,7 +210,16 @@ class TPUEmbeddingV2(engine_lib.CPUEmbedding):
   def dequeue(self, partitioned_tensors):
     """``(activations, preserved_outputs)`` of the batch ``enqueue`` recorded."""
     self._check_preserved(partitioned_tensors, "dequeue(partitioned_tensors)")
-    return super().dequeue(), partitioned_tensors
+    with self._pipelined(pipelining.FORWARD):
+      return super().dequeue(), partitioned_tensors
+
+  @_library_code
+  def _copy_tensors_to_device(self, partitioned_tensors):
+    """``enqueue``'s output as ``apply_gradients`` takes it (unchanged here:
+    the emulation has no host-to-TPU copy of the batch)."""
+    self._check_preserved(partitioned_tensors,
+                          "_copy_tensors_to_device(partitioned_tensors)")
+    return partitioned_tensors
 
   @_library_code
   def apply_gradients(self, gradients, preserved_outputs=None):
@@ -218,7 +230,8 @@ class TPUEmbeddingV2(engine_lib.CPUEmbedding):
           "call the embedding lookup method first or manually call the build "
           "method.")
     self._check_preserved(preserved_outputs, "apply_gradients(preserved_outputs)")
-    super().apply_gradients(gradients)
+    with self._pipelined(pipelining.BACKWARD):
+      super().apply_gradients(gradients)
 
   def _local_replica(self, what) -> int:
     # A lookup outside strategy.run is the first replica's (see enqueue);
