@@ -200,6 +200,8 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
     for a single device").
     """
     reps = self._replicas
+    if device is not None and not reps.in_replica_fn():
+      _check_one_replica(features, weights)
     if (device is None and reps.num_local > 1 and not reps.in_replica_fn()
         and len(reps.split(features)) == 1):
       device = reps.strategy.extended.worker_devices[0]
@@ -264,6 +266,24 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
           + f", not the preserved outputs of this object's lookup (a dict keyed "
           f"by stacked table name: {self._stacks}). Fix: pass the second output "
           "of embedding_lookup (or enqueue's output to dequeue), unchanged.")
+
+
+def _check_one_replica(features, weights):
+  """Upstream's refusal of distributed values given with ``device=``.
+
+  ``TPUEmbeddingV2.enqueue(..., device=)`` preprocesses one device's batch;
+  ``_convert_input_feature_to_list_of_coo_tensors`` raises this ValueError for
+  anything but a Tensor, SparseTensor or RaggedTensor.
+  """
+  for value in nest.flatten([features, weights]):
+    if isinstance(value, tf.distribute.DistributedValues):
+      raise errors.InputError(
+          f"Input of unknown type {type(value)}. Please only pass Tensor, "
+          "SparseTensor or RaggedTensor as input to embedding lookup. "
+          "(TPUEmbeddingV2.enqueue(device=...) takes one replica's batch, got "
+          f"{type(value).__name__}. Fix: pass strategy.experimental_local_results"
+          "(x)[i] with device=strategy.extended.worker_devices[i], or enqueue "
+          "inside strategy.run without device=.)")
 
 
 def _check_weight_decay(feature_config, optimizer):

@@ -256,7 +256,7 @@ class EmulatedTPUExtended(mirrored_strategy.MirroredExtended):
     self._device_assignment = None
     # TPUExtended's [replicas, logical cores per replica] array of device
     # names (one core per replica here); TPUEmbeddingV2 and its tests read it.
-    self._tpu_devices = np.array([[d] for d in devices], dtype=object)
+    self._tpu_devices = np.array([[d] for d in self.worker_devices], dtype=object)
 
   @property
   def tpu_hardware_feature(self):
