@@ -97,7 +97,7 @@ def _tables(embedding):
   return {n: embedding.table_variables(n)["parameters"].numpy() for n in VOCAB}
 
 
-def _train_in_loop(summaries=False, sequential=False, tmp_path=None):
+def _train_in_loop(summaries=False, sequential=False, tmp_path=None, record=True):
   """STEPS steps in one tf.function's tf.range loop (the pipelined form)."""
   batches = _batches()
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
@@ -112,7 +112,7 @@ def _train_in_loop(summaries=False, sequential=False, tmp_path=None):
 
     if summaries:
       writer = tf.summary.create_file_writer(str(tmp_path))
-      with writer.as_default(), tf.summary.record_if(True):
+      with writer.as_default(), tf.summary.record_if(record):
         train(iterator)
     elif sequential:
       with ecu.SequentialEmbeddingContext():
@@ -213,3 +213,36 @@ def test_lookup_and_update_ops_carry_the_pipelining_attribute():
     except ValueError:
       pass
   assert modes == {b"forward", b"backward"}
+
+
+def test_summaries_switched_off_keep_the_loop_pipelined(tmp_path):
+  batches, tables, _ = _train_in_loop(summaries=True, record=False, tmp_path=tmp_path)
+  _assert_tables(tables, _numpy_reference(batches, pipelined=True))
+
+
+def test_a_writer_that_may_record_later_is_not_emulated(tmp_path):
+  batches = _batches()
+  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+    strategy, embedding = _strategy_and_embedding()
+    iterator = iter(_dataset(strategy, batches))
+    step = _replica_step(embedding)
+
+    @tf.function
+    def train(iterator):
+      for _ in tf.range(STEPS):
+        strategy.run(step, args=(next(iterator),))
+
+    with tf.summary.create_file_writer(str(tmp_path)).as_default():
+      with pytest.raises(tee.emulated_tpu.NotEmulatedError) as e:
+        train(iterator)
+    before = _tables(embedding)
+  for n in VOCAB:  # refused while tracing: nothing ran
+    np.testing.assert_array_equal(before[n], _initial(n))
+  assert str(e.value) == (
+      "TPUEmbeddingV2(pipeline_execution_with_tensor_core=True) traced a loop "
+      "step with a default summary writer: a TPU runs the loop sequentially if "
+      "the program writes any summary, and the emulation cannot see summaries "
+      "written after this step is traced. Fix: trace it under "
+      "tf.summary.record_if(False) (pipelined), under "
+      "tf.summary.record_if(True) or SequentialEmbeddingContext (sequential), "
+      "or without a default writer.")

@@ -30,8 +30,10 @@ loop sees every earlier update, as after the TPU's drain. Lookups outside a
 loop (eager steps, one step per ``tf.function`` call) see every earlier update:
 the pass pipelines a loop's iterations and nothing else. Sequential steps
 (the three conditions above, seen when the lookup or ``apply_gradients`` is
-traced) record nothing. A summary op created after ``apply_gradients`` in the
-same traced step is not seen (see docs/guides/tpu-on-cpu.md).
+traced) record nothing. A pipelined loop step traced with a default summary
+writer while recording is not switched off raises ``NotEmulatedError``: a
+``tf.summary`` call later in the program would make the TPU run the loop
+sequentially, and the emulation cannot see it while tracing the step.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from tensorflow.python.ops import control_flow_v2_func_graphs, summary_ops_v2
 from tensorflow.python.tpu import embedding_context_utils as ecu
 from tensorflow.python.tpu import tpu_embedding_v3 as tf_v3
 
-__all__ = ["Lag", "tagged", "while_body", "sequential_reason"]
+__all__ = ["Lag", "PipelinedSteps", "tagged", "while_body", "sequential_reason",
+           "check_summaries_known"]
 
 FORWARD = tf_v3._PIPELINE_MODE_FORWARD  # pylint: disable=protected-access
 BACKWARD = tf_v3._PIPELINE_MODE_BACKWARD  # pylint: disable=protected-access
@@ -98,6 +101,28 @@ def sequential_reason() -> Optional[str]:
   if _writes_summaries(ops.get_default_graph()):
     return "the program writes summaries"
   return None
+
+
+def check_summaries_known() -> None:
+  """NotEmulatedError when the program may write summaries later in its trace.
+
+  Called for a pipelined step once ``sequential_reason`` found none: with a
+  default writer and recording not switched off, a ``tf.summary`` call made
+  after this point (later in the loop body, or after the loop) adds the
+  ``WriteSummary`` op that makes the TPU compiler run the loop sequentially,
+  which the emulation cannot know while it traces the step.
+  """
+  recording = summary_ops_v2._summary_state.is_recording  # pylint: disable=protected-access
+  if summary_ops_v2.has_default_writer() and recording is not False:
+    from tpu_embed_ext import emulated_tpu  # pylint: disable=g-import-not-at-top
+    raise emulated_tpu.NotEmulatedError(
+        "TPUEmbeddingV2(pipeline_execution_with_tensor_core=True) traced a loop "
+        "step with a default summary writer: a TPU runs the loop sequentially if "
+        "the program writes any summary, and the emulation cannot see summaries "
+        "written after this step is traced. Fix: trace it under "
+        "tf.summary.record_if(False) (pipelined), under "
+        "tf.summary.record_if(True) or SequentialEmbeddingContext (sequential), "
+        "or without a default writer.")
 
 
 class Lag:
@@ -182,6 +207,8 @@ class PipelinedSteps:
     lag_mode = None
     if body is not None:
       sequential = sequential_reason() is not None
+      if not sequential:
+        check_summaries_known()
       if mode == FORWARD:
         self._lag.reset_before(body)
         if sequential:

@@ -11,23 +11,36 @@ TF 2.21):
   ``apply_gradients(gradients, preserved_outputs)`` applies that batch's
   gradients (a ``None`` gradient is a zero gradient);
 * ``enqueue(features, weights, device)`` / ``dequeue(partitioned)``: the two
-  halves of ``embedding_lookup``;
+  halves of ``embedding_lookup``; ``apply_gradients`` may follow ``enqueue``
+  directly, through ``_copy_tensors_to_device`` (as TensorFlow's tests train);
+  ``enqueue(device=...)`` of distributed values is refused with TensorFlow's
+  ``ValueError`` phrase ("Input of unknown type ...");
 * the topology is the strategy's: ``num_replicas_in_sync`` chips of
   ``tpu_hardware_feature.num_embedding_devices_per_chip`` SparseCores (4 when
   it reports none, as upstream): tables are stacked for it, each replica's
   ids are checked against ``SparseCoreEmbeddingConfig``'s limits as its
   chip's (dropped with ``allow_id_dropping``), and checkpoints hold the
   stacked variables and ``_sparse_core_table_layouts``;
+* ``TPUEmbeddingV2.compute_sparse_core_stats`` profiles one chip's batch with
+  the counts those limits are checked against (``sparsecore_stats.py``);
+* ``pipeline_execution_with_tensor_core=True``: a step inside a
+  ``tf.while_loop`` looks up the tables before the previous step's update,
+  as the TPU compiler staggers the loop; steps outside a loop, with summaries
+  recorded, or in ``SequentialEmbeddingContext`` are sequential; lookups and
+  updates carry TensorFlow's ``_embedding_pipelining`` attribute
+  (``pipelining.py``);
 * ``embedding_tables`` / ``variables`` are keyed by stacked table name, as
   upstream's; their values are read-only views of the stacked layout
   (``StackedTable``: ``.values`` is one shard per replica, as
   ``TPUEmbeddingShardedVariable``'s).
 
-What is not SparseCore's: ``preserved_outputs`` is a dict keyed by stacked
-table name, as upstream's, but its values are the number of ids each stack
-received from this replica, not SparseCore's CSR buffers (pass it back to
-``apply_gradients`` unchanged, as programs do). ``pipeline_execution_with_tensor_core=True``
-makes a TPU look up tables one step old; that is not emulated and is refused.
+What is not SparseCore's: ``preserved_outputs`` (and ``enqueue``'s output) is
+a dict keyed by stacked table name, as upstream's, but its values are the
+number of ids each stack received from this replica, not SparseCore's CSR
+buffers (TensorFlow's CPU wheel has no kernels for SparseCore's preprocessing
+ops): pass it on unchanged, as programs do. The batch itself stays with the
+object, so ``dequeue`` / ``apply_gradients`` must be traced in the
+``tf.function`` that enqueued it (or one nested in it).
 """
 
 from __future__ import annotations
