@@ -247,3 +247,40 @@ def test_compute_sparse_core_stats_refuses_distributed_values():
       "Please only pass Tensor, SparseTensor or RaggedTensor as input to embedding "
       "lookup. (feature '0': compute_sparse_core_stats profiles one chip's batch. "
       "Fix: pass one replica's values, e.g. strategy.experimental_local_results(x)[0].)")
+
+
+def test_a_batch_enqueued_in_another_function_is_dequeued_from_its_output():
+  """Upstream's pattern: ``enqueue(batch, device=...)`` in one tf.function,
+  its output passed to ``strategy.run``: every replica looks up that batch
+  (a replicated input), and their gradients are summed."""
+  batches = [_ids(0, f) for f in range(2)], [_ids(1, f) for f in range(2)]
+  table = _initial((VOCAB, DIM)).astype(np.float64)
+  for ids in batches:  # numpy: SGD on 0.5 * sum((a - 1)^2), REPLICAS copies
+    grad = np.zeros_like(table)
+    for feature in ids:
+      for row in feature:
+        activation = table[row].sum(axis=0)
+        for i in row:
+          grad[i] += REPLICAS * (activation - 1.0)
+    table = table - LR * grad
+  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+    strategy = _strategy()
+    with strategy.scope():
+      embedding = api.TPUEmbeddingV2(_feature_config(), api.SGD(LR))
+
+    @tf.function
+    def enqueue(features):
+      return embedding.enqueue(features, device=strategy.extended.worker_devices[0])
+
+    def step(partitioned):
+      activations, preserved = embedding.dequeue(partitioned)
+      embedding.apply_gradients([a - 1.0 for a in activations], preserved)
+
+    @tf.function
+    def train(features):
+      strategy.run(step, args=(enqueue(features),))
+
+    for ids in batches:
+      train([tf.RaggedTensor.from_tensor(tf.constant(x)) for x in ids])
+    ours = embedding.table_variables("video")["parameters"].numpy()
+  np.testing.assert_allclose(ours, table, rtol=1e-5, atol=1e-6)

@@ -53,7 +53,7 @@ from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.emulated_tpu import pipelining, sparsecore_stats
+from tpu_embed_ext.emulated_tpu import partitioned, pipelining, sparsecore_stats
 from tpu_embed_ext.emulation import engine as engine_lib
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore import topology as sc_topology
@@ -219,12 +219,15 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
         and len(reps.split(features)) == 1):
       device = reps.strategy.extended.worker_devices[0]
     super().enqueue(features, weights, training=True, device=device)
-    return self._ids_per_stack()
+    pending = self._batches._pending  # pylint: disable=protected-access
+    return partitioned.pack(self._stacks, self._feature_stacks,
+                            [pending[r] for r in self._enqueued])
 
   @_library_code
   def dequeue(self, partitioned_tensors):
     """``(activations, preserved_outputs)`` of the batch ``enqueue`` recorded."""
     self._check_preserved(partitioned_tensors, "dequeue(partitioned_tensors)")
+    self._adopt(partitioned_tensors, "dequeue()")
     with self._pipelined(pipelining.FORWARD):
       return super().dequeue(), partitioned_tensors
 
@@ -245,6 +248,7 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
           "call the embedding lookup method first or manually call the build "
           "method.")
     self._check_preserved(preserved_outputs, "apply_gradients(preserved_outputs)")
+    self._adopt(preserved_outputs, "apply_gradients()")
     with self._pipelined(pipelining.BACKWARD):
       super().apply_gradients(gradients)
 
@@ -259,16 +263,17 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
     super()._put(batches, training)
     object.__setattr__(self, "_enqueued", sorted(batches))
 
-  def _ids_per_stack(self) -> Dict[str, tf.Tensor]:
-    """Ids each stack received from the batches just enqueued (the
-    preserved outputs)."""
-    pending = self._batches._pending  # pylint: disable=protected-access
-    counts = {stack: [] for stack in self._stacks}
-    for replica in self._enqueued:
-      for stack, occ in zip(self._feature_stacks, pending[replica].occurrences):
-        counts[stack].append(tf.size(occ.ids, tf.int32))
-    return {stack: tf.add_n(c) if c else tf.zeros([], tf.int32)
-            for stack, c in counts.items()}
+  def _adopt(self, partitioned_tensors, what: str):
+    """Takes the batch ``partitioned_tensors`` carries as this replica's
+    pending one when the batch enqueued is not visible here (enqueued in
+    another ``tf.function``, as a TPU program may): ``partitioned.py``."""
+    replica = self._local_replica(what)
+    if self._batches.visible(replica):
+      return
+    batch = partitioned.unpack(partitioned_tensors, self._feature_stacks,
+                               self._output_shapes, self._feature_config)
+    if batch is not None:
+      self._batches.put(replica, batch, self._replicas.num_local)
 
   def _check_preserved(self, preserved: Any, what: str):
     keys = sorted(preserved) if isinstance(preserved, dict) else None
