@@ -11,7 +11,7 @@ TF 2.21):
   ``apply_gradients(gradients, preserved_outputs)`` applies that batch's
   gradients (a ``None`` gradient is a zero gradient);
 * ``enqueue(features, weights, device)`` / ``dequeue(partitioned)``: the two
-  halves of ``embedding_lookup``; ``apply_gradients`` may follow ``enqueue``
+  halves of ``embedding_lookup`` (``partitioned.py``); ``apply_gradients`` may follow ``enqueue``
   directly, through ``_copy_tensors_to_device`` (as TensorFlow's tests train);
   ``enqueue(device=...)`` of distributed values is refused with TensorFlow's
   ``ValueError`` phrase ("Input of unknown type ...");
@@ -35,12 +35,13 @@ TF 2.21):
   ``TPUEmbeddingShardedVariable``'s).
 
 What is not SparseCore's: ``preserved_outputs`` (and ``enqueue``'s output) is
-a dict keyed by stacked table name, as upstream's, but its values are the
-number of ids each stack received from this replica, not SparseCore's CSR
-buffers (TensorFlow's CPU wheel has no kernels for SparseCore's preprocessing
-ops): pass it on unchanged, as programs do. The batch itself stays with the
-object, so ``dequeue`` / ``apply_gradients`` must be traced in the
-``tf.function`` that enqueued it (or one nested in it).
+a dict keyed by stacked table name, as upstream's, but its values are
+``partitioned.PartitionedBatch``es (the ids each stack received and the
+engine's occurrence tensors), not SparseCore's CSR buffers (TensorFlow's CPU
+wheel has no kernels for SparseCore's preprocessing ops): pass them on
+unchanged, as programs do. Like upstream's, they carry the batch, so
+``dequeue`` / ``apply_gradients`` may be traced in another ``tf.function``
+than ``enqueue``; passed to ``strategy.run``, every replica reads that batch.
 """
 
 from __future__ import annotations
