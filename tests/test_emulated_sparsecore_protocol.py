@@ -115,12 +115,15 @@ def test_copy_tensors_to_device_checks_its_input():
       "embedding_lookup (or enqueue's output to dequeue), unchanged.")
 
 
-def test_tpu_devices_are_the_replica_devices():
+def test_tpu_devices_and_sparsecores_per_chip():
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
     strategy = _strategy()
     devices = strategy.extended._tpu_devices  # pylint: disable=protected-access
     assert devices.shape == (REPLICAS, 1)
     assert list(devices[:, 0]) == list(strategy.extended.worker_devices)
+    with strategy.scope():
+      embedding = api.TPUEmbeddingV2(_feature_config(), api.SGD(LR))
+    assert embedding._num_sc_per_chip == 4  # pylint: disable=protected-access
 
 
 def test_callable_initializers_fill_the_tables():

@@ -153,6 +153,11 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
           *args, **kwargs))
   compute_sparse_core_stats.__doc__ = sparsecore_stats.__doc__
 
+  @property
+  def _num_sc_per_chip(self) -> int:
+    """SparseCores per chip, as upstream's attribute (its tests read it)."""
+    return self._topology.sparsecores_per_chip
+
   # --- tables --------------------------------------------------------------
 
   @property
