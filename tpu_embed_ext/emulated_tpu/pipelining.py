@@ -39,6 +39,7 @@ sequentially, and the emulation cannot see it while tracing the step.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Dict, Optional
 
 import tensorflow as tf
@@ -133,7 +134,9 @@ class Lag:
   """
 
   def __init__(self, dims: Dict[str, int], variable_scope):
-    self._reset_in = set()  # ids of the loop bodies whose loop resets first
+    # Loop bodies whose loop empties the record first (weak: a new graph may
+    # reuse a collected one's id).
+    self._reset_in = weakref.WeakSet()
     with tf.init_scope(), variable_scope():
       self.ids = {t: tf.Variable(tf.zeros([0], tf.int64), trainable=False,
                                  shape=tf.TensorShape([None]), name=f"{t}_lag_ids")
@@ -149,9 +152,9 @@ class Lag:
 
   def reset_before(self, body) -> None:
     """Empties the record before every run of ``body``'s loop (once per trace)."""
-    if id(body) in self._reset_in:
+    if body in self._reset_in:
       return
-    self._reset_in.add(id(body))
+    self._reset_in.add(body)
     outer = body.outer_graph
     # Made in the graph that holds the While op, before it exists: automatic
     # control dependencies run it first (the loop captures these variables).
@@ -194,7 +197,7 @@ class PipelinedSteps:
     object.__setattr__(self, "_pipelining", bool(enable))
     object.__setattr__(self, "_lag", None)
     object.__setattr__(self, "_lag_mode", None)  # "read" / "record" / "clear"
-    object.__setattr__(self, "_sequential_bodies", set())
+    object.__setattr__(self, "_sequential_bodies", weakref.WeakSet())
     if enable:
       object.__setattr__(self, "_lag", Lag(
           {t.name: t.config.dim for t in self._tables},
@@ -212,11 +215,11 @@ class PipelinedSteps:
       if mode == FORWARD:
         self._lag.reset_before(body)
         if sequential:
-          self._sequential_bodies.add(id(body))
+          self._sequential_bodies.add(body)
         else:
           lag_mode = "read"
       else:
-        lag_mode = ("clear" if sequential or id(body) in self._sequential_bodies
+        lag_mode = ("clear" if sequential or body in self._sequential_bodies
                     else "record")
     previous = self._lag_mode
     object.__setattr__(self, "_lag_mode", lag_mode)
