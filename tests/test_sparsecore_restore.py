@@ -309,3 +309,55 @@ def test_per_table_checkpoint_missing_a_table_of_a_stack_is_refused(tmp_path):
            f"(checkpoint {path} holds table 'user' but not 'item' of SparseCore stack "
            "'item_user', which is restored as one). Fix: restore a checkpoint with "
            "every table of this embedding.", wrapped=True)
+
+
+def _single_table(value):
+  """One table ("video", a stack of its own named like it) of constant ``value``."""
+  return api.FeatureConfig(api.TableConfig(
+      64, 8, name="video", initializer=tf.constant_initializer(value),
+      optimizer=api.SGD(1.0)), name="watched", output_shape=[PER_REPLICA])
+
+
+def test_stacked_checkpoint_restores_before_build_over_another_initializer(tmp_path):
+  # TensorFlow's tpu_embedding_v3_checkpoint_test, on public members: a
+  # TPUEmbeddingV2 saved, restored before build into one whose initializer
+  # differs; the saved rows win, shard by shard.
+  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+    strategy = _strategy()
+    with strategy.scope():
+      first = api.TPUEmbeddingV2(_single_table(1.0), api.SGD())
+      first.build()
+      first.table_variables("video")["parameters"].assign(
+          tf.reshape(tf.range(64 * 8, dtype=tf.float32), [64, 8]))
+      path = tf.train.Checkpoint(model=first).save(str(tmp_path / "save"))
+      second = api.TPUEmbeddingV2(_single_table(2.0), api.SGD())
+    status = tf.train.Checkpoint(model=second).restore(path)
+    second.build()
+    status.assert_consumed()
+    saved, restored = (e.embedding_tables["video"] for e in (first, second))
+    assert len(restored.values) == REPLICAS
+    for a, b in zip(saved.values, restored.values):
+      np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_array_equal(second.table_variables("video")["parameters"].numpy(),
+                                  np.arange(64 * 8, dtype=np.float32).reshape(64, 8))
+
+
+@pytest.mark.parametrize("when", ["before_build", "after_build"])
+def test_per_table_checkpoint_of_a_table_named_like_its_stack(tmp_path, when):
+  # One table: its stack has its name, so the per-table key "video" names
+  # the stacked variable too; the checkpoint's missing layouts tell them apart.
+  rows = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+  cpu = tee.CPUEmbedding(_single_table(0.0), api.SGD(1.0))
+  cpu.build()
+  cpu.variables["video"]["parameters"].assign(rows)
+  path = tf.train.Checkpoint(embedding=cpu).write(str(tmp_path / "per_table"))
+  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+    strategy = _strategy()
+    with strategy.scope():
+      embedding = api.TPUEmbeddingV2(_single_table(2.0), api.SGD())
+    if when == "after_build":
+      embedding.build()
+    tf.train.Checkpoint(embedding=embedding).restore(path)
+    embedding.build()
+    np.testing.assert_array_equal(
+        embedding.table_variables("video")["parameters"].numpy(), rows)
