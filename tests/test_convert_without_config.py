@@ -115,3 +115,14 @@ def test_without_config_an_embedding_must_be_recognisable(tmp_path):
   # With --prefix it converts.
   layouts = convert_checkpoint(path, str(tmp_path / "out"), None, "2x4", prefix="embedding")
   assert [l.table for l in layouts] == ["user"]
+
+
+def test_stacked_checkpoint_converts_to_per_table_without_config(tmp_path):
+  path = _tensorflow_program_checkpoint(tmp_path)
+  stacked, back = str(tmp_path / "stacked" / "ckpt-1"), str(tmp_path / "back" / "ckpt-1")
+  convert_checkpoint(path, stacked, None, "2x4")
+  assert convert_checkpoint(stacked, back, None, None) is None
+  original, returned = jobs.variables(path), jobs.variables(back)
+  assert sorted(original) == sorted(returned)
+  for key in original:
+    assert np.asarray(original[key]).tobytes() == np.asarray(returned[key]).tobytes(), key

@@ -361,3 +361,30 @@ def test_per_table_checkpoint_of_a_table_named_like_its_stack(tmp_path, when):
     embedding.build()
     np.testing.assert_array_equal(
         embedding.table_variables("video")["parameters"].numpy(), rows)
+
+
+@pytest.mark.parametrize("last", ["per_table", "stacked"])
+def test_two_restores_before_build_apply_in_order(tmp_path, last):
+  # A per-table checkpoint (the router's) and one of this layout
+  # (TensorFlow's own deferral) restored before build: the later one wins,
+  # as between any two restores.
+  per_table_rows = np.full((64, 8), 3.0, np.float32)
+  cpu = tee.CPUEmbedding(_single_table(0.0), api.SGD(1.0))
+  cpu.build()
+  cpu.variables["video"]["parameters"].assign(per_table_rows)
+  per_table = tf.train.Checkpoint(embedding=cpu).write(str(tmp_path / "per_table"))
+  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+    strategy = _strategy()
+    with strategy.scope():
+      first = api.TPUEmbeddingV2(_single_table(5.0), api.SGD())
+      first.build()
+      stacked = tf.train.Checkpoint(embedding=first).write(str(tmp_path / "stacked"))
+      embedding = api.TPUEmbeddingV2(_single_table(2.0), api.SGD())
+    order = [stacked, per_table] if last == "per_table" else [per_table, stacked]
+    for path in order:
+      tf.train.Checkpoint(embedding=embedding).restore(path)
+    embedding.build()
+    expected = 3.0 if last == "per_table" else 5.0
+    np.testing.assert_array_equal(
+        embedding.table_variables("video")["parameters"].numpy(),
+        np.full((64, 8), expected, np.float32))

@@ -115,8 +115,8 @@ def stored_tables(path: str, prefix: Optional[str] = None
     return tuple(s for s in derived_names.SLOT_NAMES
                  if derived_names.local_name(name, s) in children)
   if LAYOUTS_NAME in children:
-    from tpu_embed_ext.sparsecore.convert import checkpoint_layouts  # pylint: disable=g-import-not-at-top
-    layouts = checkpoint_layouts(path, prefix)
+    layouts = sc_layout.layouts_from_proto(tf.train.load_checkpoint(path).get_tensor(
+        derived_names.variable_key(prefix, LAYOUTS_NAME)))
     return prefix, [StoredTable(l.table, l.rows, l.dim, slots_of(l.stack))
                     for l in sorted(layouts, key=lambda l: l.table)]
   proto = _graph(path)

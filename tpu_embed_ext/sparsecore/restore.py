@@ -140,13 +140,32 @@ class Router:
       return source.layouts is not None
     return self._target(name, source) is not None
 
+  def hold_deferred(self, owner, variables) -> List[Tuple[str, object]]:
+    """Takes TensorFlow's deferred restores of the names the stacked objects
+    will have (``built`` applies them), so tracking does not apply them first."""
+    names = {LAYOUTS_NAME}
+    for stack, members in sc_layout.layouts_by_stack(self._ours.values()).items():
+      names.update(stack if s == _PARAMETERS else f"{stack}/{s}"
+                   for s in variables[members[0].table])
+    owner._maybe_initialize_trackable()  # pylint: disable=protected-access
+    deferred = owner._deferred_dependencies  # pylint: disable=protected-access
+    return [(name, p) for name in sorted(names) for p in deferred.pop(name, ())]
+
   def built(self, variables: Mapping[str, Mapping[str, tf.Variable]],
-            tracked: Mapping[str, trackable_base.Trackable]) -> None:
-    """The engine created (and tracked) its variables: load what waited."""
+            tracked: Mapping[str, trackable_base.Trackable],
+            held: Sequence[Tuple[str, object]] = ()) -> None:
+    """The engine created (and tracked) its variables: load what waited,
+    ``held`` (``hold_deferred``) and the router's own, oldest restore first."""
     self._variables, self._tracked = variables, dict(tracked)
     pending, self._pending = self._pending, []
-    for name, position, source in pending:
-      self._load(name, position, source)
+    waiting = [(p.checkpoint.restore_uid, 0, name, p, None) for name, p in held]
+    waiting += [(p.checkpoint.restore_uid, 1, name, p, source)
+                for name, p, source in pending]
+    for _, routed, name, position, source in sorted(waiting, key=lambda w: w[:2]):
+      if routed:
+        self._load(name, position, source)
+      elif name in self._tracked:
+        position.restore(self._tracked[name])
 
   # --- loading ------------------------------------------------------------
 
@@ -177,7 +196,7 @@ class Router:
   def _load(self, name: str, position, source: _Source) -> None:
     checkpoint = position.checkpoint
     if checkpoint.restore_uid not in self._checked:
-      self._check(position, source)
+      self._check(name, position, source)
       self._checked.add(checkpoint.restore_uid)
     if name == LAYOUTS_NAME:
       self._bind(position, self._tracked.get(LAYOUTS_NAME))
@@ -201,12 +220,16 @@ class Router:
     if obj is not None and position.bind_object(obj):
       obj._update_uid = position.checkpoint.restore_uid  # pylint: disable=protected-access
 
-  def _check(self, position, source: _Source) -> None:
+  def _check(self, name: str, position, source: _Source) -> None:
     """Every value this checkpoint gives the engine, before one is written."""
     checkpoint = position.checkpoint
     proto = checkpoint.object_graph_proto
-    parent = next(n for n in proto.nodes
-                  if any(c.node_id == position._proto_id for c in n.children))  # pylint: disable=protected-access
+    # The embedding's node: the one holding this position as child ``name``
+    # (TPUEmbeddingForServing also lists its variables in a ``_variables``
+    # dict, under other names).
+    parent = next(n for n in proto.nodes if any(
+        c.node_id == position._proto_id and c.local_name == name  # pylint: disable=protected-access
+        for c in n.children))
     children = {c.local_name: proto.nodes[c.node_id] for c in parent.children}
 
     def shape_of(name):

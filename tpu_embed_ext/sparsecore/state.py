@@ -56,8 +56,12 @@ class SparseCoreState:
 
   def track(self, owner, variables: Mapping[str, Mapping[str, object]]) -> None:
     """Makes ``owner`` save and restore ``variables`` in the stacked layout."""
+    # TensorFlow's own deferred restores of the stacked objects (a checkpoint
+    # of this layout) wait until the router's (other layouts) are merged with
+    # them: every restore then applies in restore order, the latest last.
+    held = self.router.hold_deferred(owner, variables)
     tracked = trackable.track_stacked(owner, variables, self.layouts, self.padding)
-    self.router.built(variables, tracked)
+    self.router.built(variables, tracked, held)
 
   def checkpoint_adapter(self, owner, path: str) -> None:
     """``_checkpoint_adapter``: a restore of checkpoint ``path`` begins
