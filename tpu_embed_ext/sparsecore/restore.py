@@ -21,8 +21,11 @@ TensorFlow defers those children (``_deferred_dependencies``), and the
 router's deferral dict takes each deferred position: it loads the value at
 once when the tables exist, or when ``build`` creates them. Each position is
 bound to the stacked object it fills, as TensorFlow binds it, so
-``assert_consumed`` / ``assert_existing_objects_matched`` hold after a full
-restore. Every value is checked (tables, shapes) before the first is written.
+``assert_consumed`` holds after a stacked restore; after a per-table one it
+names only the layouts object, which such a checkpoint does not hold (as
+TensorFlow's). Every value is checked (tables, shapes) before the first is
+written. Restores pending at ``build`` apply in restore order, TensorFlow's
+own deferrals (a checkpoint of this layout) included: the latest wins.
 
 Unlike TensorFlow 2.21 (whose adapter defers a per-table slot under the
 stack's parameters name, so slots keep their initial values, and whose
