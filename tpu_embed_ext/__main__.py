@@ -187,6 +187,24 @@ def _export(f, config: str, progress):
                                               log=progress(model_dir)))
 
 
+def _tables_spec(path: str):
+  """The config's spec for converting tables: feature names play no part in
+  it, so they are replaced (in their sorted order, which decides the first
+  feature the stacker sees) by names every check accepts ('0'..'7' are
+  Model Garden's, refused as serving-signature inputs)."""
+  import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
+  from tpu_embed_ext import config_files  # pylint: disable=g-import-not-at-top
+  data = config_files.load(path)
+  features = data.get("features") if isinstance(data, dict) else None
+  if isinstance(features, dict):
+    data = dict(data, features={f"feature_{i:06d}": value for i, (_, value)
+                                in enumerate(sorted(features.items()))})
+  try:
+    return tee.EmbeddingSpec.from_dict(data, source=path)
+  except errors.ConfigError as e:
+    raise e.at(file=path) from None
+
+
 def _convert_checkpoint(f, config: str, progress):
   del progress
   from tpu_embed_ext import sparsecore  # pylint: disable=g-import-not-at-top
@@ -211,24 +229,6 @@ def _convert_checkpoint(f, config: str, progress):
   form = (f"SparseCore layout for {sparsecore.parse_topology(topology)} "
           f"({len({l.stack for l in layouts})} stacks)" if layouts else "per-table")
   print(f"{source} -> {f.out}: {form}.")
-
-
-def _tables_spec(path: str):
-  """The config's spec for converting tables: feature names play no part in
-  it, so they are replaced (in their sorted order, which decides the first
-  feature the stacker sees) by names every check accepts ('0'..'7' are
-  Model Garden's, refused as serving-signature inputs)."""
-  import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
-  from tpu_embed_ext import config_files  # pylint: disable=g-import-not-at-top
-  data = config_files.load(path)
-  features = data.get("features") if isinstance(data, dict) else None
-  if isinstance(features, dict):
-    data = dict(data, features={f"feature_{i:06d}": value for i, (_, value)
-                                in enumerate(sorted(features.items()))})
-  try:
-    return tee.EmbeddingSpec.from_dict(data, source=path)
-  except errors.ConfigError as e:
-    raise e.at(file=path) from None
 
 
 def _missing_extra(command: str, module: str) -> str:
