@@ -126,3 +126,31 @@ def test_stacked_checkpoint_converts_to_per_table_without_config(tmp_path):
   assert sorted(original) == sorted(returned)
   for key in original:
     assert np.asarray(original[key]).tobytes() == np.asarray(returned[key]).tobytes(), key
+
+
+def test_keras_model_checkpoint_converts_without_config(tmp_path):
+  import keras  # pylint: disable=g-import-not-at-top
+  def model():
+    features = {n: keras.Input(shape=(), dtype="int64", name=n) for n in VOCAB}
+    layer = tee.EmbeddingLayer(_feature_config(PER_REPLICA), name="embedding")
+    outputs = keras.layers.Dense(1)(keras.layers.Concatenate()(list(
+        layer(features).values())))
+    return keras.Model(features, outputs), layer
+  cpu_model, cpu_layer = model()
+  cpu_layer.embedding.build()
+  _assign(lambda t: cpu_layer.embedding.variables[t], _state_after(2))
+  path = tf.train.Checkpoint(model=cpu_model).write(str(tmp_path / "keras"))
+  out = str(tmp_path / "stacked" / "keras")
+  layouts = convert_checkpoint(path, out, None, "2x4")
+  assert {l.stack for l in layouts} == {"item_user"}
+  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+    strategy = _strategy()
+    with strategy.scope():
+      tpu_model, tpu_layer = model()
+    tf.train.Checkpoint(model=tpu_model).read(out)
+    tpu_layer.embedding.build()
+    for table in VOCAB:
+      for slot in SLOTS:
+        np.testing.assert_array_equal(
+            tpu_layer.embedding.table_variables(table)[slot].numpy(),
+            _state_after(2)[table][slot])
