@@ -74,12 +74,14 @@ class Emulation:
   ``replicas`` TPU cores, one per logical CPU device in ``devices``; one
   host. ``topology`` is the SparseCore topology (``sparsecore.Topology``:
   ``replicas`` chips, SparseCores per chip) when ``sparsecore`` is on or a
-  topology was given, else None.
+  topology was given, else None. ``xla``: each replica's step is checked
+  to compile with XLA, as a TPU's must (``xla_check.py``).
   """
   replicas: int
   sparsecore: bool
   topology: Optional[object]
   devices: tuple
+  xla: bool = True
 
 
 _lock = threading.Lock()
@@ -96,7 +98,7 @@ def current() -> Optional[Emulation]:
   return _active
 
 
-def _checked(replicas, sparsecore, topology) -> tuple:
+def _checked(replicas, sparsecore, topology, xla=True) -> tuple:
   """(replicas, sparsecore, parsed topology or None), or ConfigError."""
   if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
     raise errors.ConfigError(
@@ -106,6 +108,9 @@ def _checked(replicas, sparsecore, topology) -> tuple:
     raise errors.ConfigTypeError(
         f"emulate_tpu sparsecore must be True or False, got "
         f"sparsecore={sparsecore!r}.")
+  if not isinstance(xla, bool):
+    raise errors.ConfigTypeError(
+        f"emulate_tpu xla must be True or False, got xla={xla!r}.")
   if topology is None and not sparsecore:
     return replicas, sparsecore, None
   from tpu_embed_ext.sparsecore import topology as topology_lib
@@ -122,7 +127,8 @@ def _checked(replicas, sparsecore, topology) -> tuple:
 
 
 @contextlib.contextmanager
-def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None):
+def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None,
+                xla: bool = True):
   """Runs TensorFlow's TPU entry points on an emulated TPU while active.
 
   Args:
@@ -132,13 +138,18 @@ def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None):
       ``EmbeddingLayer`` / keras-rs choose it.
     topology: a SparseCore topology (``"v5p:8"``, ``"8x2"``) of ``replicas``
       chips; default with ``sparsecore``: 4 SparseCores per chip.
+    xla: when a step is first traced, check that each replica's program
+      (``strategy.run``'s function, without the embedding engine's work)
+      compiles with XLA as a TPU's must: an op with no XLA kernel, a type a
+      TPU does not have, or a shape that depends on the data raises
+      ``xla_check.NotCompilableError`` (a ``tf.errors.InvalidArgumentError``). ``False`` skips the check.
 
   Yields the ``Emulation``. Raises ``EmulationError`` if another emulation is
   active (patched names are process-wide) or TensorFlow already runs with
   fewer logical CPU devices than ``replicas``.
   """
   global _active
-  replicas, sparsecore, parsed = _checked(replicas, sparsecore, topology)
+  replicas, sparsecore, parsed = _checked(replicas, sparsecore, topology, xla)
   with _lock:
     if _active is not None:
       raise EmulationError(
@@ -149,7 +160,7 @@ def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None):
           "entering another.")
     from tpu_embed_ext.emulated_tpu import patching, strategy
     emulation = Emulation(replicas, sparsecore, parsed,
-                          strategy.logical_devices(replicas))
+                          strategy.logical_devices(replicas), xla)
     patches = patching.apply(emulation)
     _active = emulation
   try:

@@ -54,7 +54,7 @@ from tensorflow.python.tpu import tpu_hardware_feature, tpu_system_metadata
 from tensorflow.python.training import server_lib
 
 from tpu_embed_ext import emulated_tpu
-from tpu_embed_ext.emulated_tpu import patching
+from tpu_embed_ext.emulated_tpu import patching, xla_check
 
 __all__ = ["configure_logical_devices", "logical_devices", "EmulatedTPUClusterResolver",
            "initialize_tpu_system", "shutdown_tpu_system", "connect_to_cluster",
@@ -300,9 +300,14 @@ class _TPUFace:
     return self._tpu_cluster_resolver
 
   def run(self, fn, args=(), kwargs=None, options=None):
-    """``strategy.run``, which a TPU refuses to run eagerly (as here)."""
+    """``strategy.run``, which a TPU refuses to run eagerly (as here).
+
+    In a graph, with XLA on, each replica's program is checked to compile
+    as a TPU's must (``xla_check.py``).
+    """
     tpu_strategy.validate_run_function(fn)
-    return distribute_lib.StrategyBase.run(self, fn, args, kwargs, options)
+    with xla_check.replica_program(self.extended._emulation, args, kwargs):  # pylint: disable=protected-access
+      return distribute_lib.StrategyBase.run(self, fn, args, kwargs, options)
 
 
 def is_emulated_tpu_strategy(strategy) -> bool:

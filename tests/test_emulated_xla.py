@@ -1,0 +1,168 @@
+"""XLA on the emulated TPU: each replica's step is checked to compile as a TPU's must.
+
+With XLA on (``emulate_tpu(xla=True)``, the default) a ``strategy.run`` traced
+in a ``tf.function`` whose replica function holds an op no TPU compiles
+(``tf.py_function``, a string op, a shape that depends on the data) is refused
+when first traced, in one line naming the op and the line that made it; with
+XLA off it runs. A step that compiles trains as before: its tables equal a
+numpy reference of the TPU's math (a dense layer too, through a Keras
+optimizer's cross-replica sum).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tpu_embed_ext as tee
+from tpu_embed_ext.emulated_tpu import xla_check
+
+api = tf.tpu.experimental.embedding
+VOCAB, DIM, PER_REPLICA, LR, STEPS = 12, 3, 4, 0.1, 3
+
+
+def _initial():
+  return np.random.RandomState(5).uniform(-1, 1, (VOCAB, DIM)).astype(np.float32)
+
+
+def _batches(replicas):
+  rng = np.random.RandomState(11)
+  return [rng.randint(0, VOCAB, replicas * PER_REPLICA).astype(np.int32)
+          for _ in range(STEPS)]
+
+
+def _program(replicas, extra=None, xla=True):
+  """A v1 TPUEmbedding loop with a dense weight; ``extra(activations)`` is
+  added to the replica's loss. Returns (table, dense weight) after STEPS."""
+  with tee.emulate_tpu(replicas=replicas, xla=xla):
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="")
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+    strategy = tf.distribute.TPUStrategy(resolver)
+    table = api.TableConfig(VOCAB, DIM, name="t", combiner="sum",
+                            initializer=tf.constant_initializer(_initial()))
+    with strategy.scope():
+      embedding = api.TPUEmbedding({"f": api.FeatureConfig(table, name="f")},
+                                   api.SGD(LR))
+      weight = tf.Variable(np.ones(DIM, np.float32))
+      optimizer = keras.optimizers.SGD(LR)
+      optimizer.build([weight])
+    embedding.build(PER_REPLICA)
+
+    @tf.function
+    def step(ids):
+      embedding.enqueue({"f": ids}, training=True)
+
+      def replica_step():
+        activations = embedding.dequeue()
+        with tf.GradientTape() as tape:
+          tape.watch(activations)
+          loss = tf.reduce_sum(activations["f"] * weight)
+          if extra is not None:
+            loss += extra(activations["f"])
+        grads = tape.gradient(loss, [activations, weight])
+        embedding.apply_gradients(grads[0])
+        optimizer.apply_gradients([(grads[1], weight)])
+        return loss
+      return strategy.run(replica_step)
+
+    for batch in _batches(replicas):
+      ids = strategy.experimental_distribute_values_from_function(
+          lambda ctx, b=batch: tf.constant(
+              b[ctx.replica_id_in_sync_group * PER_REPLICA:
+                (ctx.replica_id_in_sync_group + 1) * PER_REPLICA]))
+      step(ids)
+    with strategy.scope():
+      tables = embedding._variables["t"]["parameters"].numpy()  # pylint: disable=protected-access
+    return tables, weight.numpy()
+
+
+def _reference(replicas):
+  """The TPU's math: per-id gradients (the dense weight) summed over every
+  replica; the weight's gradient (its activations) summed over replicas."""
+  table, weight = _initial().astype(np.float64), np.ones(DIM)
+  for batch in _batches(replicas):
+    g_table = np.zeros_like(table)
+    for i in batch:
+      g_table[i] += weight
+    g_weight = table[batch].sum(axis=0)
+    table -= LR * g_table
+    weight = weight - LR * g_weight
+  return table, weight
+
+
+@pytest.mark.parametrize("replicas", [2, 8])
+def test_a_step_that_compiles_trains_to_the_reference_with_xla_on(replicas):
+  table, weight = _program(replicas)
+  want_table, want_weight = _reference(replicas)
+  np.testing.assert_allclose(table, want_table, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(weight, want_weight, rtol=1e-5, atol=1e-5)
+
+
+def _py_function(a):
+  return tf.py_function(lambda x: tf.reduce_sum(x) * 0.0, [a], tf.float32)  # LINE:py
+
+
+def _string_op(a):
+  h = tf.strings.to_hash_bucket_fast(tf.strings.as_string(a), 3)  # LINE:string
+  return tf.cast(tf.reduce_sum(h), tf.float32) * 0.0
+
+
+def _data_dependent_shape(a):
+  kept = tf.boolean_mask(a, a > 0.0)  # LINE:shape
+  return tf.reduce_sum(kept) * 0.0
+
+
+def _line(tag):
+  with open(__file__) as f:
+    for number, text in enumerate(f, 1):
+      if text.rstrip().endswith(f"# LINE:{tag}") and "def _line" not in text:
+        return f"test_emulated_xla.py:{number}"
+  raise AssertionError(tag)
+
+
+CASES = [  # (extra, op named in the message, tag of the user's line)
+    (_py_function, "EagerPyFunc", "py"),
+    (_string_op, "AsString", "string"),
+    (_data_dependent_shape, "Where", "shape"),
+]
+
+
+@pytest.mark.parametrize("extra,op,tag", CASES, ids=[c[2] for c in CASES])
+def test_a_step_no_tpu_compiles_is_refused_when_first_traced(extra, op, tag):
+  with pytest.raises(xla_check.NotCompilableError) as caught:
+    _program(2, extra)
+  message = str(caught.value)
+  assert "\n" not in message
+  assert isinstance(caught.value, tf.errors.InvalidArgumentError)
+  assert message.startswith(
+      "Detected unsupported operations when trying to compile graph "
+      f"(each replica's program) on XLA_TPU_JIT: {op} (")
+  assert _line(tag) in message
+  assert "Fix:" in message and "emulate_tpu(xla=False)" in message
+
+
+@pytest.mark.parametrize("extra,op,tag", CASES, ids=[c[2] for c in CASES])
+def test_with_xla_off_the_same_step_runs(extra, op, tag):
+  del op, tag
+  table, weight = _program(2, extra, xla=False)
+  want_table, want_weight = _reference(2)
+  np.testing.assert_allclose(table, want_table, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(weight, want_weight, rtol=1e-5, atol=1e-5)
+
+
+def test_float64_compiles_on_a_tpu_and_complex128_does_not():
+  """kTpuAllTypes (tensorflow/core/tpu/tpu_defs.h) holds DT_DOUBLE, not
+  DT_COMPLEX128, which XLA on CPU compiles."""
+  as64 = lambda a: tf.cast(tf.reduce_sum(tf.cast(a, tf.float64)) * 0.0, tf.float32)
+  table, _ = _program(2, as64)
+  np.testing.assert_allclose(table, _reference(2)[0], rtol=1e-5, atol=1e-5)
+  c128 = lambda a: tf.math.real(tf.reduce_sum(tf.cast(a, tf.complex128)) * 0.0)  # LINE:c128
+  with pytest.raises(xla_check.NotCompilableError,
+                     match=r"type complex128, which a TPU does not compile"):
+    _program(2, lambda a: tf.cast(c128(a), tf.float32))
+
+
+def test_xla_must_be_a_bool():
+  with pytest.raises(tee.errors.ConfigTypeError, match=r"xla must be True or False, got xla='no'"):
+    with tee.emulate_tpu(replicas=2, xla="no"):
+      pass
