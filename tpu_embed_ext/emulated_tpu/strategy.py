@@ -306,7 +306,7 @@ class _TPUFace:
     as a TPU's must (``xla_check.py``).
     """
     tpu_strategy.validate_run_function(fn)
-    with xla_check.replica_program(self.extended._emulation, args, kwargs):  # pylint: disable=protected-access
+    with xla_check.replica_program(self.extended._emulation):  # pylint: disable=protected-access
       return distribute_lib.StrategyBase.run(self, fn, args, kwargs, options)
 
 

@@ -20,19 +20,23 @@ phrase first) naming the op, the user's line and the fix:
   ``PyFunc``) and string ops have none;
 * every type is one a TPU compiles: ``kTpuAllTypes`` in TensorFlow's
   ``tensorflow/core/tpu/tpu_defs.h`` (the types ``REGISTER_XLA_BACKEND(
-  DEVICE_TPU_XLA_JIT, kTpuAllTypes, ...)`` gives every TPU kernel). It holds
+  DEVICE_TPU_XLA_JIT, kTpuAllTypes, TpuOpFilter)`` gives every TPU kernel;
+  ``TpuOpFilter`` allows strings in ``Const`` and ``Assert`` only). It holds
   ``DT_DOUBLE``: float64 compiles on a TPU (slowly) and is not refused. It
   lacks ``complex128``, which XLA on CPU compiles: refused, as on a TPU;
-* no shape depends on the data: an op whose inputs all have static shapes
-  must give outputs with static shapes (``tf.unique``, ``tf.boolean_mask``,
-  ``tf.where(x)`` do not). Checked only when every input of ``strategy.run``
-  has a static shape (a TPU pads dynamic batches itself).
+* shapes that depend on the data are not refused: XLA compiles them, on
+  CPU as on a TPU, with bounded dynamic dimensions (``tf.boolean_mask``,
+  ``tf.unique``, ``tf.where(x)``, ``RaggedTensor.from_tensor``, a
+  ``tf.range`` / ``tf.zeros`` / ``tf.reshape`` sized from a tensor all
+  compile under ``jit_compile=True`` on CPU; tf2xla registers its kernels
+  for every XLA device, and ``tpu.py`` turns the TPU's dynamic padder on by
+  default). A shape XLA cannot bound is refused by XLA's compiler, which
+  this check does not run.
 
-What is not reproduced: XLA's own compile-time-constant analysis (an op
-whose attribute-like input is computed from data, e.g. ``tf.reshape(x,
-tf.reduce_max(ids))``) is refused by XLA itself, not here; and the check
-reads the ops, it does not compile them (steps run as TensorFlow ops; the
-guide says what that costs and misses).
+The check reads the ops of the traced step; it does not compile them (the
+steps run as TensorFlow ops on CPU devices). What only XLA's compiler
+finds (a shape it cannot bound, a compile-time constant it cannot
+evaluate) is not caught here.
 """
 
 from __future__ import annotations
@@ -74,6 +78,9 @@ TPU_TYPES = frozenset(tf.as_dtype(t).as_datatype_enum for t in (
                      "float8_e4m3fnuz", "float8_e4m3b11fnuz", "float8_e5m2fnuz")
         if hasattr(tf.dtypes, name))
 _STRING = tf.string.as_datatype_enum
+# TpuOpFilter (tensorflow/core/tpu/tpu_node_device_util.cc) adds DT_STRING to
+# these two kernels only (string messages of asserts, dropped by XLA).
+_TPU_STRING_OPS = frozenset(["Const", "Assert"])
 
 # Files whose ops are the embedding engine's (outside the TPU program) or
 # this package's machinery, not the user's program.
@@ -97,9 +104,6 @@ _FIX = {
 _FIX_STRING = ("turn strings into numbers in the input pipeline (tf.data), "
                "outside strategy.run")
 _FIX_KERNEL = "replace it with ops XLA compiles, or move it outside strategy.run"
-_FIX_SHAPE = ("give it a static shape (pad to a fixed size, e.g. tf.where(mask, "
-              "x, 0) instead of tf.boolean_mask, or tf.unique's ids with a "
-              "fixed-size output), or compute it outside strategy.run")
 _FIX_TYPE = "cast to a type a TPU has (float32, bfloat16, int32...)"
 _OFF = "; or run with XLA off (emulate_tpu(xla=False), emulate --no-xla, pytest --emulate-tpu-no-xla)"
 
@@ -158,24 +162,9 @@ def _kernel_problem(op) -> Optional[str]:
     names = sorted({tf.as_dtype(t).name for c in defs[0].constraint
                     for t in _attr_types(op, c.name)})
     return f"no XLA kernel for op {op.type} on {', '.join(names)}"
-  allowed_strings = any(_STRING in c.allowed_values.list.type
-                        for k in defs for c in k.constraint)
   for t in sorted(_all_types(op)):
-    if t not in TPU_TYPES and not (t == _STRING and allowed_strings):
+    if t not in TPU_TYPES and not (t == _STRING and op.type in _TPU_STRING_OPS):
       return f"op {op.type} has type {tf.as_dtype(t).name}, which a TPU does not compile"
-  return None
-
-
-def _shape_problem(op) -> Optional[str]:
-  if not all(t.shape.is_fully_defined() for t in op.inputs
-             if t.dtype not in (tf.resource, tf.variant)):
-    return None
-  for out in op.outputs:
-    if out.dtype in (tf.resource, tf.variant):
-      continue
-    if not out.shape.is_fully_defined():
-      return (f"op {op.type} gives {out.name} a shape that depends on the data "
-              f"({out.shape}), which XLA cannot compile to a fixed program")
   return None
 
 
@@ -238,7 +227,7 @@ def _function_graphs(op, graph) -> Iterable:
         yield inner
 
 
-def first_problem(op_list, graph, check_shapes: bool, seen=None):
+def first_problem(op_list, graph, seen=None):
   """(op, problem, frames) of the first op no TPU compiles, or None."""
   seen = set() if seen is None else seen
   for op in op_list:
@@ -247,14 +236,14 @@ def first_problem(op_list, graph, check_shapes: bool, seen=None):
     frames = _frames(op)
     if _is_engine(frames):
       continue
-    problem = _kernel_problem(op) or (_shape_problem(op) if check_shapes else None)
+    problem = _kernel_problem(op)
     if problem is not None:
       return op, problem, frames
     for inner in _function_graphs(op, graph):
       if id(inner) in seen:
         continue
       seen.add(id(inner))
-      found = first_problem(inner.get_operations(), inner, check_shapes, seen)
+      found = first_problem(inner.get_operations(), inner, seen)
       if found is not None:
         return found
   return None
@@ -263,7 +252,6 @@ def first_problem(op_list, graph, check_shapes: bool, seen=None):
 def _message(op, problem, frames) -> str:
   fix = (_FIX.get(op.type) or
          (_FIX_STRING if tf.string.as_datatype_enum in _all_types(op) else
-          _FIX_SHAPE if "depends on the data" in problem else
           _FIX_TYPE if "which a TPU does not compile" in problem else _FIX_KERNEL))
   if problem.startswith("no XLA kernel"):
     # TensorFlow's own words for it (tf2xla, compile_util / xla_compiler).
@@ -277,30 +265,16 @@ def _message(op, problem, frames) -> str:
           f"Fix: {fix}{_OFF}.")
 
 
-def check_ops(op_list, graph, check_shapes: bool = True):
+def check_ops(op_list, graph):
   """Raises ``NotCompilableError`` for the first op no TPU compiles."""
   _ensure_xla_kernels()
-  found = first_problem(op_list, graph, check_shapes)
+  found = first_problem(op_list, graph)
   if found is not None:
     raise NotCompilableError(_message(*found))
 
 
-def _static(args, kwargs) -> bool:
-  """Whether every dense input of ``strategy.run`` has a static shape.
-
-  Sparse and ragged inputs (embedding ids, the engine's) do not count.
-  """
-  for value in tf.nest.flatten((args, kwargs or {}), expand_composites=False):
-    parts = (value.values if isinstance(value, tf.distribute.DistributedValues)
-             else (value,))
-    for part in parts:
-      if isinstance(part, tf.Tensor) and not part.shape.is_fully_defined():
-        return False
-  return True
-
-
 @contextlib.contextmanager
-def replica_program(emulation, args=(), kwargs=None):
+def replica_program(emulation):
   """Checks the ops ``strategy.run`` makes in a graph (not eagerly, not off)."""
   if not getattr(emulation, "xla", False) or tf.executing_eagerly():
     yield
@@ -308,5 +282,4 @@ def replica_program(emulation, args=(), kwargs=None):
   graph = ops.get_default_graph()
   start = len(graph.get_operations())
   yield
-  check_ops(graph.get_operations()[start:], graph,
-            check_shapes=_static(args, kwargs))
+  check_ops(graph.get_operations()[start:], graph)
