@@ -32,9 +32,11 @@ def _batches(replicas):
           for _ in range(STEPS)]
 
 
-def _program(replicas, extra=None, xla=True):
+def _program(replicas, extra=None, xla=True, jit=False):
   """A v1 TPUEmbedding loop with a dense weight; ``extra(activations)`` is
-  added to the replica's loss. Returns (table, dense weight) after STEPS."""
+  added to the replica's loss. Returns (table, dense weight) after STEPS.
+  ``jit``: the step is ``tf.function(jit_compile=True)``, enqueueing inside
+  ``strategy.run`` (on the host it is refused, as on a TPU: below)."""
   with tee.emulate_tpu(replicas=replicas, xla=xla):
     resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="")
     tf.tpu.experimental.initialize_tpu_system(resolver)
@@ -49,11 +51,14 @@ def _program(replicas, extra=None, xla=True):
       optimizer.build([weight])
     embedding.build(PER_REPLICA)
 
-    @tf.function
+    @tf.function(jit_compile=jit)
     def step(ids):
-      embedding.enqueue({"f": ids}, training=True)
+      if not jit:
+        embedding.enqueue({"f": ids}, training=True)
 
-      def replica_step():
+      def replica_step(replica_ids):
+        if jit:
+          embedding.enqueue({"f": replica_ids}, training=True)
         activations = embedding.dequeue()
         with tf.GradientTape() as tape:
           tape.watch(activations)
@@ -64,7 +69,7 @@ def _program(replicas, extra=None, xla=True):
         embedding.apply_gradients(grads[0])
         optimizer.apply_gradients([(grads[1], weight)])
         return loss
-      return strategy.run(replica_step)
+      return strategy.run(replica_step, args=(ids,))
 
     for batch in _batches(replicas):
       ids = strategy.experimental_distribute_values_from_function(
@@ -91,9 +96,11 @@ def _reference(replicas):
   return table, weight
 
 
-@pytest.mark.parametrize("replicas", [2, 8])
-def test_a_step_that_compiles_trains_to_the_reference_with_xla_on(replicas):
-  table, weight = _program(replicas)
+@pytest.mark.parametrize("replicas,jit", [(2, False), (8, False), (1, True),
+                                          (2, True), (8, True)])
+def test_a_step_that_compiles_trains_to_the_reference_with_xla_on(replicas, jit):
+  """A Keras optimizer's cross-replica sum included; with jit_compile=True too."""
+  table, weight = _program(replicas, jit=jit)
   want_table, want_weight = _reference(replicas)
   np.testing.assert_allclose(table, want_table, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(weight, want_weight, rtol=1e-5, atol=1e-5)
@@ -162,6 +169,13 @@ def test_shapes_that_depend_on_the_data_compile_as_xla_compiles_them():
   np.testing.assert_allclose(weight, want_weight, rtol=1e-5, atol=1e-5)
 
 
+def test_a_refusal_is_the_same_under_jit_compile():
+  with pytest.raises(xla_check.NotCompilableError, match=r"EagerPyFunc"):
+    _program(2, _py_function, jit=True)
+  table, _ = _program(2, _py_function, xla=False, jit=True)
+  np.testing.assert_allclose(table, _reference(2)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_float64_compiles_on_a_tpu_and_complex128_does_not():
   """kTpuAllTypes (tensorflow/core/tpu/tpu_defs.h) holds DT_DOUBLE, not
   DT_COMPLEX128, which XLA on CPU compiles."""
@@ -178,3 +192,63 @@ def test_xla_must_be_a_bool():
   with pytest.raises(tee.errors.ConfigTypeError, match=r"xla must be True or False, got xla='no'"):
     with tee.emulate_tpu(replicas=2, xla="no"):
       pass
+
+
+# --- tf.function(jit_compile=True) around the step ---------------------------
+
+def _v1_jit_program(replicas, enqueue_inside):
+  """The v1 loop above in one jit_compile=True function (no dense weight)."""
+  with tee.emulate_tpu(replicas=replicas):
+    strategy = tf.distribute.TPUStrategy(
+        tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
+    table = api.TableConfig(VOCAB, DIM, name="t", combiner="sum",
+                            initializer=tf.constant_initializer(_initial()))
+    with strategy.scope():
+      embedding = api.TPUEmbedding({"f": api.FeatureConfig(table, name="f")},
+                                   api.SGD(LR))
+    embedding.build(PER_REPLICA)
+
+    @tf.function(jit_compile=True)
+    def step(ids):
+      if not enqueue_inside:
+        embedding.enqueue({"f": ids}, training=True)  # LINE:host-enqueue
+
+      def replica_step(replica_ids):
+        if enqueue_inside:
+          embedding.enqueue({"f": replica_ids}, training=True)
+        activations = embedding.dequeue()
+        embedding.apply_gradients({"f": tf.ones_like(activations["f"])})
+      return strategy.run(replica_step, args=(ids,))
+
+    for batch in _batches(replicas):
+      step(strategy.experimental_distribute_values_from_function(
+          lambda ctx, b=batch: tf.constant(
+              b[ctx.replica_id_in_sync_group * PER_REPLICA:
+                (ctx.replica_id_in_sync_group + 1) * PER_REPLICA])))
+    with strategy.scope():
+      return embedding._variables["t"]["parameters"].numpy()  # pylint: disable=protected-access
+
+
+def _v1_reference(replicas):
+  table = _initial().astype(np.float64)
+  for batch in _batches(replicas):
+    np.subtract.at(table, batch, LR)  # gradient 1 per occurrence, summed
+  return table
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_v1_enqueue_on_the_host_inside_jit_compile_is_tensorflows_xla_error(replicas):
+  """tpu_embedding_v2.py enqueue (outside a TPU context) builds
+  EnqueueTPUEmbeddingArbitraryTensorBatch, a DEVICE_CPU-only kernel
+  (tpu_embedding_enqueue_ops.cc): XLA refuses the jit_compile=True function."""
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=r"^Detected unsupported operations when trying to compile "
+                     r"graph \S+ on XLA_CPU_JIT: EnqueueTPUEmbeddingArbitraryTensorBatch "
+                     r"\(No registered 'EnqueueTPUEmbeddingArbitraryTensorBatch'"):
+    _v1_jit_program(replicas, enqueue_inside=False)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_v1_enqueue_inside_strategy_run_under_jit_compile_trains(replicas):
+  np.testing.assert_allclose(_v1_jit_program(replicas, enqueue_inside=True),
+                             _v1_reference(replicas), rtol=1e-6, atol=1e-6)
