@@ -252,3 +252,44 @@ def test_v1_enqueue_on_the_host_inside_jit_compile_is_tensorflows_xla_error(repl
 def test_v1_enqueue_inside_strategy_run_under_jit_compile_trains(replicas):
   np.testing.assert_allclose(_v1_jit_program(replicas, enqueue_inside=True),
                              _v1_reference(replicas), rtol=1e-6, atol=1e-6)
+
+
+# --- SparseCore (TPUEmbeddingV2) under jit_compile=True ----------------------
+
+def _sparsecore_jit_program(replicas, xla=True):
+  from tests import test_emulated_sparsecore as sc  # the same program's data
+  # Samples per step, split over the replicas; each chip's batch splits
+  # evenly over its 4 SparseCores.
+  global_batch = max(16, 4 * replicas)
+  per_replica = global_batch // replicas
+  with tee.emulate_tpu(replicas=replicas, sparsecore=True, xla=xla):
+    strategy = tf.distribute.TPUStrategy(
+        tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
+    with strategy.scope():
+      embedding = tf.tpu.experimental.embedding.TPUEmbeddingV2(
+          sc._feature_config(per_replica), None)
+
+    @tf.function(jit_compile=True)
+    def step(batch):
+      def replica_step(features):
+        activations, preserved = embedding.embedding_lookup(features)
+        embedding.apply_gradients(sc._gradients(activations), preserved)
+        return activations["user"]
+      return strategy.run(replica_step, args=(batch,))
+
+    batches = sc._global_batches(global_batch)
+    for batch in batches:
+      step(strategy.experimental_distribute_values_from_function(
+          lambda ctx, b=batch: sc._as_tensors(
+              b, ctx.replica_id_in_sync_group * per_replica,
+              (ctx.replica_id_in_sync_group + 1) * per_replica)))
+    tables = {n: embedding.table_variables(n)["parameters"].numpy()
+              for n in sc.VOCAB}
+  return tables, sc._numpy_reference(batches)[0]
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 8])
+def test_sparsecore_step_under_jit_compile_trains_to_the_reference(replicas):
+  tables, reference = _sparsecore_jit_program(replicas)
+  for name, values in tables.items():
+    np.testing.assert_allclose(values, reference[name], rtol=1e-5, atol=1e-5)
