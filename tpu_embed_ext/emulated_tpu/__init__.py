@@ -34,7 +34,11 @@ as a difference):
 * ``TPUEmbeddingV2`` without ``sparsecore=True`` (as on a TPU without
   SparseCore);
 * differences that raise nothing: one host (``extended.num_hosts`` 1);
-  steps run as TensorFlow ops on CPU devices, not compiled by XLA; variables
+  steps run as TensorFlow ops on CPU devices, not compiled by XLA (with
+  ``xla=True``, the default, each replica's program is checked when first
+  traced against the rules XLA and the TPU apply: ``xla_check.py``; a
+  ``jit_compile=True`` function around ``strategy.run`` runs as ops:
+  ``outer_jit.py``); variables
   made under ``strategy.scope()`` are ``MirroredVariable``s and the strategy
   is also a ``MirroredStrategy``; ``enqueue`` does not refuse inputs
   prefetched to the devices (``InputOptions(experimental_fetch_to_device=True)``,
