@@ -32,11 +32,13 @@ def _batches(replicas):
           for _ in range(STEPS)]
 
 
-def _program(replicas, extra=None, xla=True, jit=False):
+def _program(replicas, extra=None, xla=True, jit=False, inner_jit=False):
   """A v1 TPUEmbedding loop with a dense weight; ``extra(activations)`` is
   added to the replica's loss. Returns (table, dense weight) after STEPS.
   ``jit``: the step is ``tf.function(jit_compile=True)``, enqueueing inside
-  ``strategy.run`` (on the host it is refused, as on a TPU: below)."""
+  ``strategy.run`` (on the host it is refused, as on a TPU: below).
+  ``inner_jit``: the function given to ``strategy.run`` is
+  ``tf.function(jit_compile=True)`` (as Keras's ``model.compile(jit_compile=True)``)."""
   with tee.emulate_tpu(replicas=replicas, xla=xla):
     resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="")
     tf.tpu.experimental.initialize_tpu_system(resolver)
@@ -69,7 +71,8 @@ def _program(replicas, extra=None, xla=True, jit=False):
         embedding.apply_gradients(grads[0])
         optimizer.apply_gradients([(grads[1], weight)])
         return loss
-      return strategy.run(replica_step, args=(ids,))
+      run_fn = tf.function(replica_step, jit_compile=True) if inner_jit else replica_step
+      return strategy.run(run_fn, args=(ids,))
 
     for batch in _batches(replicas):
       ids = strategy.experimental_distribute_values_from_function(
@@ -167,6 +170,18 @@ def test_shapes_that_depend_on_the_data_compile_as_xla_compiles_them():
   want_table, want_weight = _reference(2)
   np.testing.assert_allclose(table, want_table, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(weight, want_weight, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_jit_compile_function_given_to_strategy_run_trains(replicas):
+  """MirroredStrategy would compile every replica's call in one XLA cluster
+  (mirrored_run.call_for_each_replica); each replica is checked instead."""
+  table, weight = _program(replicas, inner_jit=True)
+  want_table, want_weight = _reference(replicas)
+  np.testing.assert_allclose(table, want_table, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(weight, want_weight, rtol=1e-5, atol=1e-5)
+  with pytest.raises(xla_check.NotCompilableError, match=r"EagerPyFunc"):
+    _program(replicas, _py_function, inner_jit=True)
 
 
 def test_a_refusal_is_the_same_under_jit_compile():
@@ -293,3 +308,23 @@ def test_sparsecore_step_under_jit_compile_trains_to_the_reference(replicas):
   tables, reference = _sparsecore_jit_program(replicas)
   for name, values in tables.items():
     np.testing.assert_allclose(values, reference[name], rtol=1e-5, atol=1e-5)
+
+
+def test_strategy_run_of_a_jit_function_called_eagerly():
+  """Eagerly, TPUStrategy.run takes a tf.function (tpu_strategy.validate_run_function)."""
+  with tee.emulate_tpu(replicas=2):
+    strategy = tf.distribute.TPUStrategy(
+        tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
+    with strategy.scope():
+      weight = tf.Variable(1.5)
+
+    @tf.function(jit_compile=True)
+    def summed():
+      context = tf.distribute.get_replica_context()
+      return context.all_reduce("sum", weight * tf.cast(
+          context.replica_id_in_sync_group + 1, tf.float32))
+
+    results = strategy.experimental_local_results(strategy.run(summed))
+    assert [float(r) for r in results] == [4.5, 4.5]  # 1.5 * (1 + 2)
+    with pytest.raises(xla_check.NotCompilableError, match=r"EagerPyFunc"):
+      strategy.run(tf.function(_py_function, jit_compile=True), args=(tf.ones([2]),))

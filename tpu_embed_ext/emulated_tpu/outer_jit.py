@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 
 import tensorflow as tf
 from tensorflow.python.framework import ops
@@ -47,7 +48,7 @@ from tensorflow.python.framework import ops
 from tpu_embed_ext.emulated_tpu import xla_check
 from tpu_embed_ext.emulation import validation
 
-__all__ = ["replicas_compiled_separately", "check_host_enqueue"]
+__all__ = ["replicas_compiled_separately", "replica_function", "check_host_enqueue"]
 
 # tensorflow/python/eager/polymorphic_function/attributes.py XLA_COMPILE.
 _XLA_COMPILE = "_XlaMustCompile"
@@ -102,6 +103,38 @@ def replicas_compiled_separately():
   finally:
     for g, context in saved:
       g._set_control_flow_context(context)  # pylint: disable=protected-access
+
+
+_unjitted = weakref.WeakKeyDictionary()
+
+
+def is_jit_function(fn) -> bool:
+  return (isinstance(fn, tf.types.experimental.PolymorphicFunction)
+          and bool(getattr(fn, "_jit_compile", None)))
+
+
+def replica_function(fn):
+  """In a graph: ``fn``, or its Python function if it is a ``jit_compile=True``
+  ``tf.function``.
+
+  ``strategy.run(tf.function(step, jit_compile=True))`` (as Keras's
+  ``model.compile(jit_compile=True)`` builds it): ``MirroredStrategy`` would
+  wrap every replica's call in one such function and compile them together
+  (``mirrored_run.call_for_each_replica``). The replicas run the Python
+  function instead (autograph converts it, as any function given to
+  ``strategy.run``), each checked as a TPU compiles it.
+  """
+  return fn.python_function if is_jit_function(fn) else fn
+
+
+def run_eagerly_in_a_graph(strategy, fn, args, kwargs, options):
+  """``strategy.run(jit function)`` called eagerly: run inside a (cached)
+  ``tf.function`` without ``jit_compile``, where ``replica_function`` applies."""
+  cache = _unjitted.setdefault(fn, {})
+  if id(strategy) not in cache:
+    cache[id(strategy)] = tf.function(
+        lambda a, k: strategy.run(fn, a, k, options), autograph=False)
+  return cache[id(strategy)](args, kwargs or {})
 
 
 def check_host_enqueue(replicas):

@@ -307,6 +307,9 @@ class _TPUFace:
     replicas are checked, not compiled together (``outer_jit.py``).
     """
     tpu_strategy.validate_run_function(fn)
+    if tf.executing_eagerly() and outer_jit.is_jit_function(fn):
+      return outer_jit.run_eagerly_in_a_graph(self, fn, args, kwargs, options)
+    fn = outer_jit.replica_function(fn)
     with outer_jit.replicas_compiled_separately(), \
         xla_check.replica_program(self.extended._emulation):  # pylint: disable=protected-access
       return distribute_lib.StrategyBase.run(self, fn, args, kwargs, options)
