@@ -328,3 +328,23 @@ def test_strategy_run_of_a_jit_function_called_eagerly():
     assert [float(r) for r in results] == [4.5, 4.5]  # 1.5 * (1 + 2)
     with pytest.raises(xla_check.NotCompilableError, match=r"EagerPyFunc"):
       strategy.run(tf.function(_py_function, jit_compile=True), args=(tf.ones([2]),))
+
+
+def test_a_dense_id_tensor_of_the_wrong_size_gets_sparsecores_error():
+  """sparse_core_preprocess_ops.cc ValidateInputs: a dense tensor holds one id
+  per sample (what a TPU says when Keras builds a model of SparseTensor
+  inputs on a dense placeholder)."""
+  from tests import test_emulated_sparsecore as sc
+  with tee.emulate_tpu(replicas=2, sparsecore=True):
+    strategy = tf.distribute.TPUStrategy(
+        tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
+    with strategy.scope():
+      embedding = tf.tpu.experimental.embedding.TPUEmbeddingV2(sc._feature_config(4), None)
+    features = {"user": tf.zeros([4], tf.int64), "item": tf.zeros([4, 3], tf.int64)}
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"^Dense tensor input should have values elements number the "
+                       r"same as the sample count\. But got 12 elements for values and "
+                       r"sample count as 4\. \(emulated TPUEmbeddingV2: feature 'item' "
+                       r"\(table 'item'\).*Fix: ") as caught:
+      embedding.embedding_lookup(features)
+    assert isinstance(caught.value, tee.errors.InputError)

@@ -40,6 +40,7 @@ from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.emulated_tpu import sparsecore_inputs
 from tpu_embed_ext.emulation import engine as engine_lib
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore import topology as sc_topology
@@ -196,6 +197,8 @@ class TPUEmbeddingV2(engine_lib.CPUEmbedding):
     upstream traces it for Keras ("Use any of the TPU devices and trace once
     for a single device").
     """
+    # SparseCore's own error for a dense tensor of the wrong size (sparsecore_inputs).
+    sparsecore_inputs.check_dense_sample_counts(self._feature_config, features)
     reps = self._replicas
     if (device is None and reps.num_local > 1 and not reps.in_replica_fn()
         and len(reps.split(features)) == 1):
