@@ -1,5 +1,10 @@
 """XLA on the emulated TPU: each replica's step is checked to compile as a TPU's must.
 
+A TPU places ops without XLA kernels on its host when soft device placement is
+on (TensorFlow's default; tpu.py, "Automatic outside compilation"), and
+refuses the step when it is off: the refusals here turn it off
+(``no_soft_placement``), and one test shows the default (runs, warns).
+
 With XLA on (``emulate_tpu(xla=True)``, the default) a ``strategy.run`` traced
 in a ``tf.function`` whose replica function holds an op no TPU compiles
 (``tf.py_function``, a string op, complex128) is refused when first traced, in
@@ -20,6 +25,15 @@ from tpu_embed_ext.emulated_tpu import xla_check
 
 api = tf.tpu.experimental.embedding
 VOCAB, DIM, PER_REPLICA, LR, STEPS = 12, 3, 4, 0.1, 3
+
+
+@pytest.fixture
+def no_soft_placement():
+  tf.config.set_soft_device_placement(False)
+  try:
+    yield
+  finally:
+    tf.config.set_soft_device_placement(True)
 
 
 def _initial():
@@ -139,7 +153,7 @@ CASES = [  # (extra, op named in the message, tag of the user's line)
 
 
 @pytest.mark.parametrize("extra,op,tag", CASES, ids=[c[2] for c in CASES])
-def test_a_step_no_tpu_compiles_is_refused_when_first_traced(extra, op, tag):
+def test_a_step_no_tpu_compiles_is_refused_when_first_traced(extra, op, tag, no_soft_placement):
   with pytest.raises(xla_check.NotCompilableError) as caught:
     _program(2, extra)
   message = str(caught.value)
@@ -153,7 +167,19 @@ def test_a_step_no_tpu_compiles_is_refused_when_first_traced(extra, op, tag):
 
 
 @pytest.mark.parametrize("extra,op,tag", CASES, ids=[c[2] for c in CASES])
-def test_with_xla_off_the_same_step_runs(extra, op, tag):
+def test_with_soft_placement_on_it_runs_as_on_a_tpu_host_and_warns(extra, op, tag, caplog):
+  xla_check._warned.clear()  # pylint: disable=protected-access
+  table, weight = _program(2, extra)
+  np.testing.assert_allclose(table, _reference(2)[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(weight, _reference(2)[1], rtol=1e-5, atol=1e-5)
+  warned = [r.getMessage() for r in caplog.records
+            if r.name == "tpu_embed_ext.emulated_tpu.xla_check"]
+  assert any(op in m and _line(tag) in m and "automatic outside compilation" in m
+             for m in warned), warned
+
+
+@pytest.mark.parametrize("extra,op,tag", CASES, ids=[c[2] for c in CASES])
+def test_with_xla_off_the_same_step_runs(extra, op, tag, no_soft_placement):
   del op, tag
   table, weight = _program(2, extra, xla=False)
   want_table, want_weight = _reference(2)
@@ -173,7 +199,7 @@ def test_shapes_that_depend_on_the_data_compile_as_xla_compiles_them():
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_a_jit_compile_function_given_to_strategy_run_trains(replicas):
+def test_a_jit_compile_function_given_to_strategy_run_trains(replicas, no_soft_placement):
   """MirroredStrategy would compile every replica's call in one XLA cluster
   (mirrored_run.call_for_each_replica); each replica is checked instead."""
   table, weight = _program(replicas, inner_jit=True)
@@ -184,14 +210,14 @@ def test_a_jit_compile_function_given_to_strategy_run_trains(replicas):
     _program(replicas, _py_function, inner_jit=True)
 
 
-def test_a_refusal_is_the_same_under_jit_compile():
+def test_a_refusal_is_the_same_under_jit_compile(no_soft_placement):
   with pytest.raises(xla_check.NotCompilableError, match=r"EagerPyFunc"):
     _program(2, _py_function, jit=True)
   table, _ = _program(2, _py_function, xla=False, jit=True)
   np.testing.assert_allclose(table, _reference(2)[0], rtol=1e-5, atol=1e-5)
 
 
-def test_float64_compiles_on_a_tpu_and_complex128_does_not():
+def test_float64_compiles_on_a_tpu_and_complex128_does_not(no_soft_placement):
   """kTpuAllTypes (tensorflow/core/tpu/tpu_defs.h) holds DT_DOUBLE, not
   DT_COMPLEX128, which XLA on CPU compiles."""
   as64 = lambda a: tf.cast(tf.reduce_sum(tf.cast(a, tf.float64)) * 0.0, tf.float32)
@@ -310,7 +336,7 @@ def test_sparsecore_step_under_jit_compile_trains_to_the_reference(replicas):
     np.testing.assert_allclose(values, reference[name], rtol=1e-5, atol=1e-5)
 
 
-def test_strategy_run_of_a_jit_function_called_eagerly():
+def test_strategy_run_of_a_jit_function_called_eagerly(no_soft_placement):
   """Eagerly, TPUStrategy.run takes a tf.function (tpu_strategy.validate_run_function)."""
   with tee.emulate_tpu(replicas=2):
     strategy = tf.distribute.TPUStrategy(

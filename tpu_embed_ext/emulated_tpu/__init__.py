@@ -144,9 +144,10 @@ def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None,
       chips; default with ``sparsecore``: 4 SparseCores per chip.
     xla: when a step is first traced, check that each replica's program
       (``strategy.run``'s function, without the embedding engine's work)
-      compiles with XLA as a TPU's must: an op with no XLA kernel, a type a
-      TPU does not have, or a shape that depends on the data raises
-      ``xla_check.NotCompilableError`` (a ``tf.errors.InvalidArgumentError``). ``False`` skips the check.
+      compiles with XLA as a TPU's must: an op with no XLA kernel or a type a
+      TPU does not have raises ``xla_check.NotCompilableError`` (a
+      ``tf.errors.InvalidArgumentError``) with soft device placement off,
+      and is run with a warning with it on (a TPU then runs it on its host). ``False`` skips the check.
 
   Yields the ``Emulation``. Raises ``EmulationError`` if another emulation is
   active (patched names are process-wide) or TensorFlow already runs with

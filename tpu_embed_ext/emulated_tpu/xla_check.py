@@ -9,9 +9,14 @@ devices, so a program no TPU could compile would pass silently. With XLA on
 (``emulate_tpu(xla=True)``, the default), when ``strategy.run`` is traced in
 a ``tf.function`` every op the replica function made (nested functions,
 ``tf.cond`` / ``tf.while_loop`` bodies included), except the engine's, is
-checked against these rules, and the first that fails raises
+checked against these rules. The first op that fails raises
 ``NotCompilableError`` (a ``tf.errors.InvalidArgumentError`` with XLA's
-phrase first) naming the op, the user's line and the fix:
+phrase first) naming the op, the user's line and the fix, when soft device
+placement is off (``tf.config.set_soft_device_placement(False)``); when it
+is on (TensorFlow's default) a TPU places such ops on its host CPU instead
+("Automatic outside compilation is enabled. Ops without XLA kernels will be
+automatically placed on CPU.", ``tpu.py``), and the emulated TPU runs them
+too, logging one warning per op and line:
 
 * the op has an XLA kernel: TensorFlow's ``tf2xla`` registrations for
   ``XLA_CPU_JIT`` (read from TensorFlow's kernel registry, where they appear
@@ -42,6 +47,7 @@ evaluate) is not caught here.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Iterable, List, Optional, Set
 
@@ -265,12 +271,34 @@ def _message(op, problem, frames) -> str:
           f"Fix: {fix}{_OFF}.")
 
 
+_warned = set()
+
+
 def check_ops(op_list, graph):
-  """Raises ``NotCompilableError`` for the first op no TPU compiles."""
+  """Raises ``NotCompilableError`` for the first op no TPU compiles.
+
+  Unless soft device placement is on: a TPU then places ops without XLA
+  kernels on its host CPU ("Automatic outside compilation",
+  ``tpu.py`` ``split_compile_and_replicate``: ``allow_soft_placement =
+  config.get_soft_device_placement()``), and so does the emulated TPU, with
+  one warning per op and line saying so.
+  """
   _ensure_xla_kernels()
   found = first_problem(op_list, graph)
-  if found is not None:
+  if found is None:
+    return
+  if not tf.config.get_soft_device_placement():
     raise NotCompilableError(_message(*found))
+  op, problem, frames = found
+  key = (op.type, _user_line(frames))
+  if key not in _warned:
+    _warned.add(key)
+    logging.getLogger(__name__).warning(
+        "%s (%s, made at %s) in the function given to strategy.run: a TPU runs "
+        "it on its host CPU (automatic outside compilation, as soft device "
+        "placement is on), a host round trip per step; with "
+        "tf.config.set_soft_device_placement(False) it refuses the step.",
+        problem, op.name, key[1])
 
 
 @contextlib.contextmanager
