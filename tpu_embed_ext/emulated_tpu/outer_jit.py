@@ -11,11 +11,16 @@ XLA on CPU compiles a function for one device, and the emulated replicas are
 ``MirroredStrategy`` replicas on several CPU devices: compiled whole, the
 function reads the other replicas' variables, which TensorFlow refuses
 ("Trying to access resource ... located in device CPU:1 from device
-CPU:0"). It cannot be compiled per replica either: the cross-replica sums
-(the engine's gradients, a Keras optimizer's ``ONLY_FIRST_REPLICA``
-iteration count) are ``merge_call``s, which TensorFlow refuses inside a
-function ("`merge_call` called while defining a new graph or a
-tf.function"), and the engine's SparseCore input checks are host code
+CPU:0"). It cannot be compiled per replica either. ``MirroredStrategy``
+compiles a replica function with XLA only on GPUs, where it sums across
+replicas with collectives instead of ``merge_call``
+(``mirrored_strategy.py`` ``_use_merge_call``); forced on CPU devices (as
+TensorFlow's own tests force it), dense all-reduces pass, but updating an
+``ONLY_FIRST_REPLICA`` variable (a Keras optimizer's iteration count) is
+still a ``merge_call`` (``values.py`` ``apply_aggregation_replica_context``),
+and so is the engine's cross-replica sum of gradients; TensorFlow refuses a
+``merge_call`` inside a function ("`merge_call` called while defining a new
+graph or a tf.function"). And the engine's SparseCore input checks are host code
 (``tf.numpy_function``), which a TPU runs outside its program and XLA on CPU
 cannot call. So, as the TPU's ``TPUStrategy`` takes over compilation of
 ``strategy.run``, the emulated one does: traced inside a ``jit_compile=True``
