@@ -312,6 +312,29 @@ for name in tj.WRONG_KIND:
   rows.append((f"`{name}` in model_dir is {kind} (train)", "ModelDirError (CLI: one line, exit 2; before any work, nothing written)",
                f"<model_dir>/{name} is {kind}, but a run writes its {name} {'directory' if kind == 'a file' else 'file'} there. Fix: move it away, or pass another --model_dir; nothing was written.",
                f"tests/test_job_faults.py::test_an_output_path_of_the_wrong_kind_is_one_line_before_any_work[{name}]"))
+# Issue 33: steps no TPU could compile, refused under the emulated TPU with XLA on.
+X = "tests/test_emulated_xla.py::"
+import tests.test_emulated_xla as tx
+_OFF = "; or run with XLA off (emulate_tpu(xla=False), emulate --no-xla, pytest --emulate-tpu-no-xla)."
+for extra, op, tag in tx.CASES:
+  rows.append((f"emulated TPU, XLA on, soft device placement off: `{op}` ({extra.__name__.strip('_').replace('_', ' ')}) in strategy.run's function",
+               "NotCompilableError (a tf.errors.InvalidArgumentError), at first trace; runs with XLA off; runs with a warning with soft placement on (TF's default)",
+               f"Detected unsupported operations when trying to compile graph (each replica's program) on XLA_TPU_JIT: {op} "
+               f"(No registered '{op}' OpKernel for XLA_TPU_JIT devices compatible with node {{{{node {op}}}}}): emulated TPU: made at "
+               f"<your file>:<line> in the function given to strategy.run. Fix: ...{_OFF}",
+               X + f"test_a_step_no_tpu_compiles_is_refused_when_first_traced[{tag}]"))
+rows += [
+  ("emulated TPU, XLA on, soft device placement off: complex128 in strategy.run's function (not in kTpuAllTypes)", "NotCompilableError, at first trace",
+   "... Cast (op Cast has type complex128, which a TPU does not compile; node ...) ... Fix: cast to a type a TPU has (float32, bfloat16, int32...)" + _OFF,
+   X + "test_float64_compiles_on_a_tpu_and_complex128_does_not"),
+  ("emulated TPU: TPUEmbedding.enqueue on the host inside tf.function(jit_compile=True)", "NotCompilableError (TensorFlow's XLA error), at trace",
+   "Detected unsupported operations when trying to compile graph <function> on XLA_CPU_JIT: EnqueueTPUEmbeddingArbitraryTensorBatch (No registered 'EnqueueTPUEmbeddingArbitraryTensorBatch' OpKernel for XLA_CPU_JIT devices ...): emulated TPU: TPUEmbedding.enqueue outside strategy.run is host work ... Fix: ...",
+   X + "test_v1_enqueue_on_the_host_inside_jit_compile_is_tensorflows_xla_error[1/2]"),
+  ("emulated TPUEmbeddingV2: a dense id tensor whose size is not prod(output_shape) (Keras model.fit on SparseTensor inputs)", "SparseCoreInputError (a tf.errors.InvalidArgumentError and an InputError)",
+   "Dense tensor input should have values elements number the same as the sample count. But got 12 elements for values and sample count as 4. (emulated TPUEmbeddingV2: feature 'item' (table 'item'): ... Fix: ...)",
+   X + "test_a_dense_id_tensor_of_the_wrong_size_gets_sparsecores_error"),
+  ("emulate_tpu(xla='no')", "ConfigTypeError", "emulate_tpu xla must be True or False, got xla='no'.", X + "test_xla_must_be_a_bool"),
+]
 esc = lambda t: str(t).replace("|", "\\|").replace("\n", " ")
 
 

@@ -414,7 +414,7 @@ def test_runner_runs_the_script_as_python_would(how, code, tmp_path, capsys):
      "integer replicas, got replicas=0. Fix: e.g. replicas=8 (one per TPU core).\n"),
     (["missing.py"], "error: emulate: no script 'missing.py'. Usage: python -m "
      "tpu_embed_ext emulate [--replicas N] [--sparsecore] [--topology T] "
-     "[--finalize] SCRIPT [ARGS...]\n"),
+     "[--no-xla] [--finalize] SCRIPT [ARGS...]\n"),
 ])
 def test_runner_bad_command_line(argv, message, tmp_path, capsys, monkeypatch):
   monkeypatch.chdir(tmp_path)

@@ -35,7 +35,11 @@ as a difference):
 * ``TPUEmbeddingV2`` without ``sparsecore=True`` (as on a TPU without
   SparseCore);
 * differences that raise nothing: one host (``extended.num_hosts`` 1);
-  steps run as TensorFlow ops on CPU devices, not compiled by XLA; variables
+  steps run as TensorFlow ops on CPU devices, not compiled by XLA (with
+  ``xla=True``, the default, each replica's program is checked when first
+  traced against the rules XLA and the TPU apply: ``xla_check.py``; a
+  ``jit_compile=True`` function around ``strategy.run`` runs as ops:
+  ``outer_jit.py``); variables
   made under ``strategy.scope()`` are ``MirroredVariable``s and the strategy
   is also a ``MirroredStrategy``; ``enqueue`` does not refuse inputs
   prefetched to the devices (``InputOptions(experimental_fetch_to_device=True)``,
@@ -75,12 +79,14 @@ class Emulation:
   ``replicas`` TPU cores, one per logical CPU device in ``devices``; one
   host. ``topology`` is the SparseCore topology (``sparsecore.Topology``:
   ``replicas`` chips, SparseCores per chip) when ``sparsecore`` is on or a
-  topology was given, else None.
+  topology was given, else None. ``xla``: each replica's step is checked
+  to compile with XLA, as a TPU's must (``xla_check.py``).
   """
   replicas: int
   sparsecore: bool
   topology: Optional[object]
   devices: tuple
+  xla: bool = True
 
 
 _lock = threading.Lock()
@@ -97,7 +103,7 @@ def current() -> Optional[Emulation]:
   return _active
 
 
-def _checked(replicas, sparsecore, topology) -> tuple:
+def _checked(replicas, sparsecore, topology, xla=True) -> tuple:
   """(replicas, sparsecore, parsed topology or None), or ConfigError."""
   if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
     raise errors.ConfigError(
@@ -107,6 +113,9 @@ def _checked(replicas, sparsecore, topology) -> tuple:
     raise errors.ConfigTypeError(
         f"emulate_tpu sparsecore must be True or False, got "
         f"sparsecore={sparsecore!r}.")
+  if not isinstance(xla, bool):
+    raise errors.ConfigTypeError(
+        f"emulate_tpu xla must be True or False, got xla={xla!r}.")
   if topology is None and not sparsecore:
     return replicas, sparsecore, None
   from tpu_embed_ext.sparsecore import topology as topology_lib
@@ -123,7 +132,8 @@ def _checked(replicas, sparsecore, topology) -> tuple:
 
 
 @contextlib.contextmanager
-def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None):
+def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None,
+                xla: bool = True):
   """Runs TensorFlow's TPU entry points on an emulated TPU while active.
 
   Args:
@@ -133,13 +143,19 @@ def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None):
       ``EmbeddingLayer`` / keras-rs choose it.
     topology: a SparseCore topology (``"v5p:8"``, ``"8x2"``) of ``replicas``
       chips; default with ``sparsecore``: 4 SparseCores per chip.
+    xla: when a step is first traced, check that each replica's program
+      (``strategy.run``'s function, without the embedding engine's work)
+      compiles with XLA as a TPU's must: an op with no XLA kernel or a type a
+      TPU does not have raises ``xla_check.NotCompilableError`` (a
+      ``tf.errors.InvalidArgumentError``) with soft device placement off,
+      and is run with a warning with it on (a TPU then runs it on its host). ``False`` skips the check.
 
   Yields the ``Emulation``. Raises ``EmulationError`` if another emulation is
   active (patched names are process-wide) or TensorFlow already runs with
   fewer logical CPU devices than ``replicas``.
   """
   global _active
-  replicas, sparsecore, parsed = _checked(replicas, sparsecore, topology)
+  replicas, sparsecore, parsed = _checked(replicas, sparsecore, topology, xla)
   with _lock:
     if _active is not None:
       raise EmulationError(
@@ -150,7 +166,7 @@ def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None):
           "entering another.")
     from tpu_embed_ext.emulated_tpu import patching, strategy
     emulation = Emulation(replicas, sparsecore, parsed,
-                          strategy.logical_devices(replicas))
+                          strategy.logical_devices(replicas), xla)
     patches = patching.apply(emulation)
     _active = emulation
   try:

@@ -44,7 +44,7 @@ from tensorflow.python.tpu import tpu_embedding_v2_utils
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import emulated_tpu, errors
-from tpu_embed_ext.emulated_tpu import patching, strategy as strategy_lib
+from tpu_embed_ext.emulated_tpu import outer_jit, patching, strategy as strategy_lib
 from tpu_embed_ext.emulation import engine
 
 __all__ = ["TPUEmbedding", "TPUEmbeddingV2WithoutSparseCore"]
@@ -103,6 +103,13 @@ class TPUEmbedding(engine.CPUEmbedding):
           f"_output_shapes has {len(shapes)} shapes for {len(self._features)} "
           "features. Fix: one shape per FeatureConfig, in its flattened order.")
     self._shapes.stored = shapes
+
+  @tf.autograph.experimental.do_not_convert
+  def enqueue(self, features, weights=None, training: bool = True, name=None,
+              device=None):
+    # On the host inside jit_compile=True: TensorFlow's XLA error (outer_jit).
+    outer_jit.check_host_enqueue(self._replicas)
+    return super().enqueue(features, weights, training, name, device)
 
   def _retrieve_variables(self):
     pass  # The host variables are the tables: nothing to copy back.

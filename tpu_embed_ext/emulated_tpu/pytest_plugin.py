@@ -1,12 +1,13 @@
 """pytest plugin (``pytest11`` entry point ``tpu_embed_ext``): tests on the emulated TPU.
 
 * ``pytest --emulate-tpu=N`` (with ``--emulate-tpu-sparsecore``,
-  ``--emulate-tpu-topology=T``) runs the whole session inside
+  ``--emulate-tpu-topology=T``, ``--emulate-tpu-no-xla``) runs the whole session inside
   ``emulate_tpu(N, ...)``. The logical CPU devices are configured before
   any ``conftest.py`` is loaded (a conftest that configures at least as many
   keeps its own), and the emulation is entered once they are loaded.
 * The ``emulated_tpu`` fixture gives a test its own emulated TPU, shaped by
-  ``@pytest.mark.emulate_tpu(replicas=2, sparsecore=False, topology=None)``
+  ``@pytest.mark.emulate_tpu(replicas=2, sparsecore=False, topology=None,
+  xla=True)``
   (default 8 replicas). In a session already under ``--emulate-tpu`` it
   yields the session's, and skips a test whose marker asks for another.
 
@@ -37,6 +38,10 @@ def pytest_addoption(parser):
   group.addoption("--emulate-tpu-topology", metavar="T", default=None,
                   dest="emulate_tpu_topology",
                   help="With --emulate-tpu: the SparseCore topology (v5p:N...).")
+  group.addoption("--emulate-tpu-no-xla", action="store_false", default=True,
+                  dest="emulate_tpu_xla",
+                  help="With --emulate-tpu: do not check that each replica's "
+                  "step compiles with XLA, as a TPU's must (faster).")
 
 
 def _session_shape(config):
@@ -44,7 +49,8 @@ def _session_shape(config):
   if replicas is None:
     return None
   return (replicas, config.getoption("emulate_tpu_sparsecore"),
-          config.getoption("emulate_tpu_topology"))
+          config.getoption("emulate_tpu_topology"),
+          config.getoption("emulate_tpu_xla"))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -59,7 +65,8 @@ def pytest_load_initial_conftests(early_config, parser, args):
 
 def pytest_configure(config):
   config.addinivalue_line(
-      "markers", "emulate_tpu(replicas=8, sparsecore=False, topology=None): "
+      "markers", "emulate_tpu(replicas=8, sparsecore=False, topology=None, "
+      "xla=True): "
       "the shape of the TPU the emulated_tpu fixture gives the test.")
   shape = _session_shape(config)
   if shape is None:

@@ -46,7 +46,7 @@ from typing import List, Optional
 __all__ = ["main"]
 
 USAGE = ("python -m tpu_embed_ext emulate [--replicas N] [--sparsecore] "
-         "[--topology T] [--finalize] SCRIPT [ARGS...]")
+         "[--topology T] [--no-xla] [--finalize] SCRIPT [ARGS...]")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--topology", default=None,
                       help="SparseCore topology of --replicas chips: v5p:N, "
                       "v6e:N, tpu7x:N or NxSPARSECORES.")
+  parser.add_argument("--no-xla", dest="xla", action="store_false",
+                      help="Do not check that each replica's step compiles "
+                      "with XLA, as a TPU's must (faster; see "
+                      "docs/guides/tpu-on-cpu.md).")
   parser.add_argument("--finalize", action="store_true",
                       help="Exit as Python does, with its final garbage "
                       "collection (TensorFlow's destructors; at 8 replicas this "
@@ -87,7 +91,7 @@ def _run(script: str, args: List[str], options) -> int:
   from tpu_embed_ext import emulated_tpu  # pylint: disable=g-import-not-at-top
   # Set-up errors (replicas, devices) propagate: main prints them in one line.
   with emulated_tpu.emulate_tpu(options.replicas, options.sparsecore,
-                                options.topology):
+                                options.topology, xla=options.xla):
     saved = sys.argv, sys.path[0]
     sys.argv = [script] + list(args)
     sys.path[0] = os.path.dirname(os.path.abspath(script))

@@ -54,7 +54,7 @@ from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.emulated_tpu import partitioned, pipelining, sparsecore_stats
+from tpu_embed_ext.emulated_tpu import partitioned, pipelining, sparsecore_inputs, sparsecore_stats
 from tpu_embed_ext.emulation import engine as engine_lib
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore import topology as sc_topology
@@ -218,6 +218,8 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
     upstream traces it for Keras ("Use any of the TPU devices and trace once
     for a single device").
     """
+    # SparseCore's own error for a dense tensor of the wrong size (sparsecore_inputs).
+    sparsecore_inputs.check_dense_sample_counts(self._feature_config, features)
     reps = self._replicas
     if device is not None and not reps.in_replica_fn():
       _check_one_replica(features, weights)

@@ -57,7 +57,7 @@ from tensorflow.python.tpu import tpu_hardware_feature, tpu_system_metadata
 from tensorflow.python.training import server_lib
 
 from tpu_embed_ext import emulated_tpu
-from tpu_embed_ext.emulated_tpu import patching
+from tpu_embed_ext.emulated_tpu import outer_jit, patching, xla_check
 
 __all__ = ["configure_logical_devices", "logical_devices", "EmulatedTPUClusterResolver",
            "initialize_tpu_system", "shutdown_tpu_system", "connect_to_cluster",
@@ -306,10 +306,19 @@ class _TPUFace:
     return self._tpu_cluster_resolver
 
   def run(self, fn, args=(), kwargs=None, options=None):
-    """``strategy.run``, which a TPU refuses to run eagerly (as here)."""
+    """``strategy.run``, which a TPU refuses to run eagerly (as here).
+
+    In a graph, with XLA on, each replica's program is checked to compile
+    as a TPU's must (``xla_check.py``); inside ``jit_compile=True`` the
+    replicas are checked, not compiled together (``outer_jit.py``).
+    """
     tpu_strategy.validate_run_function(fn)
-    return distribute_lib.StrategyBase.run(
-        self, _with_callers_embedding_state(fn), args, kwargs, options)
+    if tf.executing_eagerly() and outer_jit.is_jit_function(fn):
+      return outer_jit.run_eagerly_in_a_graph(self, fn, args, kwargs, options)
+    fn = _with_callers_embedding_state(outer_jit.replica_function(fn))
+    with outer_jit.replicas_compiled_separately(), \
+        xla_check.replica_program(self.extended._emulation):  # pylint: disable=protected-access
+      return distribute_lib.StrategyBase.run(self, fn, args, kwargs, options)
 
 
 def _with_callers_embedding_state(fn):
