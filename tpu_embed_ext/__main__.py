@@ -330,9 +330,8 @@ def _emulate(argv: List[str]) -> int:
       raise
     return _usage_error("emulate is not available in this installation of "
                         "tpu_embed_ext. Fix: install a version that has it.")
-  # A script that ran ends the process in runner.main (its fast exit), unless
-  # --finalize asks for Python's normal exit, which returning here gives.
-  return runner.main(argv)
+  # Returning ends the process as Python does (runner.py: the exit).
+  return runner.main(argv, owns_process=_owns_process)
 
 
 COMMANDS: Dict[str, Callable[[List[str]], int]] = {
