@@ -11,9 +11,7 @@ as in those files.
 
 Reported per replica count: each test's seconds, the longest single garbage
 collection (``gc.callbacks``), and how long the process took to end after
-the script's last line (Python's exit through the runner; at 8 replicas also
-with ``--finalize``, which runs TensorFlow's iterator destructors too). The
-ratio is the median test time at 8 replicas over 1. Goals (issue 34): ratio
+the script's last line (Python's exit, through the runner). The ratio is the median test time at 8 replicas over 1. Goals (issue 34): ratio
 within 2, no collection over 1 s, the exit within 2 s.
 
 Usage: ``python -m benchmarks.replica_suite [--tests N]``. Writes
@@ -104,10 +102,10 @@ def _suite(tests: int) -> dict:
   return {"test_s": seconds, "longest_gc_s": round(longest[0], 3)}
 
 
-def _measure(replicas: int, tests: int, finalize: bool) -> dict:
+def _measure(replicas: int, tests: int) -> dict:
   command = [sys.executable, "-m", "tpu_embed_ext", "emulate", "--replicas",
-             str(replicas)] + (["--finalize"] if finalize else []) + [
-                 os.path.abspath(__file__), "--child", "--tests", str(tests)]
+             str(replicas), os.path.abspath(__file__), "--child", "--tests",
+             str(tests)]
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
   done = subprocess.run(command, capture_output=True, text=True, timeout=1800,
@@ -134,10 +132,8 @@ def main():
                          "python": platform.python_version()},
              "tests_per_run": args.tests, "goals": GOALS, "replicas": {}}
   for replicas in COUNTS:
-    results["replicas"][str(replicas)] = _measure(replicas, args.tests, False)
+    results["replicas"][str(replicas)] = _measure(replicas, args.tests)
     print(replicas, results["replicas"][str(replicas)], flush=True)
-  results["finalize_8"] = _measure(8, args.tests, True)
-  print("finalize 8", results["finalize_8"], flush=True)
   runs = results["replicas"]
   results["ratio_8_to_1"] = round(runs["8"]["median_test_s"]
                                   / runs["1"]["median_test_s"], 2)

@@ -122,7 +122,7 @@ def test_the_scripts_excepthook_reports_its_exception(tmp_path, capsys):
 # --- usage errors: one line, status 2 (pinned messages) -------------------------
 
 _USAGE = (" Usage: python -m tpu_embed_ext emulate [--replicas N] [--sparsecore] "
-          "[--topology T] [--finalize] (SCRIPT | -m MODULE) [ARGS...]\n")
+          "[--topology T] (SCRIPT | -m MODULE) [ARGS...]\n")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -14,19 +14,23 @@ Exit status: the script's own (``sys.exit(code)``; 0 when it returns; 1
 after the script's ``sys.excepthook`` reported an exception); 2 for a bad
 ``emulate`` command line (one line, as the other commands).
 
-Exit: Python's own. The process ends as ``python SCRIPT`` ends (the script's
-``atexit`` handlers and non-daemon threads, then the interpreter's
-finalization: open files, ``gzip`` / ``zipfile`` / ``h5py`` files and
-``NamedTemporaryFile``s are closed by their finalizers). One thing is
-skipped unless ``--finalize``: the C++ destructors of the ``tf.data``
-iterators still alive at exit (``exit_cleanup.keep_iterators``), which stop
-their prefetch threads and have nothing to write; the rest of the exit stays
-Python's. Measured in ``benchmarks/runner_exit.py``.
+Exit: Python's own. ``main`` returns the status and the command line ends
+with ``sys.exit``: the script's ``atexit`` handlers and non-daemon threads,
+then the interpreter's finalization (open files, ``gzip`` / ``zipfile`` /
+``h5py`` files and ``NamedTemporaryFile``s end as their finalizers leave
+them under ``python SCRIPT``; ``tests/test_emulate_command.py`` compares
+each). Until issue 34 the runner ended with ``os._exit`` to skip that
+finalization, where TensorFlow's destructors of distributed iterators waited
+on tf.data autotuning threads for seconds to minutes at 8 replicas; those
+threads are gone from the emulated TPU's distributed datasets
+(``device_datasets.py``), and ``benchmarks/replica_suite.py`` measures the
+exit (2.7 s after the script's last line at 8 replicas on the loaded 2-core
+development machine, mostly the interpreter's final collection of
+TensorFlow's graphs; the same with TensorFlow's iterator destructors skipped).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import importlib.util
@@ -41,7 +45,7 @@ from tpu_embed_ext import errors
 __all__ = ["main", "UsageError", "USAGE", "OPTIONS"]
 
 USAGE = ("python -m tpu_embed_ext emulate [--replicas N] [--sparsecore] "
-         "[--topology T] [--finalize] (SCRIPT | -m MODULE) [ARGS...]")
+         "[--topology T] (SCRIPT | -m MODULE) [ARGS...]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +72,6 @@ OPTIONS = {
                            "emulated."),
     "--topology": Option("T", "The TPU slice, e.g. v5p:8, v6e:8, tpu7x:8 or "
                          "8x4 (chips x SparseCores); implies --sparsecore."),
-    "--finalize": Option(None, "Also run TensorFlow's destructors of the tf.data "
-                         "iterators alive at exit (slow at 8 replicas)."),
 }
 _DEFAULTS = {"--replicas": 8}
 
@@ -220,9 +222,8 @@ def main(argv: Optional[List[str]] = None, *, owns_process: bool = False) -> int
 
   Returns the exit status (the script's, or 2 for a bad command line): call
   it as ``sys.exit(main(argv))``, which ends the process as Python does.
-  ``owns_process`` (the command line's way): the process ends after this, so
-  the iterators alive at exit are kept from TensorFlow's destructors unless
-  ``--finalize``.
+  ``owns_process`` (the command line's way): TensorFlow's start-up lines go
+  to the library log, not the terminal.
   """
   argv = sys.argv[1:] if argv is None else list(argv)
   if any(a in ("-h", "--help") for a in argv[:_first_program_word(argv)]):
@@ -236,10 +237,6 @@ def main(argv: Optional[List[str]] = None, *, owns_process: bool = False) -> int
   except UsageError as e:
     print(f"error: emulate: {e} Usage: {USAGE}", file=sys.stderr)
     return 2
-  from tpu_embed_ext.emulated_tpu import exit_cleanup  # pylint: disable=g-import-not-at-top
-  if owns_process and not command.get("--finalize"):
-    # Registered before the script's own handlers, so it runs after them.
-    atexit.register(exit_cleanup.keep_iterators)
   with contextlib.ExitStack() as stack:
     try:
       _start(stack, (replicas, sparsecore, topology), owns_process)
