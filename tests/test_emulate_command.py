@@ -148,7 +148,10 @@ _USAGE = (" Usage: python -m tpu_embed_ext emulate [--replicas N] [--sparsecore]
      "--topology: topology 'v6e:3' is not a v6e slice: v6e slices have 1, 4, "
      "8, 16, 32, 64, 128 or 256 chips. Fix: e.g. v6e:4, or 3x2 for 3 chips of "
      "2 SparseCores."),
-])
+], ids=["no_program", "unknown_option", "option_without_value",
+        "replicas_not_a_number", "switch_with_value", "dash_m_without_module",
+        "no_such_module", "no_such_script", "v5p_slice_of_3_chips",
+        "v6e_slice_of_3_chips"])
 def test_bad_command_lines_are_one_line_and_status_2(argv, message, tmp_path,
                                                       monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)

@@ -36,7 +36,8 @@ def _pytest(tmp_path, source, *flags):
      "ERROR: --emulate-tpu-topology: topology 'v5p:3' is not a v5p slice: v5p "
      "slices have a multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...). Fix: e.g. "
      "v5p:4, or 3x4 for 3 chips of 4 SparseCores."),
-])
+], ids=["sparsecore_without_emulate_tpu", "topology_without_emulate_tpu",
+        "v5p_slice_of_3_chips"])
 def test_plugin_misuse_is_a_usage_error(flags, message, tmp_path):
   done = _pytest(tmp_path, "def test_nothing():\n  pass\n", *flags)
   assert done.returncode == 4, done.stdout + done.stderr  # pytest's usage error.

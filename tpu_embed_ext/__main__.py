@@ -4,7 +4,7 @@
   train   --config C [--steps N] [--model_dir DIR] [--tpu auto|none|emulate[:N]|NAME]
   export  --config C --model_dir DIR [--out DIR]
   convert-checkpoint --config C --checkpoint PREFIX --out PREFIX --topology T|none
-  emulate [--replicas N] [--sparsecore] [--topology T] SCRIPT [ARGS...]
+  emulate [--replicas N] [--sparsecore] [--topology T] (SCRIPT | -m MODULE) [ARGS...]
 
 ``--config`` is a file or the name of a shipped config (``tiny``,
 ``ranking``...: ``config_files.resolve``). ``--help`` lists the commands,
