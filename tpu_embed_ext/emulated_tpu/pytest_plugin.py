@@ -55,11 +55,15 @@ def pytest_addoption(parser):
                   help="With --emulate-tpu: the SparseCore topology (v5p:N...).")
 
 
-def _session_shape(config):
-  """(replicas, sparsecore, topology) of --emulate-tpu, or None; UsageError."""
-  replicas = config.getoption("emulate_tpu")
-  sparsecore = config.getoption("emulate_tpu_sparsecore")
-  topology = config.getoption("emulate_tpu_topology")
+def _session_shape(config, options=None):
+  """(replicas, sparsecore, topology) of --emulate-tpu, or None; UsageError.
+
+  ``options``: the parsed options (``config.option`` once configured; the
+  early namespace before conftests load)."""
+  options = options or config.option
+  replicas = getattr(options, "emulate_tpu", None)
+  sparsecore = getattr(options, "emulate_tpu_sparsecore", False)
+  topology = getattr(options, "emulate_tpu_topology", None)
   if replicas is None:
     for flag, given in (("--emulate-tpu-sparsecore", sparsecore),
                         ("--emulate-tpu-topology", topology is not None)):
@@ -71,9 +75,9 @@ def _session_shape(config):
     return None
   if topology is not None:
     from tpu_embed_ext import errors  # pylint: disable=g-import-not-at-top
-    from tpu_embed_ext.sparsecore import topology as topology_lib  # pylint: disable=g-import-not-at-top
+    from tpu_embed_ext.emulated_tpu import runner  # pylint: disable=g-import-not-at-top
     try:
-      topology_lib.check_slice(topology)
+      runner.check_slice(topology)  # Without loading TensorFlow.
     except errors.Error as e:
       raise pytest.UsageError(f"--emulate-tpu-topology: {e}") from None
     sparsecore = True
@@ -118,7 +122,7 @@ def pytest_load_initial_conftests(early_config, parser, args):
   known = early_config.known_args_namespace
   replicas = getattr(known, "emulate_tpu", None)
   if replicas and getattr(known, "emulate_tpu_topology", None) is not None:
-    _session_shape(early_config)  # A bad slice is refused before TF loads.
+    _session_shape(early_config, known)  # A bad slice: refused before TF loads.
   if replicas:
     from tpu_embed_ext.emulated_tpu import strategy  # pylint: disable=g-import-not-at-top
     strategy.configure_logical_devices(replicas)

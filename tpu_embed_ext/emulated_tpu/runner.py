@@ -42,7 +42,7 @@ from typing import List, Optional
 
 from tpu_embed_ext import errors
 
-__all__ = ["main", "UsageError", "USAGE", "OPTIONS"]
+__all__ = ["main", "parse", "check_slice", "UsageError", "USAGE", "OPTIONS"]
 
 USAGE = ("python -m tpu_embed_ext emulate [--replicas N] [--sparsecore] "
          "[--topology T] (SCRIPT | -m MODULE) [ARGS...]")
@@ -149,13 +149,31 @@ def _shape(command: Command):
   """(replicas, sparsecore, topology) with the slice checked."""
   topology = command.get("--topology")
   if topology is not None:
-    from tpu_embed_ext.sparsecore import topology as topology_lib  # pylint: disable=g-import-not-at-top
     try:
-      topology_lib.check_slice(topology)
+      check_slice(topology)
     except errors.Error as e:
       raise UsageError(f"--topology: {' '.join(str(e).split())}") from None
   sparsecore = command.get("--sparsecore") or topology is not None
   return command.get("--replicas"), sparsecore, topology
+
+
+def check_slice(topology):
+  """``sparsecore.topology.check_slice`` without loading TensorFlow.
+
+  The ``tpu_embed_ext.sparsecore`` package imports TensorFlow (its checkpoint
+  conversion); a usage error should not print TensorFlow's start-up lines,
+  so ``topology.py`` (which needs only ``errors``) is read on its own.
+  """
+  name = "tpu_embed_ext.sparsecore.topology"
+  module = sys.modules.get(name) or sys.modules.get(f"{name}_standalone")
+  if module is None:
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), "sparsecore", "topology.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_standalone", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up.
+    spec.loader.exec_module(module)
+  return module.check_slice(topology)
 
 
 def _script_frames(tb, filename: str):
