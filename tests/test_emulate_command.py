@@ -173,3 +173,20 @@ def test_help_lists_every_option(capsys):
   out = capsys.readouterr().out
   assert all(name in out for name in runner.OPTIONS)
   assert "-m MODULE" in out
+
+
+def test_stderr_is_the_scripts_and_tensorflows_start_up_lines_go_to_the_log(tmp_path):
+  """TensorFlow's start-up lines (oneDNN, CPU features: written to fd 2 as it
+  loads, whatever TF_CPP_MIN_LOG_LEVEL says) go to the library log, as in
+  the other commands; what the script writes to stderr reaches the terminal."""
+  script = tmp_path / "talks.py"
+  script.write_text("import sys, tensorflow as tf\n"
+                    "print('script stderr', file=sys.stderr)\n"
+                    "print(int(tf.constant(2) * 3))\n")
+  env = dict(os.environ)
+  env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+  done = subprocess.run([sys.executable, "-m", "tpu_embed_ext", "emulate",
+                         "--replicas", "2", str(script)], capture_output=True,
+                        text=True, env=env, timeout=LIMIT, check=False)
+  assert (done.returncode, done.stdout) == (0, "6\n"), done.stderr[-2000:]
+  assert done.stderr == "script stderr\n"
