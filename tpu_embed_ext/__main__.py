@@ -4,7 +4,7 @@
   train   --config C [--steps N] [--model_dir DIR] [--tpu auto|none|emulate[:N]|NAME]
   export  --config C --model_dir DIR [--out DIR]
   convert-checkpoint --checkpoint PREFIX --out PREFIX --topology T|none [--config C]
-  emulate [--replicas N] [--sparsecore] [--topology T] SCRIPT [ARGS...]
+  emulate [--replicas N] [--sparsecore] [--topology T] [--no-xla] (SCRIPT | -m MODULE) [ARGS...]
 
 ``--config`` is a file or the name of a shipped config (``tiny``,
 ``ranking``...: ``config_files.resolve``). ``--help`` lists the commands,
@@ -350,9 +350,8 @@ def _emulate(argv: List[str]) -> int:
       raise
     return _usage_error("emulate is not available in this installation of "
                         "tpu_embed_ext. Fix: install a version that has it.")
-  # A script that ran ends the process in runner.main (its fast exit), unless
-  # --finalize asks for Python's normal exit, which returning here gives.
-  return runner.main(argv)
+  # Returning ends the process as Python does (runner.py: the exit).
+  return runner.main(argv, owns_process=_owns_process)
 
 
 COMMANDS: Dict[str, Callable[[List[str]], int]] = {

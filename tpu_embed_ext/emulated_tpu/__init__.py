@@ -44,8 +44,10 @@ as a difference):
   is also a ``MirroredStrategy``; ``enqueue`` does not refuse inputs
   prefetched to the devices (``InputOptions(experimental_fetch_to_device=True)``,
   which a TPU refuses for embedding inputs) nor inputs computed inside the
-  step (a TPU wants them straight from the dataset); memory limits and speed
-  are the CPU's.
+  step (a TPU wants them straight from the dataset); distributed datasets
+  run without tf.data autotuning (``device_datasets.py``: the same elements
+  per replica; autotuning's threads hung their destructors at 8 replicas);
+  memory limits and speed are the CPU's.
 
 This module is cheap to import (no TensorFlow until ``emulate_tpu`` is
 entered): ``import tpu_embed_ext`` exports ``emulate_tpu`` lazily.

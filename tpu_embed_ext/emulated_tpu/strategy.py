@@ -273,6 +273,19 @@ class EmulatedTPUExtended(mirrored_strategy.MirroredExtended):
   def experimental_logical_device(self, logical_device_id):
     raise _not_emulated("TPUStrategy.extended.experimental_logical_device")
 
+  # Datasets: MirroredStrategy's, with no tf.data autotuning thread on the
+  # host side (its destructor hangs at 8 replicas: device_datasets.py).
+  def _experimental_distribute_dataset(self, dataset, options):
+    from tpu_embed_ext.emulated_tpu import device_datasets  # pylint: disable=g-import-not-at-top
+    return super()._experimental_distribute_dataset(
+        device_datasets.without_autotuning(dataset), options)
+
+  def _distribute_datasets_from_function(self, dataset_fn, options):
+    from tpu_embed_ext.emulated_tpu import device_datasets  # pylint: disable=g-import-not-at-top
+    return super()._distribute_datasets_from_function(
+        lambda context: device_datasets.without_autotuning(dataset_fn(context)),
+        options)
+
 
 class _TPUFace:
   """What the emulated strategies add to ``MirroredStrategy``.
