@@ -190,3 +190,43 @@ def test_stderr_is_the_scripts_and_tensorflows_start_up_lines_go_to_the_log(tmp_
                         text=True, env=env, timeout=LIMIT, check=False)
   assert (done.returncode, done.stdout) == (0, "6\n"), done.stderr[-2000:]
   assert done.stderr == "script stderr\n"
+
+
+# --- the XLA switch (issue 33): --no-xla runs what a TPU could not compile ------
+
+_NO_KERNEL_STEP = """
+import tensorflow as tf
+tf.config.set_soft_device_placement(False)  # A TPU then refuses ops with no XLA kernel.
+resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="")
+tf.tpu.experimental.initialize_tpu_system(resolver)
+strategy = tf.distribute.TPUStrategy(resolver)
+
+@tf.function
+def step(x):
+  def replica(v):
+    return tf.py_function(lambda t: t * 2.0, [v], tf.float32)
+  return strategy.run(replica, args=(x,))
+
+print("result", strategy.experimental_local_results(step(tf.constant(1.5)))[0].numpy())
+"""
+
+
+@pytest.mark.parametrize("flags, status", [([], 1), (["--no-xla"], 0)],
+                         ids=["xla_check_refuses", "no_xla_runs"])
+def test_no_xla_switches_the_check_off(flags, status, tmp_path):
+  script = tmp_path / "step.py"
+  script.write_text(_NO_KERNEL_STEP)
+  done = subprocess.run(
+      [sys.executable, "-m", "tpu_embed_ext", "emulate", "--replicas", "2", *flags,
+       str(script)], capture_output=True, text=True, timeout=LIMIT, check=False,
+      cwd=str(tmp_path), env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  assert done.returncode == status, done.stdout + done.stderr
+  if status:
+    assert "NotCompilableError" in done.stderr and "EagerPyFunc" in done.stderr
+  else:
+    assert "result 3.0" in done.stdout
+
+
+def test_no_xla_is_parsed_into_the_shape():
+  assert runner._shape(runner.parse(["--no-xla", "s.py"]))[3] is False  # pylint: disable=protected-access
+  assert runner._shape(runner.parse(["s.py"]))[3] is True  # pylint: disable=protected-access

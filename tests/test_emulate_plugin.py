@@ -36,8 +36,12 @@ def _pytest(tmp_path, source, *flags):
      "ERROR: --emulate-tpu-topology: topology 'v5p:3' is not a v5p slice: v5p "
      "slices have a multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...). Fix: e.g. "
      "v5p:4, or 3x4 for 3 chips of 4 SparseCores."),
+    (["--emulate-tpu-no-xla"],
+     "ERROR: --emulate-tpu-no-xla needs --emulate-tpu=N (the session's "
+     "emulated TPU of N replicas); without it --emulate-tpu-no-xla would do "
+     "nothing. Fix: add --emulate-tpu=N, or drop the flag."),
 ], ids=["sparsecore_without_emulate_tpu", "topology_without_emulate_tpu",
-        "v5p_slice_of_3_chips"])
+        "v5p_slice_of_3_chips", "no_xla_without_emulate_tpu"])
 def test_plugin_misuse_is_a_usage_error(flags, message, tmp_path):
   done = _pytest(tmp_path, "def test_nothing():\n  pass\n", *flags)
   assert done.returncode == 4, done.stdout + done.stderr  # pytest's usage error.
@@ -79,3 +83,20 @@ def test_tensorflow_initialised_at_collection_is_named(tmp_path):
           "TensorFlow op at import time), before the emulated_tpu fixture "
           "could set up its devices. Fix: move that op into a test or "
           "fixture, or run pytest --emulate-tpu=N.") in done.stdout
+
+
+_XLA_SWITCH = """
+import tpu_embed_ext as tee
+
+def test_the_session_emulation_has_the_xla_switch():
+  assert tee.emulated_tpu.current().xla is {expected}
+"""
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--emulate-tpu=2"], True), (["--emulate-tpu=2", "--emulate-tpu-no-xla"], False)],
+    ids=["xla_on_by_default", "no_xla"])
+def test_no_xla_reaches_the_session_emulation(flags, expected, tmp_path):
+  done = _pytest(tmp_path, _XLA_SWITCH.format(expected=expected), *flags)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "1 passed" in done.stdout
