@@ -24,28 +24,21 @@ import sysconfig
 
 import pytest
 
+from tests import wheel_build
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _OURS = ("tpu_embed_ext", "__editable__", "_tpu_embed_ext")
 
 
 def _pip(*args):
-  subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q",
-                  *args], check=True, capture_output=True, text=True, timeout=600)
+  wheel_build.pip(*args, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
   """A virtualenv with the wheel installed (and nothing else of its own)."""
   root = tmp_path_factory.mktemp("wheel")
-  source = root / "source"
-  source.mkdir()
-  shutil.copy(ROOT / "setup.py", source)
-  ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-  for name in ("tpu_embed_ext", "configs"):
-    shutil.copytree(ROOT / name, source / name, ignore=ignore)
-  _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w",
-       str(root / "dist"), str(source))
-  wheel, = (root / "dist").glob("tpu_embed_ext-*.whl")
+  wheel = wheel_build.build_wheel(root)
   subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "env")],
                  check=True, timeout=600)
   python = root / "env" / "bin" / "python"
