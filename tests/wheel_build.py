@@ -57,3 +57,27 @@ def clean_env(env_dir: pathlib.Path, home: pathlib.Path, **extra) -> dict:
                                        else path))
   environ.update(extra)
   return environ
+
+
+_OURS = ("tpu_embed_ext", "__editable__", "_tpu_embed_ext")
+
+
+def borrow(env, *, without=()):
+  """Lets the virtualenv ``env`` see this environment's distributions, less
+  this package's and ``without``: a ``.pth`` naming a directory of symlinks
+  (installing TensorFlow from the index takes minutes; test_wheel.py)."""
+  import sysconfig  # pylint: disable=g-import-not-at-top
+  site = subprocess.run(
+      [str(env / "bin" / "python"), "-c", "import sysconfig; "
+       "print(sysconfig.get_paths()['purelib'])"],
+      check=True, capture_output=True, text=True).stdout.strip()
+  deps = env / "borrowed"
+  shutil.rmtree(deps, ignore_errors=True)
+  deps.mkdir()
+  here = pathlib.Path(sysconfig.get_paths()["purelib"])
+  for entry in here.iterdir():
+    name = entry.name.lower()
+    if name.startswith(_OURS) or name.endswith(".pth") or name.startswith(without):
+      continue
+    (deps / entry.name).symlink_to(entry)
+  pathlib.Path(site, "borrowed.pth").write_text(f"{deps}\n")

@@ -32,7 +32,7 @@ EXTRAS = {
 }
 # Each extra's requirements when the package's metadata cannot be read.
 _REQUIREMENTS = {"cpu": ["tensorflow-cpu"],
-                 "data": ["tensorflow-datasets", "importlib_resources",
+                 "data": ["tensorflow-datasets", "importlib-resources",
                           "matplotlib", "tensorboard"]}
 _OTHER_TF = {"clone": " (or [tf], or [tpu] on a Cloud TPU VM)",
              "wheel": " (or tensorflow, or tensorflow-tpu on a Cloud TPU VM, in "
