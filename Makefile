@@ -21,18 +21,15 @@ TEST_WORKERS ?= 2
 .PHONY: run test bench docs install dist clean
 
 # One line per stage, with what it costs, before it runs (pip -q is silent for
-# minutes otherwise); `time` after each says what it took here.
-STAGE = @echo "make install: $(1)"
-
+# minutes otherwise); the kernels' compile says so itself (loader.py), once.
 $(VENV)/.installed: setup.py
-	$(call STAGE,1/4 creating $(VENV) (a few seconds))
+	@echo "make install: 1/3 creating $(VENV) (a few seconds)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(call STAGE,2/4 installing TensorFlow ($(TF_FLAVOUR)) and tpu_embed_ext, about 2 minutes)
+	@echo "make install: 2/3 installing TensorFlow ($(TF_FLAVOUR)) and tpu_embed_ext, about 2 minutes"
 	@$(PIP) install -e '.[$(TF_FLAVOUR)]' 2>&1 | sed '/is ignored: it is neither/d'
-	$(call STAGE,3/4 installing the data and test tools (tfds, matplotlib, pytest, mkdocs), about 1 minute)
+	@echo "make install: 3/3 installing the data and test tools (tfds, matplotlib, pytest, mkdocs), about 1 minute"
 	@$(PIP) install -e '.[$(TF_FLAVOUR),test]' 2>&1 | sed '/is ignored: it is neither/d'
 	@$(PY) -c "import tensorflow, tpu_embed_ext"
-	$(call STAGE,4/4 compiling the native kernels, about 40 seconds)
 	@$(PY) -m tpu_embed_ext.emulation.native build
 	@echo "make install: done; next: make run (about 5 minutes) or make test (about 15 minutes on 2 cores)"
 	@touch $@
