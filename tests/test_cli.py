@@ -7,6 +7,7 @@ stderr.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -514,6 +515,11 @@ def test_a_finished_train_decides_nothing_to_do_before_any_work(
   status, out, err = _cli(capsys, "train", "--config", config, "--steps", "5",
                           "--tpu", "none", "--model_dir", model_dir)
   assert status == 0, err
+  # One device line, then the AUC without a second one.
+  assert [l for l in out.splitlines() if "CPU emulation" in l] == [
+      "Training on CPU emulation (CPUEmbedding)."]
+  assert re.search(r"^held-out AUC \S+ \(planted model: \S+\) at step 5, [\d,]+ "
+                   r"examples/s\.$", out, re.M), out
   from tpu_embed_ext.job import loop
 
   def refused(*_, **__):
@@ -533,3 +539,9 @@ def test_a_finished_train_decides_nothing_to_do_before_any_work(
         " at step 5 (already trained, on CPU emulation (CPUEmbedding): nothing to "
         "do)."), held_out
     assert not [l for l in lines if "Training on" in l or "emulated TPU" in l]
+
+
+def test_no_tpu_attached_is_information_not_an_error():
+  from tpu_embed_ext.job import strategy
+  assert strategy.resolve_strategy("auto") == (
+      None, "CPU emulation (CPUEmbedding), as no TPU is attached")

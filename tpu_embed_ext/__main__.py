@@ -155,12 +155,12 @@ def _train(f, config: str, progress):
                       log=log)
   finished_before = any(t.startswith("Already trained") for t in said)
   speed = None if finished_before else metrics.get("examples_per_second")
-  # One device line: where this run trained, or where the finished run did.
+  # One device line: "Training on ..." of this run, or, for a finished run
+  # that trained nothing now, where it trained.
   print(f"\nheld-out AUC {metrics['eval_auc']:.4f}"
         + (f" (planted model: {metrics['planted_auc']:.4f})"
            if "planted_auc" in metrics else "")
-        + (f" at step {metrics['steps']}, on {metrics['where']}, {speed:,.0f} "
-           "examples/s." if speed else
+        + (f" at step {metrics['steps']}, {speed:,.0f} examples/s." if speed else
            f" at step {metrics['steps']} (already trained, on "
            f"{metrics['where']}: nothing to do)."))
   print(where_everything_went(f.config, model_dir))
