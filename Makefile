@@ -20,6 +20,10 @@ TEST_WORKERS ?= 2
 
 .PHONY: run test bench docs install dist clean
 
+# TensorFlow's C++ start-up lines, printed on some CPUs whatever
+# TF_CPP_MIN_LOG_LEVEL says: not the install's to show.
+TF_STARTUP := -e '/^WARNING: All log messages before absl::InitializeLog/d' -e '/^I0000 /d'
+
 # One line per stage, with what it costs, before it runs (pip -q is silent for
 # minutes otherwise); the kernels' compile says so itself (loader.py), once.
 $(VENV)/.installed: setup.py
@@ -29,8 +33,8 @@ $(VENV)/.installed: setup.py
 	@$(PIP) install -e '.[$(TF_FLAVOUR)]' 2>&1 | sed '/is ignored: it is neither/d'
 	@echo "make install: 3/3 installing the data and test tools (tfds, matplotlib, pytest, mkdocs), about 1 minute"
 	@$(PIP) install -e '.[$(TF_FLAVOUR),test]' 2>&1 | sed '/is ignored: it is neither/d'
-	@$(PY) -c "import tensorflow, tpu_embed_ext"
-	@$(PY) -m tpu_embed_ext.emulation.native build
+	@$(PY) -c "import tensorflow, tpu_embed_ext" 2>&1 | sed $(TF_STARTUP)
+	@$(PY) -m tpu_embed_ext.emulation.native build 2>&1 | sed $(TF_STARTUP)
 	@echo "make install: done; next: make run (about 5 minutes) or make test (about 15 minutes on 2 cores)"
 	@touch $@
 

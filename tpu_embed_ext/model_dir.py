@@ -7,7 +7,9 @@ logs. The rules, each because a run once lost work without them:
 
 - One run at a time: ``lock`` holds an ``fcntl`` lock on ``.lock`` for the
   life of the process. The kernel drops it when the process dies (even by
-  SIGKILL), so a stale lock file never blocks a later run.
+  SIGKILL), so a stale lock file never blocks a later run. A run that ends
+  removes its ``.lock``, and a failed run removes the model_dir it made if it
+  is still empty (``made_here``): nothing is left that was not there.
 - The state file is a hint, never the truth: ``resume_point`` scans the
   ``ckpt-*.index`` files, newest first, and returns the newest checkpoint
   whose every tensor reads back (TensorFlow checks each tensor's CRC; a
