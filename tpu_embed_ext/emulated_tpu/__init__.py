@@ -30,7 +30,8 @@ as a difference):
   cores per replica, ``experimental_spmd_xla_partitioning``;
 * TF1's ``tf.compat.v1.distribute.experimental.TPUStrategy``;
 * ``TPUEmbedding(pipeline_execution_with_tensor_core=True)`` (a TPU then
-  looks up in tables one step old);
+  looks up in tables one step old; ``TPUEmbeddingV2``'s is emulated,
+  ``pipelining.py``);
 * ``TPUEmbeddingV2`` without ``sparsecore=True`` (as on a TPU without
   SparseCore);
 * differences that raise nothing: one host (``extended.num_hosts`` 1);

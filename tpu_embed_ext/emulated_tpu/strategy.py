@@ -50,6 +50,9 @@ from tensorflow.python.distribute import (distribute_lib, mirrored_strategy,
 from tensorflow.python.distribute.cluster_resolver.tpu import (
     tpu_cluster_resolver as tpu_resolver_lib)
 from tensorflow.python.eager import context
+from tensorflow.python.autograph.core import ag_ctx as autograph_ctx
+from tensorflow.python.autograph.impl import api as autograph
+from tensorflow.python.tpu import embedding_context_utils as ecu
 from tensorflow.python.tpu import tpu_hardware_feature, tpu_system_metadata
 from tensorflow.python.training import server_lib
 
@@ -251,6 +254,9 @@ class EmulatedTPUExtended(mirrored_strategy.MirroredExtended):
     self._emulation = emulation
     # Read by tpu_replication.is_tpu_strategy's callers (outside compilation).
     self._device_assignment = None
+    # TPUExtended's [replicas, logical cores per replica] array of device
+    # names (one core per replica here); TPUEmbeddingV2 and its tests read it.
+    self._tpu_devices = np.array([[d] for d in self.worker_devices], dtype=object)
 
   @property
   def tpu_hardware_feature(self):
@@ -302,7 +308,33 @@ class _TPUFace:
   def run(self, fn, args=(), kwargs=None, options=None):
     """``strategy.run``, which a TPU refuses to run eagerly (as here)."""
     tpu_strategy.validate_run_function(fn)
-    return distribute_lib.StrategyBase.run(self, fn, args, kwargs, options)
+    return distribute_lib.StrategyBase.run(
+        self, _with_callers_embedding_state(fn), args, kwargs, options)
+
+
+def _with_callers_embedding_state(fn):
+  """``fn`` seeing the caller's ``SequentialEmbeddingContext``.
+
+  TensorFlow keeps it in a thread-local (``embedding_context_utils``); a TPU
+  traces the replica function in the caller's thread, the mirrored machinery
+  in one thread per replica, which would see pipelining enabled.
+  """
+  enabled = ecu.embedding_pipelining_state.enabled
+  if enabled:
+    return fn
+  # Converted as StrategyBase.run converts it; the wrapper is left alone.
+  fn = autograph.tf_convert(fn, autograph_ctx.control_status_ctx(),
+                            convert_by_default=False)
+
+  @autograph.do_not_convert
+  def replica_fn(*args, **kwargs):
+    previous = ecu.embedding_pipelining_state.enabled
+    ecu.embedding_pipelining_state.enabled = enabled
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      ecu.embedding_pipelining_state.enabled = previous
+  return replica_fn
 
 
 def is_emulated_tpu_strategy(strategy) -> bool:
