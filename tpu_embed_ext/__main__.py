@@ -89,7 +89,10 @@ _owns_process = False  # run(): this process is the command (log watcher, faulth
 
 # A flag's help where the shared text above would talk about another command
 # (``export --help`` tells of export's --out only).
+_CONFIG_HELP = ("The config: a .yaml/.json file, or the name of a shipped config "
+                "(tiny, ranking, criteo, movielens).")
 _COMMAND_HELP = {
+    **{(command, "config"): _CONFIG_HELP for command in ("plan", "train", "export")},
     ("export", "out"): "Where to write the SavedModel (default: <model_dir>/serving).",
     ("plan", "topology"): "With --engine v2: the SparseCore topology, "
                           "GENERATION:CHIPS (v5p:4, v6e:8, tpu7x:4) or "
