@@ -36,8 +36,16 @@ def test_train_on_the_emulated_tpu_equals_cpu_emulation(capsys, tmp_path, tiny_d
     assert status == 0, out
     runs[tpu] = (out, jobs.variables(jobs.checkpoint(model_dir, STEPS)))
   out, emulated = runs["emulate:2"]
+  # The device line once (issue 36), true.
   assert "Training on emulated TPU, 2 replicas (TPUEmbedding)." in out
-  assert f"at step {STEPS}, on emulated TPU, 2 replicas (TPUEmbedding)" in out
+  assert out.count("emulated TPU") == 1 and f"at step {STEPS}, " in out
+  # Again on the finished model_dir: nothing to do, and where it trained.
+  status, again, _ = jobs.run_cli(capsys, "train", "--config", config, "--steps",
+                                  str(STEPS), "--tpu", "emulate:2", "--model_dir",
+                                  str(tmp_path / "emulate_2"))
+  assert status == 0 and again.count("emulated TPU") == 1, again
+  assert (f"at step {STEPS} (already trained, on emulated TPU, 2 replicas "
+          "(TPUEmbedding): nothing to do).") in again
   _, cpu = runs["none"]
   assert sorted(emulated) == sorted(cpu)
   assert any(k.startswith("model/embedding/embedding/t_c0") for k in cpu)
