@@ -187,15 +187,14 @@ def initialize_stacked(owner, pending: Set[Tuple[str, str]], default) -> None:
   """Calls ``owner._batch_initialize_tables()`` (once, if ``pending``) and
   writes its shards of each pending ``(stack, slot)`` into the tables.
 
-  ``default``: the class's own hook; its result is what the tables hold, so
-  it is not written back.
+  ``default``: the class's own hook. Its values are what the tables were
+  initialised with, so it is not called (only a replaced hook can observe
+  the call, and a replaced one's values are written).
   """
-  if not pending:
-    return
   hook = owner._batch_initialize_tables  # pylint: disable=protected-access
+  if not pending or getattr(hook, "__func__", None) is default:
+    return  # the default's values are the tables' already: not computed
   tensors = hook()
-  if getattr(hook, "__func__", None) is default:
-    return
   tracked = owner._unconditional_dependency_names  # pylint: disable=protected-access
   chips = owner._topology.chips  # pylint: disable=protected-access
   checked = {}

@@ -142,10 +142,11 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
     is called once unless a restore waiting for the build fills them all."""
     if self._variables is not None:
       return
-    pending = sharded_views.uninitialized(self)
-    super().build(per_replica_input_shapes, per_replica_batch_size)
-    sharded_views.initialize_stacked(
-        self, pending, TPUEmbeddingV2._batch_initialize_tables)
+    with tf.init_scope():  # as upstream's _maybe_build: never in a traced step
+      pending = sharded_views.uninitialized(self)
+      super().build(per_replica_input_shapes, per_replica_batch_size)
+      sharded_views.initialize_stacked(
+          self, pending, TPUEmbeddingV2._batch_initialize_tables)
 
   def _batch_initialize_tables(self) -> Dict[str, Dict[str, list]]:
     """``{stacked table name: {slot: [one shard per chip]}}``: the initial
