@@ -166,9 +166,13 @@ def test_batch_initialize_tables_is_called_once_unless_a_restore_fills_every_tab
                      expected[STACK][slot])
 
 
-def test_batch_initialize_tables_replacement_gives_the_initial_values():
+def test_batch_initialize_tables_replacement_gives_the_initial_values(tmp_path):
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
     strategy = _strategy()
+    with strategy.scope():
+      other = api.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+      other.build()
+    saved = tf.train.Checkpoint(model=other).write(str(tmp_path / "initial"))
     rng = np.random.RandomState(3)
     theirs = {n: {"parameters": rng.uniform(-1, 1, (VOCAB[n], 4)),
                   "accumulators": rng.uniform(0.1, 1, (VOCAB[n], 4))} for n in VOCAB}
@@ -178,7 +182,13 @@ def test_batch_initialize_tables_replacement_gives_the_initial_values():
     embedding._batch_initialize_tables = lambda: {  # pylint: disable=protected-access
         STACK: {slot: np.split(whole.astype(np.float32), REPLICAS)
                 for slot, whole in stacked[STACK].items()}}
-    embedding.build()
+
+    @tf.function
+    def first_use():  # builds while tracing, as a first step does
+      embedding.build()
+      return tf.constant(0)
+
+    first_use()
     for name in VOCAB:
       for slot, value in theirs[name].items():
         np.testing.assert_allclose(embedding.table_variables(name)[slot].numpy(), value,
@@ -186,6 +196,12 @@ def test_batch_initialize_tables_replacement_gives_the_initial_values():
     for slot in ("parameters", "accumulators"):
       _assert_shards([s.numpy() for s in embedding._variables[STACK][slot].values],  # pylint: disable=protected-access
                      stacked[STACK][slot])
+    # The initial values were written once, outside the traced function.
+    tf.train.Checkpoint(model=embedding).restore(saved)
+    first_use()
+    for name in VOCAB:
+      np.testing.assert_array_equal(embedding.table_variables(name)["parameters"].numpy(),
+                                    _initial(name))
 
 
 BAD_INITIAL_VALUES = {
