@@ -29,10 +29,16 @@ TF 2.21):
   recorded, or in ``SequentialEmbeddingContext`` are sequential; lookups and
   updates carry TensorFlow's ``_embedding_pipelining`` attribute
   (``pipelining.py``);
-* ``embedding_tables`` / ``variables`` are keyed by stacked table name, as
-  upstream's; their values are read-only views of the stacked layout
-  (``StackedTable``: ``.values`` is one shard per replica, as
-  ``TPUEmbeddingShardedVariable``'s).
+* ``embedding_tables`` / ``variables`` / ``_variables`` are keyed by stacked
+  table name, as upstream's; their values are read-only views of the stacked
+  layout, instances of TensorFlow's ``TPUEmbeddingShardedVariable``
+  (``sharded_views.StackedTable``: ``.values`` is one shard per replica). The
+  engine keeps its variables per table: to this package's code ``_variables``
+  is still ``{table: {slot: variable}}``;
+* ``build`` calls ``_batch_initialize_tables()`` as upstream does (once, no
+  arguments, unless a restore waiting for the build fills every stacked
+  variable); a replaced hook's shards are written into the tables, so
+  TensorFlow's ``tpu_embedding_v3_checkpoint_test.py`` passes unmodified.
 
 What is not SparseCore's: ``preserved_outputs`` (and ``enqueue``'s output) is
 a dict keyed by stacked table name, as upstream's, but its values are
