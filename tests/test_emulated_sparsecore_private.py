@@ -234,3 +234,23 @@ def test_bad_batch_initialize_tables_values_are_refused_and_change_nothing(case)
     for name in VOCAB:
       np.testing.assert_array_equal(
           embedding.table_variables(name)["parameters"].numpy(), _initial(name))
+
+
+def test_a_view_in_a_checkpoint_of_its_own_saves_and_restores_the_tables(tmp_path):
+  """Not a silent no-op: the view writes the stacked variable, and reading it
+  back writes every table of the stack."""
+  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+    _, trained = _tpu_program(_global_batches())
+    path = tf.train.Checkpoint(v=trained._variables[STACK]["parameters"]).write(  # pylint: disable=protected-access
+        str(tmp_path / "view"))
+    with _strategy().scope():
+      fresh = api.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+    fresh.build()
+    tf.train.Checkpoint(v=fresh._variables[STACK]["parameters"]).read(path).assert_consumed()  # pylint: disable=protected-access
+    params, _ = _numpy_reference()
+    for name in VOCAB:
+      np.testing.assert_allclose(fresh.table_variables(name)["parameters"].numpy(),
+                                 params[name], rtol=2e-5, atol=1e-6)
+      np.testing.assert_array_equal(fresh.table_variables(name)["accumulators"].numpy(),
+                                    np.full((VOCAB[name], 4), INITIAL_ACCUMULATOR,
+                                            np.float32))

@@ -50,6 +50,8 @@ class StackedTable(tpu_embedding_v3.TPUEmbeddingShardedVariable):
   ``numpy()`` the whole stacked variable, padding included (on a TPU, reading
   it on the host raises NotImplementedError). Converted to a tensor it is the
   first shard, as TensorFlow's. Writes raise: the tables are kept per table.
+  In a checkpoint of its own it is the stacked variable, and restoring it
+  writes the tables (the embedding's own checkpoint does not go through it).
   The base ``__init__`` is not run: it wants one variable per shard, which
   would be copies.
   """
@@ -104,8 +106,16 @@ class StackedTable(tpu_embedding_v3.TPUEmbeddingShardedVariable):
     del dtype, name, as_ref
     return self._values[0]  # upstream's host conversion: the first shard
 
+  # Saved in a checkpoint of its own, a view is the stacked variable; restored,
+  # it writes the tables (never a silent no-op).
   def _gather_saveables_for_checkpoint(self):
-    return {}  # saved by the embedding object, never through a view
+    return trackable_base.Trackable._gather_saveables_for_checkpoint(self)  # pylint: disable=protected-access
+
+  def _serialize_to_tensors(self):
+    return self._source._serialize_to_tensors()  # pylint: disable=protected-access
+
+  def _restore_from_tensors(self, restored_tensors):
+    return self._source._restore_from_tensors(restored_tensors)  # pylint: disable=protected-access
 
   def __repr__(self) -> str:
     return (f"<StackedTable '{self._view_name}' shape={self.shape.as_list()} "
