@@ -75,10 +75,10 @@ class TPUEmbedding(engine.CPUEmbedding):
     super().__init__(feature_config, optimizer, engine="v1")
 
   def build(self, per_replica_input_shapes=None, per_replica_batch_size=None):
-    built = self._variables is not None
+    built = self._table_vars is not None
     super().build(per_replica_input_shapes, per_replica_batch_size)
     if not built:
-      for variables in self._variables.values():
+      for variables in self._table_vars.values():
         for variable in variables.values():
           variable.variables = (variable,)  # One shard: the whole table.
 

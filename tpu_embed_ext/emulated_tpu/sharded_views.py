@@ -10,10 +10,9 @@ chip]}}``. Tests and libraries read both (TensorFlow's own
 ``tpu_embedding_v3_checkpoint_test.py`` replaces the hook to prove a restore
 before ``build`` initialises nothing).
 
-The emulation keeps its variables per table (the engine's ``_variables``).
-``STACKED_VARIABLES`` is a ``_variables`` that answers the engine's own code
-(modules of this package) with those, and everyone else with
-``StackedTable``s: views of the stacked layout that are instances of
+The emulation keeps its variables per table (the engine's ``_table_vars``).
+The emulated ``TPUEmbeddingV2._variables`` answers with ``stacked_views``:
+``StackedTable``s, views of the stacked layout that are instances of
 TensorFlow's real ``TPUEmbeddingShardedVariable``. ``initialize_stacked``
 calls ``_batch_initialize_tables`` when and as TensorFlow does, and writes
 what a replaced hook returns into the tables (the default returns the values
@@ -22,7 +21,6 @@ the tables were initialised with).
 
 from __future__ import annotations
 
-import sys
 from typing import Dict, Set, Tuple
 
 import numpy as np
@@ -32,10 +30,9 @@ from tensorflow.python.trackable import base as trackable_base
 
 from tpu_embed_ext import errors
 
-__all__ = ["StackedTable", "STACKED_VARIABLES", "stacked_views",
+__all__ = ["StackedTable", "stacked_views",
            "uninitialized", "initialize_stacked", "default_initial_values"]
 
-_PACKAGE = __name__.split(".")[0] + "."
 _WRITES = ("assign", "assign_add", "assign_sub", "scatter_sub", "scatter_add",
            "scatter_mul", "scatter_div", "scatter_min", "scatter_max",
            "scatter_update", "scatter_nd_sub", "scatter_nd_add",
@@ -147,27 +144,6 @@ def stacked_views(owner) -> Dict[str, Dict[str, StackedTable]]:
   return out
 
 
-class _StackedVariables:
-  """``TPUEmbeddingV2._variables``: per table to this package's code (the
-  engine's), stacked views (``stacked_views``) to any other caller."""
-
-  def __set_name__(self, owner, name):
-    self._slot = "_per_table" + name
-
-  def __get__(self, obj, objtype=None):
-    if obj is None:
-      return self
-    per_table = obj.__dict__.get(self._slot)
-    caller = sys._getframe(1).f_globals.get("__name__", "")  # pylint: disable=protected-access
-    if per_table is None or caller.startswith(_PACKAGE):
-      return per_table
-    return stacked_views(obj)
-
-  def __set__(self, obj, value):
-    obj.__dict__[self._slot] = value
-
-
-STACKED_VARIABLES = _StackedVariables()
 
 
 def uninitialized(owner) -> Set[Tuple[str, str]]:

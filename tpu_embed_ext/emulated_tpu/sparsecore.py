@@ -33,8 +33,7 @@ TF 2.21):
   table name, as upstream's; their values are read-only views of the stacked
   layout, instances of TensorFlow's ``TPUEmbeddingShardedVariable``
   (``sharded_views.StackedTable``: ``.values`` is one shard per replica). The
-  engine keeps its variables per table: to this package's code ``_variables``
-  is still ``{table: {slot: variable}}``;
+  engine keeps its variables per table, in ``_table_vars``;
 * ``build`` calls ``_batch_initialize_tables()`` as upstream does (once, no
   arguments, unless a restore waiting for the build fills every stacked
   variable); a replaced hook's shards are written into the tables, so
@@ -130,9 +129,12 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
     """``{stacked table name: StackedTable}`` (parameters only), as upstream."""
     return {stack: slots["parameters"] for stack, slots in self.variables.items()}
 
-  # The engine's per-table variables to this package; upstream's stacked
-  # TPUEmbeddingShardedVariables to everyone else (sharded_views.py).
-  _variables = sharded_views.STACKED_VARIABLES
+  @property
+  def _variables(self) -> Optional[Dict[str, Dict[str, StackedTable]]]:
+    """Upstream's private ``_variables``: the stacked
+    ``TPUEmbeddingShardedVariable`` views (None before ``build``). The
+    engine's per-table variables are ``_table_vars``."""
+    return None if self._table_vars is None else sharded_views.stacked_views(self)
 
   @property
   def variables(self) -> Dict[str, Dict[str, StackedTable]]:
@@ -146,7 +148,7 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
   def build(self, per_replica_input_shapes=None, per_replica_batch_size=None):
     """Creates the variables; as upstream, ``_batch_initialize_tables()``
     is called once unless a restore waiting for the build fills them all."""
-    if self._variables is not None:
+    if self._table_vars is not None:
       return
     with tf.init_scope():  # as upstream's _maybe_build: never in a traced step
       pending = sharded_views.uninitialized(self)
@@ -163,11 +165,11 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
   def table_variables(self, table) -> Dict[str, tf.Variable]:
     """``{"parameters": var, <slot>: var}`` of one table, unstacked."""
     self.build()
-    return self._variables[self.table_name(table)]
+    return self._table_vars[self.table_name(table)]
 
   def _slot_names(self, stack):
     first = next(l.table for l in self._sparsecore.layouts if l.stack == stack)
-    return [s for s in self._variables[first] if s != "parameters"]
+    return [s for s in self._table_vars[first] if s != "parameters"]
 
   @property
   def embedding_layouts(self):
@@ -229,7 +231,7 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
   @_library_code
   def apply_gradients(self, gradients, preserved_outputs=None):
     """Applies this replica's gradients of the batch of ``preserved_outputs``."""
-    if self._variables is None:
+    if self._table_vars is None:
       raise RuntimeError(
           "apply_gradients called on unbuilt TPUEmbeddingV2 object. Please either "
           "call the embedding lookup method first or manually call the build "
