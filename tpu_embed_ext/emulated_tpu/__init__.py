@@ -56,7 +56,7 @@ from typing import Optional
 from tpu_embed_ext import errors
 
 __all__ = ["emulate_tpu", "is_active", "current", "Emulation", "EmulationError",
-           "NotEmulatedError"]
+           "NotEmulatedError", "TPURuntimeError"]
 
 
 class EmulationError(errors.Error, RuntimeError):
@@ -65,6 +65,16 @@ class EmulationError(errors.Error, RuntimeError):
 
 class NotEmulatedError(EmulationError, NotImplementedError):
   """A TPU-only feature (model parallelism...) that has no CPU meaning."""
+
+
+class TPURuntimeError(errors.Error, RuntimeError):
+  """What a TPU refuses with TensorFlow's ``RuntimeError``, refused alike.
+
+  A second ``TPUEmbedding`` built on one TPU, ``enqueue`` inside a nested
+  ``tf.function`` or control flow within ``strategy.run``, a ``TPUEmbedding``
+  used after ``initialize_tpu_system`` discarded its tables: the message starts
+  with TensorFlow's own words (users' tests match them), then ours.
+  """
 
 
 @dataclasses.dataclass(frozen=True)

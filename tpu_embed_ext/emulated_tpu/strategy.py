@@ -54,7 +54,7 @@ from tensorflow.python.tpu import tpu_hardware_feature, tpu_system_metadata
 from tensorflow.python.training import server_lib
 
 from tpu_embed_ext import emulated_tpu
-from tpu_embed_ext.emulated_tpu import patching
+from tpu_embed_ext.emulated_tpu import embedding_memory, patching, tpu_inputs
 
 __all__ = ["configure_logical_devices", "logical_devices", "EmulatedTPUClusterResolver",
            "initialize_tpu_system", "shutdown_tpu_system", "connect_to_cluster",
@@ -220,6 +220,7 @@ def initialize_tpu_system(cluster_resolver=None):
   """Returns the emulated ``Topology`` (serialized inside a ``tf.function``)."""
   del cluster_resolver
   topology = emulated_topology(_active("initialize_tpu_system"))
+  embedding_memory.reset()  # As a TPU's: no TPUEmbedding configured.
   if not context.executing_eagerly():
     return tf.constant(topology.serialized())
   return topology
@@ -228,6 +229,7 @@ def initialize_tpu_system(cluster_resolver=None):
 def shutdown_tpu_system(cluster_resolver=None):
   del cluster_resolver
   _active("shutdown_tpu_system")
+  embedding_memory.reset()
 
 
 def connect_to_cluster(cluster_spec_or_resolver, *args, **kwargs):
@@ -302,7 +304,9 @@ class _TPUFace:
   def run(self, fn, args=(), kwargs=None, options=None):
     """``strategy.run``, which a TPU refuses to run eagerly (as here)."""
     tpu_strategy.validate_run_function(fn)
-    return distribute_lib.StrategyBase.run(self, fn, args, kwargs, options)
+    # Recorded for TPUEmbedding.enqueue's TPU checks (tpu_inputs.py).
+    with tpu_inputs.recorded_run(self, args, kwargs):
+      return distribute_lib.StrategyBase.run(self, fn, args, kwargs, options)
 
 
 def is_emulated_tpu_strategy(strategy) -> bool:
