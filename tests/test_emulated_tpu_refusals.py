@@ -309,3 +309,23 @@ def test_create_config_proto_is_tensorflows():
   assert proto.table_descriptor[0].optimization_parameters.learning_rate.dynamic.tag == 0
   assert list(proto.feature_descriptor[0].input_shape) == [128]
   assert proto.num_tensor_cores == 2 and proto.num_hosts == 1
+
+
+def test_model_parallel_device_assignment_is_not_emulated():
+  """mp_strategy_test: two cores per replica is model parallelism, refused in
+  one line; one core per replica is TensorFlow's own assignment."""
+  from tensorflow.python.tpu import device_assignment as device_lib  # pylint: disable=import-outside-toplevel
+  with emulate_tpu(replicas=2):
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="")
+    topology = tf.tpu.experimental.initialize_tpu_system(resolver)
+    with pytest.raises(emulated_tpu.NotEmulatedError, match=(
+        r"^tpu.device_assignment\(computation_shape=\[1, 1, 1, 2\]\) \(2 cores "
+        r"per replica\) is not emulated: the emulated TPU runs each replica on "
+        r"one CPU device")) as info:
+      device_lib.device_assignment(topology, computation_shape=[1, 1, 1, 2],
+                                   num_replicas=1)
+    assert "\n" not in str(info.value)
+    single = device_lib.device_assignment(topology, num_replicas=2)
+    assert single.num_replicas == 2 and single.num_cores_per_replica == 1
+    assert tf.distribute.TPUStrategy(
+        resolver, experimental_device_assignment=single).num_replicas_in_sync == 2

@@ -40,6 +40,13 @@ exists and is the object named in ``ORIGINALS``, and no other module under
   else a class that refuses (no SparseCore, as on a TPU without one):
   ``tensorflow.python.tpu.tpu_embedding_v3`` and ``tf.tpu.experimental.embedding``.
 
+* ``device_assignment`` (``tensorflow.python.tpu.device_assignment``, also
+  what ``tf.tpu.experimental.DeviceAssignment.build`` calls) ->
+  ``strategy.device_assignment``: TensorFlow's own, except that several cores
+  per replica which the emulated topology cannot hold raise
+  ``NotEmulatedError`` (model parallelism) instead of TensorFlow's
+  ``ValueError`` about the topology.
+
 ``tf.X`` above is the module ``tensorflow._api.v2.X`` (what ``tf.X`` is), v1 is
 ``tensorflow._api.v2.compat.v1.X``, compat.v2 ``tensorflow._api.v2.compat.v2.X``.
 """
@@ -93,6 +100,8 @@ ORIGINALS = {
     "connect_to_cluster": ("tensorflow.python.eager.remote", "connect_to_cluster"),
     "TPUEmbedding": ("tensorflow.python.tpu.tpu_embedding_v2", "TPUEmbedding"),
     "TPUEmbeddingV2": ("tensorflow.python.tpu.tpu_embedding_v3", "TPUEmbeddingV2"),
+    "device_assignment": ("tensorflow.python.tpu.device_assignment",
+                          "device_assignment"),
 }
 
 # Key -> replacement (module:attribute under tpu_embed_ext.emulated_tpu).
@@ -109,6 +118,7 @@ _REPLACEMENTS = {
     # SparseCore: the partner module tpu_embed_ext/emulated_tpu/sparsecore.py
     # (TPUEmbeddingV2 adapter). Without SparseCore, a class that refuses.
     "TPUEmbeddingV2": "sparsecore:TPUEmbeddingV2",
+    "device_assignment": "strategy:device_assignment",
 }
 _WITHOUT_SPARSECORE = "mid_level:TPUEmbeddingV2WithoutSparseCore"
 
@@ -139,7 +149,8 @@ PATCHES: Tuple[Patch, ...] = tuple(
               for api in (_API, _V1, _V2)))
     + [row for name in ("TPUEmbedding", "TPUEmbeddingV2")
        for row in _rows(name, *((f"{api}.tpu.experimental.embedding", name)
-                                for api in (_API, _V1, _V2)))])
+                                for api in (_API, _V1, _V2)))]
+    + _rows("device_assignment"))
 
 
 def _object(path: str, emulation):

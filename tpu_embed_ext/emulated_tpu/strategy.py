@@ -58,6 +58,7 @@ from tpu_embed_ext.emulated_tpu import embedding_memory, patching, tpu_inputs
 
 __all__ = ["configure_logical_devices", "logical_devices", "EmulatedTPUClusterResolver",
            "initialize_tpu_system", "shutdown_tpu_system", "connect_to_cluster",
+           "device_assignment",
            "EmulatedTPUStrategy", "EmulatedExperimentalTPUStrategy",
            "TPUStrategyV1NotEmulated", "hardware_feature", "emulated_topology",
            "is_emulated_tpu_strategy"]
@@ -230,6 +231,32 @@ def shutdown_tpu_system(cluster_resolver=None):
   del cluster_resolver
   _active("shutdown_tpu_system")
   embedding_memory.reset()
+
+
+def device_assignment(topology, computation_shape=None, computation_stride=None,
+                      num_replicas=1, **kwargs):
+  """``tpu.device_assignment``: TensorFlow's own.
+
+  Several cores per replica (``computation_shape`` with more than one core)
+  are model parallelism, which the emulated TPU (one CPU device per replica)
+  does not have. Where the emulated topology (one core per chip) cannot even
+  hold such an assignment, TensorFlow's ``ValueError`` about the topology
+  would hide that: it becomes the one-line ``NotEmulatedError``. An
+  assignment that fits is returned, and ``TPUStrategy`` refuses it.
+  """
+  real = patching.original("tensorflow.python.tpu.device_assignment",
+                           "device_assignment")
+  try:
+    return real(topology, computation_shape, computation_stride, num_replicas,
+                **kwargs)
+  except ValueError:
+    cores = (int(np.prod(computation_shape)) if computation_shape is not None
+             else 1)
+    if cores <= 1:
+      raise
+  raise _not_emulated(
+      f"tpu.device_assignment(computation_shape={list(computation_shape)}) "
+      f"({cores} cores per replica)")
 
 
 def connect_to_cluster(cluster_spec_or_resolver, *args, **kwargs):
