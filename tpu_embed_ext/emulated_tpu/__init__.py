@@ -33,14 +33,25 @@ as a difference):
   looks up in tables one step old);
 * ``TPUEmbeddingV2`` without ``sparsecore=True`` (as on a TPU without
   SparseCore);
+* what a TPU refuses of ``TPUEmbedding`` is refused alike, with TensorFlow's
+  exception class and its words first (``mid_level.py``, ``tpu_inputs.py``,
+  ``embedding_memory.py``): a second ``TPUEmbedding`` built on one TPU (two
+  ``EmbeddingLayer``s in one model), ``build()`` without fully defined
+  shapes, inputs prefetched to the cores
+  (``InputOptions(experimental_fetch_to_device=True)``), ids computed inside
+  ``strategy.run``, ``enqueue`` in a nested ``tf.function`` or control flow
+  inside ``strategy.run``, gradients other than float32;
 * differences that raise nothing: one host (``extended.num_hosts`` 1);
   steps run as TensorFlow ops on CPU devices, not compiled by XLA; variables
   made under ``strategy.scope()`` are ``MirroredVariable``s and the strategy
-  is also a ``MirroredStrategy``; ``enqueue`` does not refuse inputs
-  prefetched to the devices (``InputOptions(experimental_fetch_to_device=True)``,
-  which a TPU refuses for embedding inputs) nor inputs computed inside the
-  step (a TPU wants them straight from the dataset); memory limits and speed
-  are the CPU's.
+  is also a ``MirroredStrategy``; core 0's device is also the host
+  (``/device:CPU:0``), so inputs prefetched to core 0 (all of them with one
+  replica) cannot be told from the host's, and, as in TensorFlow's own check,
+  tensors of an iterator passed to a ``tf.function`` as an argument carry no
+  device; TensorFlow 2.21 with protobuf >= 7 cannot build ``TPUEmbedding``'s
+  TPU configuration (its ``_create_config_proto`` raises ``TypeError``, here
+  too), yet the emulated ``build`` succeeds; memory limits and speed are
+  the CPU's.
 
 This module is cheap to import (no TensorFlow until ``emulate_tpu`` is
 entered): ``import tpu_embed_ext`` exports ``emulate_tpu`` lazily.
