@@ -136,8 +136,13 @@ class TPUEmbedding(engine.CPUEmbedding):
         "pass one gradient per feature, shaped like its activation (None "
         "means a zero gradient).")
     flat = nest.flatten(gradients)
-    for feature, grad in zip(self._features, flat):
+    # TensorFlow's order: each gradient's type and shape, then the op's dtype.
+    for feature, grad, shape in zip(self._features, flat, self._shapes.stored):
       validation.check_gradient_type(feature.where, grad)
+      if grad is not None and shape.rank and shape.is_fully_defined():
+        validation.check_gradient(
+            feature.where, grad,
+            shape.as_list() + [self._tables[feature.table].config.dim])
     wrong = [(f, g) for f, g in zip(self._features, flat)
              if g is not None and g.dtype != tf.float32]
     if wrong:
