@@ -46,15 +46,18 @@ class _Run(NamedTuple):
   """One ``strategy.run`` in progress: its graph (None eagerly) and the
   component tensors of its arguments (by ``Tensor.ref()``)."""
   graph: Optional[object]
-  direct: frozenset
+  direct: Optional[frozenset]
 
 
 @contextlib.contextmanager
 def recorded_run(strategy, args, kwargs):
   """Records ``strategy.run``'s graph and arguments while it runs."""
   graph = None if tf.executing_eagerly() else ops.get_default_graph()
-  components = nest.flatten((args, kwargs or {}), expand_composites=True)
-  direct = frozenset(t.ref() for t in components if isinstance(t, tf.Tensor))
+  try:
+    components = nest.flatten((args, kwargs or {}), expand_composites=True)
+    direct = frozenset(t.ref() for t in components if isinstance(t, tf.Tensor))
+  except (TypeError, ValueError):  # Arguments nest cannot walk: no check.
+    direct = None
   runs = strategy.__dict__.setdefault("_emulated_tpu_runs", [])
   runs.append(_Run(graph, direct))
   try:
@@ -94,7 +97,7 @@ def check_direct_inputs(strategy, features) -> None:
   """``ValueError`` (``InputError``) unless every component tensor of
   ``features`` is an argument of the running ``strategy.run``."""
   run = current_run(strategy)
-  if run is None or tf.executing_eagerly():
+  if run is None or run.direct is None or tf.executing_eagerly():
     return
   for path, tensor in nest.flatten_with_joined_string_paths(
       features, expand_composites=True):
