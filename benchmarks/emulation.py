@@ -17,21 +17,33 @@ median step time, p10/p90 in the JSON.
 
 Usage: ``python -m benchmarks.emulation [--quick]`` (``make bench``). Writes
 ``results/emulation.json`` and its table in RESULTS.md.
+
+``--xla-costs``: what the XLA check (``emulate_tpu(xla=True)``, the
+default; ``emulated_tpu/xla_check.py``) costs at 1, 2 and 8 replicas: the
+first step (trace, and the check of each replica's program, which stands for
+the TPU's compile) and the median step after it, with XLA on and off, for a
+TPUEmbedding step with a Keras dense layer. Written to
+``results/emulation_xla[_quick].json``; runs one after the other (one
+emulation at a time), so machine noise is not shared as in the round robin.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
+import time
 
 import numpy as np
 import tensorflow as tf
 
 REPLICAS = 2
+XLA_REPLICAS = (1, 2, 8)
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0],
-    [tf.config.LogicalDeviceConfiguration()] * REPLICAS)
+    [tf.config.LogicalDeviceConfiguration()] *
+    (max(XLA_REPLICAS) if "--xla-costs" in sys.argv else REPLICAS))
 
 import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
 from benchmarks import round_robin, workloads  # pylint: disable=g-import-not-at-top
@@ -140,6 +152,64 @@ def run(workload, optimizer, sparsecore, repeats):
   return out
 
 
+def _xla_cost(workload, replicas, xla, repeats):
+  """First step and median step of a TPU program with a dense layer."""
+  import keras  # pylint: disable=g-import-not-at-top
+  batches = workload.batches(POOL, seed=1)
+  with tee.emulate_tpu(replicas=replicas, xla=xla):
+    strategy, embedding = _emulated(workload, "adagrad", False)
+    with strategy.scope():
+      dense = keras.layers.Dense(1)
+      optimizer = keras.optimizers.SGD(0.1)
+
+    def replica_step(features):
+      embedding.enqueue(features, training=True)
+      activations = embedding.dequeue()
+      with tf.GradientTape() as tape:
+        tape.watch(activations)
+        flat = tf.concat([tf.reshape(a, [tf.shape(a)[0], -1])
+                          for a in tf.nest.flatten(activations)], 1)
+        loss = tf.reduce_mean(dense(flat) ** 2)
+      grads = tape.gradient(loss, [activations] + dense.trainable_variables)
+      embedding.apply_gradients(grads[0])
+      optimizer.apply_gradients(zip(grads[1:], dense.trainable_variables))
+
+    @tf.function
+    def step(features):
+      strategy.run(replica_step, args=(features,))
+
+    per = workload.batch // replicas
+    inputs = [strategy.experimental_distribute_values_from_function(
+        lambda ctx, b=b: {k: v[ctx.replica_id_in_sync_group * per:
+                               (ctx.replica_id_in_sync_group + 1) * per]
+                          for k, v in b.items()}) for b in batches]
+    with strategy.scope():  # the dense variables, before tracing
+      dense.build((None, sum(f.table.dim for f in tf.nest.flatten(
+          embedding.feature_config))))
+      optimizer.build(dense.trainable_variables)
+    start = time.perf_counter()
+    step(inputs[0])
+    first = (time.perf_counter() - start) * 1e3
+    times = []
+    for r in range(repeats):
+      start = time.perf_counter()
+      step(inputs[r % len(inputs)])
+      times.append((time.perf_counter() - start) * 1e3)
+  return {"first_step_ms": first, "median_ms": float(np.median(times))}
+
+
+def xla_costs(workload, repeats):
+  out = {}
+  for replicas in XLA_REPLICAS:
+    row = {f"xla_{'on' if xla else 'off'}": _xla_cost(workload, replicas, xla, repeats)
+           for xla in (True, False)}
+    row["first_step_check_ms"] = (row["xla_on"]["first_step_ms"]
+                                  - row["xla_off"]["first_step_ms"])
+    row["step_ratio_on_off"] = row["xla_on"]["median_ms"] / row["xla_off"]["median_ms"]
+    out[f"{replicas} replicas"] = row
+  return out
+
+
 def markdown(results) -> str:
   lines = ["| case | direct (CPUEmbedding) | emulated TPU program | ratio | same tables |",
            "|---|---|---|---|---|"]
@@ -154,7 +224,21 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--out", default=os.path.join(HERE, "results"))
+  parser.add_argument("--xla-costs", action="store_true",
+                      help="Only the XLA check's costs at 1, 2 and 8 replicas.")
   args = parser.parse_args()
+  if args.xla_costs:
+    workload = workloads.w1(1_000 if args.quick else 100_000)
+    repeats = 5 if args.quick else 20
+    results = xla_costs(workload, repeats)
+    name = "emulation_xla_quick.json" if args.quick else "emulation_xla.json"
+    round_robin.write_json(os.path.join(args.out, name), batch=workload.batch,
+                           repeats=repeats, results=results)
+    for key, row in results.items():
+      print(f"{key}: first step {row['xla_on']['first_step_ms']:.0f} ms with XLA "
+            f"check, {row['xla_off']['first_step_ms']:.0f} ms without; step "
+            f"{row['xla_on']['median_ms']:.2f} / {row['xla_off']['median_ms']:.2f} ms")
+    return
   if args.quick:
     cases = [(workloads.w1(1_000), "adagrad", False), (workloads.w1(1_000), "adagrad", True)]
   else:

@@ -54,6 +54,10 @@ extra = [
   ("checkpoint of another Keras model (the call for EmbeddingLayer users: `tpu_embed_ext.model_dir.check_checkpoint`)", "CheckpointError", "variable model/...kernel: checkpoint <path> holds shape [2, 3], this model has [2, 4].", "tests/test_resume.py::test_check_checkpoint_is_a_call_for_any_keras_model"),
   ("out-of-vocabulary id sent to the exported model (single-hot, multi-hot, -1 in a single-hot input)", "InvalidArgumentError (at serving)", "feature c5: ids must be in [0, 24); out-of-vocabulary ids are refused. Fix: map unknown ids to a row of the vocabulary before serving. First bad ids: [24]", "tests/test_train.py::test_export_serves_the_trained_model"),
   ("`convert-checkpoint` on a checkpoint with two embeddings holding the config's tables, no `--prefix`", "ConfigError (CLI: one line, exit 2)", "checkpoint <path> holds 2 embeddings with these tables: backup, embedding. Fix: pass --prefix with one of them.", "tests/test_sparsecore_convert.py::test_two_embeddings_need_a_prefix_and_the_error_lists_them"),
+  ("a SparseCore checkpoint of other tables restored into TPUEmbeddingV2 (emulated) or CPUEmbedding(engine=\"v2\")", "ValueError (TensorFlow's phrase; nothing restored)", "Layouts in checkpoint and embedding must have the same keys. found ['extra', 'item', 'user'] and ['item', 'user'] (checkpoint <path>: its SparseCore tables are not this embedding's). Fix: restore a checkpoint of the same tables, or one saved per table.", "tests/test_sparsecore_restore.py::test_stacked_checkpoint_of_other_tables_is_refused_as_tensorflow_does"),
+  ("a per-table checkpoint of other table shapes restored into stacked tables", "InvalidArgumentError (TensorFlow's phrase; nothing restored)", "shape in shape_and_slice spec [40, 4] does not match the shape stored in checkpoint: [41, 4] (table 'user', key embedding/user/.ATTRIBUTES/VARIABLE_VALUE of <path>). Fix: restore a checkpoint of tables with this vocabulary_size and dim.", "tests/test_sparsecore_restore.py::test_per_table_checkpoint_of_other_shapes_is_refused"),
+  ("a per-table checkpoint holding only some tables of a SparseCore stack", "NotFoundError (TensorFlow's phrase; nothing restored)", "Key embedding/item/.ATTRIBUTES/VARIABLE_VALUE not found in checkpoint (checkpoint <path> holds table 'user' but not 'item' of SparseCore stack 'item_user', which is restored as one). Fix: restore a checkpoint with every table of this embedding.", "tests/test_sparsecore_restore.py::test_per_table_checkpoint_missing_a_table_of_a_stack_is_refused"),
+  ("`convert-checkpoint` without `--config` on a checkpoint whose embedding cannot be recognised (SGD tables: no slots)", "ConfigError (CLI: one line, exit 2)", "checkpoint <path> has no object that holds embedding tables (per table: 2-D variables with optimizer slots '<table>/<slot>'; stacked: _sparse_core_table_layouts). Fix: pass --prefix with the embedding's path in the checkpoint, or --config with its tables (tables trained with SGD have no slot to recognise them by).", "tests/test_convert_without_config.py::test_without_config_an_embedding_must_be_recognisable"),
   ("`convert-checkpoint` on a checkpoint without the config's tables", "ConfigError (CLI: one line, exit 2)", "checkpoint <path> has no object holding the tables t_c0, t_c1, ... (per-table) or SparseCore layouts. Fix: convert a checkpoint trained with this config, or pass --prefix with the embedding's path in the checkpoint.", "tests/test_sparsecore_convert.py::test_a_checkpoint_without_the_tables_is_named"),
   ("`plan --data --hotness` with an unknown feature or a count <= 0", "ConfigError (CLI: one line, exit 2)", "--hotness: hotness must be a positive integer (ids per example), got 'cat_3=0'. Fix: write e.g. --hotness 1 or --hotness cat_1=3.", "tests/test_spec_ids.py::test_hotness_flag"),
   ("YAML `learning_rate: 1e-3`, merge keys `<<: *base`", "(valid)", "read as YAML 1.2 numbers; merged keys may be overridden; duplicates still refused", "tests/test_spec.py::test_yaml_reads_1_2_numbers_and_merge_keys"),
@@ -89,6 +93,10 @@ extra = [
   ("dynamic learning-rate tag rules (4 cases)", "ConfigError", "dynamic learning-rate tags must be 0..n-1 with none skipped, got [0, 2].", "tests/test_learning_rates.py::test_tag_rule_violations_are_pinned"),
   ("unknown input layout", "ValueError", "feature 'x': layout must be one of ...", "tests/test_data.py::test_unknown_layout_is_rejected"),
   ("bad config at the command line", "exit 2", "error: <file>: tables.a.vocabulary_size: vocabulary_size must be a positive ...", "tests/test_plan.py::test_plan_command_reports_config_errors"),
+  ("emulated `TPUEmbeddingV2.enqueue(distributed values, device=...)`", "InputError (a ValueError, TensorFlow's phrase first)", "Input of unknown type <class '...PerReplica'>. Please only pass Tensor, SparseTensor or RaggedTensor as input to embedding lookup. (TPUEmbeddingV2.enqueue(device=...) takes one replica's batch, got PerReplica. Fix: pass strategy.experimental_local_results(x)[i] with device=strategy.extended.worker_devices[i], or enqueue inside strategy.run without device=.)", "tests/test_emulated_sparsecore_protocol.py::test_distributed_values_with_device_are_refused_as_tensorflow_does"),
+  ("emulated `TPUEmbeddingV2.compute_sparse_core_stats` of distributed values", "InputError (a ValueError, TensorFlow's phrase first)", "Input of unknown type <class '...PerReplica'>. Please only pass Tensor, SparseTensor or RaggedTensor as input to embedding lookup. (feature '0': compute_sparse_core_stats profiles one chip's batch. Fix: pass one replica's values, e.g. strategy.experimental_local_results(x)[0].)", "tests/test_emulated_sparsecore_protocol.py::test_compute_sparse_core_stats_refuses_distributed_values"),
+  ("emulated `TPUEmbeddingV2._copy_tensors_to_device` of something else than enqueue's output", "InputError", "TPUEmbeddingV2._copy_tensors_to_device(partitioned_tensors) got dict with keys ['user'], not the preserved outputs of this object's lookup (a dict keyed by stacked table name: ['video']). Fix: pass the second output of embedding_lookup (or enqueue's output to dequeue), unchanged.", "tests/test_emulated_sparsecore_protocol.py::test_copy_tensors_to_device_checks_its_input"),
+  ("emulated pipelined `TPUEmbeddingV2` loop step traced with a default summary writer that may still record", "NotEmulatedError", "TPUEmbeddingV2(pipeline_execution_with_tensor_core=True) traced a loop step with a default summary writer: a TPU runs the loop sequentially if the program writes any summary, and the emulation cannot see summaries written after this step is traced. Fix: trace it under tf.summary.record_if(False) (pipelined), under tf.summary.record_if(True) or SequentialEmbeddingContext (sequential), or without a default writer.", "tests/test_emulated_sparsecore_pipelining.py::test_a_writer_that_may_record_later_is_not_emulated"),
 ]
 rows += extra
 
@@ -316,6 +324,29 @@ for name in tj.WRONG_KIND:
   rows.append((f"`{name}` in model_dir is {kind} (train)", "ModelDirError (CLI: one line, exit 2; before any work, nothing written)",
                f"<model_dir>/{name} is {kind}, but a run writes its {name} {'directory' if kind == 'a file' else 'file'} there. Fix: move it away, or pass another --model_dir; nothing was written.",
                f"tests/test_job_faults.py::test_an_output_path_of_the_wrong_kind_is_one_line_before_any_work[{name}]"))
+# Issue 33: steps no TPU could compile, refused under the emulated TPU with XLA on.
+X = "tests/test_emulated_xla.py::"
+import tests.test_emulated_xla as tx
+_OFF = "; or run with XLA off (emulate_tpu(xla=False), emulate --no-xla, pytest --emulate-tpu-no-xla)."
+for extra, op, tag in tx.CASES:
+  rows.append((f"emulated TPU, XLA on, soft device placement off: `{op}` ({extra.__name__.strip('_').replace('_', ' ')}) in strategy.run's function",
+               "NotCompilableError (a tf.errors.InvalidArgumentError), at first trace; runs with XLA off; runs with a warning with soft placement on (TF's default)",
+               f"Detected unsupported operations when trying to compile graph (each replica's program) on XLA_TPU_JIT: {op} "
+               f"(No registered '{op}' OpKernel for XLA_TPU_JIT devices compatible with node {{{{node {op}}}}}): emulated TPU: made at "
+               f"<your file>:<line> in the function given to strategy.run. Fix: ...{_OFF}",
+               X + f"test_a_step_no_tpu_compiles_is_refused_when_first_traced[{tag}]"))
+rows += [
+  ("emulated TPU, XLA on, soft device placement off: complex128 in strategy.run's function (not in kTpuAllTypes)", "NotCompilableError, at first trace",
+   "... Cast (op Cast has type complex128, which a TPU does not compile; node ...) ... Fix: cast to a type a TPU has (float32, bfloat16, int32...)" + _OFF,
+   X + "test_float64_compiles_on_a_tpu_and_complex128_does_not"),
+  ("emulated TPU: TPUEmbedding.enqueue on the host inside tf.function(jit_compile=True)", "NotCompilableError (TensorFlow's XLA error), at trace",
+   "Detected unsupported operations when trying to compile graph <function> on XLA_CPU_JIT: EnqueueTPUEmbeddingArbitraryTensorBatch (No registered 'EnqueueTPUEmbeddingArbitraryTensorBatch' OpKernel for XLA_CPU_JIT devices ...): emulated TPU: TPUEmbedding.enqueue outside strategy.run is host work ... Fix: ...",
+   X + "test_v1_enqueue_on_the_host_inside_jit_compile_is_tensorflows_xla_error[1/2]"),
+  ("emulated TPUEmbeddingV2: a dense id tensor whose size is not prod(output_shape) (Keras model.fit on SparseTensor inputs)", "SparseCoreInputError (a tf.errors.InvalidArgumentError and an InputError)",
+   "Dense tensor input should have values elements number the same as the sample count. But got 12 elements for values and sample count as 4. (emulated TPUEmbeddingV2: feature 'item' (table 'item'): ... Fix: ...)",
+   X + "test_a_dense_id_tensor_of_the_wrong_size_gets_sparsecores_error"),
+  ("emulate_tpu(xla='no')", "ConfigTypeError", "emulate_tpu xla must be True or False, got xla='no'.", X + "test_xla_must_be_a_bool"),
+]
 esc = lambda t: str(t).replace("|", "\\|").replace("\n", " ")
 
 

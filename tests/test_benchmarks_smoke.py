@@ -109,3 +109,16 @@ def test_quick_emulation_benchmark_writes_json_and_steps_the_same_tables(tmp_pat
       assert case[name]["p10_ms"] <= case[name]["median_ms"] <= case[name]["p90_ms"]
     assert case["ratio"] == case["emulated"]["median_ms"] / case["direct"]["median_ms"]
   assert "| W1-1000 adagrad, SparseCore |" in out  # the table it prints
+
+
+def test_quick_xla_costs_write_first_step_and_step_times_at_1_2_8_replicas(tmp_path):
+  """benchmarks/emulation.py --xla-costs: XLA check on and off per replica count."""
+  subprocess.run([sys.executable, "-m", "benchmarks.emulation", "--quick", "--xla-costs",
+                  "--out", str(tmp_path)], check=True, capture_output=True, text=True,
+                 timeout=300)
+  results = json.loads((tmp_path / "emulation_xla_quick.json").read_text())["results"]
+  assert set(results) == {"1 replicas", "2 replicas", "8 replicas"}
+  for row in results.values():
+    for mode in ("xla_on", "xla_off"):
+      assert row[mode]["first_step_ms"] > 0 and row[mode]["median_ms"] > 0
+    assert row["step_ratio_on_off"] == row["xla_on"]["median_ms"] / row["xla_off"]["median_ms"]

@@ -315,7 +315,7 @@ def test_commands_never_define_absl_global_flags(capsys, monkeypatch, tmp_path):
   status, _, err = _cli(capsys, "plan", "--config", "tiny")
   assert status == 0, err
   calls = []
-  runner = types.SimpleNamespace(main=lambda argv: calls.append(argv) or 7)
+  runner = types.SimpleNamespace(main=lambda argv, **_: calls.append(argv) or 7)
   package = types.SimpleNamespace(runner=runner)
   monkeypatch.setitem(sys.modules, "tpu_embed_ext.emulated_tpu", package)
   monkeypatch.setitem(sys.modules, "tpu_embed_ext.emulated_tpu.runner", runner)

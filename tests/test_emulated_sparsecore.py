@@ -203,20 +203,6 @@ def test_preserved_outputs_are_checked():
       "embedding_lookup (or enqueue's output to dequeue), unchanged.")
 
 
-def test_pipelining_is_refused_as_not_emulated():
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
-    strategy = tf.distribute.TPUStrategy(
-        tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
-    with strategy.scope(), pytest.raises(errors.ConfigError) as e:
-      tf.tpu.experimental.embedding.TPUEmbeddingV2(
-          _feature_config(PER_REPLICA), None, pipeline_execution_with_tensor_core=True)
-  assert str(e.value) == (
-      "TPUEmbeddingV2(pipeline_execution_with_tensor_core=True) makes a TPU look up "
-      "tables one step old, which the emulated TPU does not reproduce. Fix: pass "
-      "pipeline_execution_with_tensor_core=False (results then equal a TPU's "
-      "without pipelining).")
-
-
 def test_stacked_tables_are_read_only_views_and_need_a_tpu_strategy():
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
     # As upstream: TPUEmbeddingV2 outside a TPUStrategy is refused.

@@ -69,12 +69,13 @@ def test_restoring_another_topology_names_the_stack_and_shapes(tmp_path):
   convert_checkpoint(per_table, other, _config("sgd"), Topology(4, 4),
                      optimizer=OPTIMIZERS["sgd"]())
   holder, _, layouts = _stacked_holder(emb, "sgd", Topology(2, 4))
+  # The message names the first field that places rows differently.
   message = (
-      "table 'a': the checkpoint's SparseCore layout (16 SparseCores on 4 chips, stack "
-      "'a_b_c', 128 x 8 padded, offset 0, rotation 0) is not this engine's (8 "
-      "SparseCores on 2 chips, stack 'a_b_c', 128 x 8 padded, offset 0, rotation 0). "
-      "Fix: convert the checkpoint to this topology (python -m tpu_embed_ext "
-      "convert-checkpoint --topology ...).")
+      "table 'a': the checkpoint's SparseCore layout has num_sparse_cores 16, this "
+      "engine's has 8 (checkpoint: 16 SparseCores on 4 chips, stack 'a_b_c', 128 x 8 "
+      "padded, offset 0, rotation 0; engine: 8 SparseCores on 2 chips, stack 'a_b_c', "
+      "128 x 8 padded, offset 0, rotation 0). Fix: convert the checkpoint to this "
+      "topology (python -m tpu_embed_ext convert-checkpoint --topology ...).")
   with pytest.raises(errors.ConfigError) as e:
     check_checkpoint(other, layouts)     # before restoring: nothing changes
   assert str(e.value) == message
@@ -83,7 +84,8 @@ def test_restoring_another_topology_names_the_stack_and_shapes(tmp_path):
   assert str(e.value) == (
       f"checkpoint {per_table} holds per-table keys, not a SparseCore layout. Fix: "
       "convert it (python -m tpu_embed_ext convert-checkpoint --topology ...).")
-  # A restore without the check fails too, on the layouts or a stack's shape.
+  # A restore without the check fails too, on the layouts or a stack's shape
+  # (an engine's own restore reshards instead: test_sparsecore_restore.py).
   with pytest.raises(errors.ConfigError, match="Fix: convert the checkpoint"):
     tf.train.Checkpoint(embedding=holder).read(other)
 
@@ -111,3 +113,22 @@ def test_missing_table_in_layouts_is_named():
   assert str(e.value) == (
       "table 'b' is not in the checkpoint's SparseCore layouts. Fix: restore a "
       "checkpoint of the same tables.")
+
+
+def test_layouts_are_compared_on_the_fields_that_place_rows():
+  import dataclasses
+  from tpu_embed_ext.sparsecore.trackable import check_layouts
+  layouts = sc_layout.compute_layouts(
+      [sc_layout.StackingInput("a", 8, 8, "g", 16, 1),
+       sc_layout.StackingInput("b", 8, 8, "g")], Topology(1, 4))
+  # A batch size or feature count places no row: accepted.
+  check_layouts([dataclasses.replace(l, per_sparse_core_batch_size=99, num_features=7)
+                 for l in layouts], layouts)
+  moved = [dataclasses.replace(l, rotation=(l.rotation + 1) % 4) if l.table == "b"
+           else l for l in layouts]
+  with pytest.raises(errors.ConfigError) as e:
+    check_layouts(moved, layouts)
+  b = next(l for l in layouts if l.table == "b")
+  assert str(e.value).startswith(
+      f"table 'b': the checkpoint's SparseCore layout has rotation "
+      f"{(b.rotation + 1) % 4}, this engine's has {b.rotation} (checkpoint: ")

@@ -3,8 +3,8 @@
   plan    --config C [--proto] [--engine v2 --topology T [--data N]]
   train   --config C [--steps N] [--model_dir DIR] [--tpu auto|none|emulate[:N]|NAME]
   export  --config C --model_dir DIR [--out DIR]
-  convert-checkpoint --config C --checkpoint PREFIX --out PREFIX --topology T|none
-  emulate [--replicas N] [--sparsecore] [--topology T] SCRIPT [ARGS...]
+  convert-checkpoint --checkpoint PREFIX --out PREFIX --topology T|none [--config C]
+  emulate [--replicas N] [--sparsecore] [--topology T] [--no-xla] (SCRIPT | -m MODULE) [ARGS...]
 
 ``--config`` is a file or the name of a shipped config (``tiny``,
 ``ranking``...: ``config_files.resolve``). ``--help`` lists the commands,
@@ -34,7 +34,9 @@ from tpu_embed_ext import console, errors
 # name -> (DEFINE function, default, help, keyword arguments).
 _FLAGS = {
     "config": ("string", "ranking", "The config: a .yaml/.json file, or the name of "
-               "a shipped config (tiny, ranking, criteo, movielens).", {}),
+               "a shipped config (tiny, ranking, criteo, movielens); "
+               "convert-checkpoint without it reads the tables, slots and "
+               "shapes from the checkpoint.", {}),
     "proto": ("bool", False, "Also print the TPUEmbeddingConfiguration proto.", {}),
     "steps": ("integer", None, "The table step to train to (default: the config's "
               "train.steps; a resumed run counts the steps before it).", {}),
@@ -185,16 +187,34 @@ def _export(f, config: str, progress):
                                               log=progress(model_dir)))
 
 
+def _tables_spec(path: str):
+  """The config's spec for converting tables: feature names play no part in
+  it, so they are replaced (in their sorted order, which decides the first
+  feature the stacker sees) by names every check accepts ('0'..'7' are
+  Model Garden's, refused as serving-signature inputs)."""
+  import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
+  from tpu_embed_ext import config_files  # pylint: disable=g-import-not-at-top
+  data = config_files.load(path)
+  features = data.get("features") if isinstance(data, dict) else None
+  if isinstance(features, dict):
+    data = dict(data, features={f"feature_{i:06d}": value for i, (_, value)
+                                in enumerate(sorted(features.items()))})
+  try:
+    return tee.EmbeddingSpec.from_dict(data, source=path)
+  except errors.ConfigError as e:
+    raise e.at(file=path) from None
+
+
 def _convert_checkpoint(f, config: str, progress):
   del progress
-  import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
   from tpu_embed_ext import sparsecore  # pylint: disable=g-import-not-at-top
   if not (f.checkpoint and f.out and f["topology"].present):
     raise errors.ConfigError(
         "convert-checkpoint needs --checkpoint PREFIX|DIR --out PREFIX --topology T "
         "(a SparseCore topology, or none for per-table). Fix: pass all three.")
   topology = None if f.topology == "none" else f.topology
-  spec = tee.EmbeddingSpec.from_file(config)
+  # Without --config the checkpoint's own tables, slots and shapes are used.
+  spec = _tables_spec(config) if f["config"].present else None
   source = f.checkpoint
   if os.path.isdir(source):  # A checkpoints directory: its newest readable one.
     from tpu_embed_ext import model_dir as model_dir_lib  # pylint: disable=g-import-not-at-top
@@ -330,9 +350,8 @@ def _emulate(argv: List[str]) -> int:
       raise
     return _usage_error("emulate is not available in this installation of "
                         "tpu_embed_ext. Fix: install a version that has it.")
-  # A script that ran ends the process in runner.main (its fast exit), unless
-  # --finalize asks for Python's normal exit, which returning here gives.
-  return runner.main(argv)
+  # Returning ends the process as Python does (runner.py: the exit).
+  return runner.main(argv, owns_process=_owns_process)
 
 
 COMMANDS: Dict[str, Callable[[List[str]], int]] = {

@@ -35,7 +35,7 @@ SUMMARIES = {
     "convert-checkpoint": "convert a checkpoint between per-table keys and "
                           "TPUEmbeddingV2's (SparseCore) stacked layout",
     "emulate": "run a TPU training script on CPU with emulated TPU devices: "
-               "emulate [--replicas N] [--sparsecore] [--topology T] SCRIPT [ARGS...]",
+               "emulate [--replicas N] [--sparsecore] [--topology T] [--no-xla] (SCRIPT | -m MODULE) [ARGS...]",
 }
 
 EXAMPLES = {
@@ -46,7 +46,9 @@ EXAMPLES = {
     "export": ("tpu-embed export --config ranking --model_dir runs/ranking",),
     "convert-checkpoint": (
         "tpu-embed convert-checkpoint --config ranking --checkpoint "
-        "runs/ranking/checkpoints --out runs/ranking/v5p4/ckpt --topology v5p:4",),
+        "runs/ranking/checkpoints --out runs/ranking/v5p4/ckpt --topology v5p:4",
+        "tpu-embed convert-checkpoint --checkpoint /tmp/model/ckpt-10 --out "
+        "/tmp/model-v5p4/ckpt-10 --topology v5p:4",),
 }
 
 _USAGE = "usage: tpu-embed COMMAND [flags]   (or: python -m tpu_embed_ext COMMAND [flags])"

@@ -30,7 +30,8 @@ as a difference):
   cores per replica, ``experimental_spmd_xla_partitioning``;
 * TF1's ``tf.compat.v1.distribute.experimental.TPUStrategy``;
 * ``TPUEmbedding(pipeline_execution_with_tensor_core=True)`` (a TPU then
-  looks up in tables one step old);
+  looks up in tables one step old; ``TPUEmbeddingV2``'s is emulated,
+  ``pipelining.py``);
 * ``TPUEmbeddingV2`` without ``sparsecore=True`` (as on a TPU without
   SparseCore);
 * what a TPU refuses of ``TPUEmbedding`` is refused alike, with TensorFlow's
@@ -42,7 +43,11 @@ as a difference):
   ``strategy.run``, ``enqueue`` in a nested ``tf.function`` or control flow
   inside ``strategy.run``, gradients other than float32;
 * differences that raise nothing: one host (``extended.num_hosts`` 1);
-  steps run as TensorFlow ops on CPU devices, not compiled by XLA; variables
+  steps run as TensorFlow ops on CPU devices, not compiled by XLA (with
+  ``xla=True``, the default, each replica's program is checked when first
+  traced against the rules XLA and the TPU apply: ``xla_check.py``; a
+  ``jit_compile=True`` function around ``strategy.run`` runs as ops:
+  ``outer_jit.py``); variables
   made under ``strategy.scope()`` are ``MirroredVariable``s and the strategy
   is also a ``MirroredStrategy``; core 0's device is also the host
   (``/device:CPU:0``), so inputs prefetched to core 0 (all of them with one
@@ -50,8 +55,10 @@ as a difference):
   tensors of an iterator passed to a ``tf.function`` as an argument carry no
   device; TensorFlow 2.21 with protobuf >= 7 cannot build ``TPUEmbedding``'s
   TPU configuration (its ``_create_config_proto`` raises ``TypeError``, here
-  too), yet the emulated ``build`` succeeds; memory limits and speed are
-  the CPU's.
+  too), yet the emulated ``build`` succeeds; distributed datasets run
+  without tf.data autotuning (``device_datasets.py``: the same elements per
+  replica; autotuning's threads hung their destructors at 8 replicas);
+  memory limits and speed are the CPU's.
 
 This module is cheap to import (no TensorFlow until ``emulate_tpu`` is
 entered): ``import tpu_embed_ext`` exports ``emulate_tpu`` lazily.
@@ -95,12 +102,14 @@ class Emulation:
   ``replicas`` TPU cores, one per logical CPU device in ``devices``; one
   host. ``topology`` is the SparseCore topology (``sparsecore.Topology``:
   ``replicas`` chips, SparseCores per chip) when ``sparsecore`` is on or a
-  topology was given, else None.
+  topology was given, else None. ``xla``: each replica's step is checked
+  to compile with XLA, as a TPU's must (``xla_check.py``).
   """
   replicas: int
   sparsecore: bool
   topology: Optional[object]
   devices: tuple
+  xla: bool = True
 
 
 _lock = threading.Lock()
@@ -117,7 +126,7 @@ def current() -> Optional[Emulation]:
   return _active
 
 
-def _checked(replicas, sparsecore, topology) -> tuple:
+def _checked(replicas, sparsecore, topology, xla=True) -> tuple:
   """(replicas, sparsecore, parsed topology or None), or ConfigError."""
   if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
     raise errors.ConfigError(
@@ -127,6 +136,9 @@ def _checked(replicas, sparsecore, topology) -> tuple:
     raise errors.ConfigTypeError(
         f"emulate_tpu sparsecore must be True or False, got "
         f"sparsecore={sparsecore!r}.")
+  if not isinstance(xla, bool):
+    raise errors.ConfigTypeError(
+        f"emulate_tpu xla must be True or False, got xla={xla!r}.")
   if topology is None and not sparsecore:
     return replicas, sparsecore, None
   from tpu_embed_ext.sparsecore import topology as topology_lib
@@ -143,7 +155,8 @@ def _checked(replicas, sparsecore, topology) -> tuple:
 
 
 @contextlib.contextmanager
-def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None):
+def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None,
+                xla: bool = True):
   """Runs TensorFlow's TPU entry points on an emulated TPU while active.
 
   Args:
@@ -153,13 +166,19 @@ def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None):
       ``EmbeddingLayer`` / keras-rs choose it.
     topology: a SparseCore topology (``"v5p:8"``, ``"8x2"``) of ``replicas``
       chips; default with ``sparsecore``: 4 SparseCores per chip.
+    xla: when a step is first traced, check that each replica's program
+      (``strategy.run``'s function, without the embedding engine's work)
+      compiles with XLA as a TPU's must: an op with no XLA kernel or a type a
+      TPU does not have raises ``xla_check.NotCompilableError`` (a
+      ``tf.errors.InvalidArgumentError``) with soft device placement off,
+      and is run with a warning with it on (a TPU then runs it on its host). ``False`` skips the check.
 
   Yields the ``Emulation``. Raises ``EmulationError`` if another emulation is
   active (patched names are process-wide) or TensorFlow already runs with
   fewer logical CPU devices than ``replicas``.
   """
   global _active
-  replicas, sparsecore, parsed = _checked(replicas, sparsecore, topology)
+  replicas, sparsecore, parsed = _checked(replicas, sparsecore, topology, xla)
   with _lock:
     if _active is not None:
       raise EmulationError(
@@ -170,7 +189,7 @@ def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None):
           "entering another.")
     from tpu_embed_ext.emulated_tpu import patching, strategy
     emulation = Emulation(replicas, sparsecore, parsed,
-                          strategy.logical_devices(replicas))
+                          strategy.logical_devices(replicas), xla)
     patches = patching.apply(emulation)
     _active = emulation
   try:

@@ -47,7 +47,7 @@ from tensorflow.python.tpu import tpu_embedding_v2_utils
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import emulated_tpu, errors
-from tpu_embed_ext.emulated_tpu import (embedding_memory, patching,
+from tpu_embed_ext.emulated_tpu import (embedding_memory, outer_jit, patching,
                                         strategy as strategy_lib, tpu_inputs)
 from tpu_embed_ext.emulation import engine, validation
 
@@ -113,6 +113,7 @@ class TPUEmbedding(engine.CPUEmbedding):
     with self._engine_build():
       return super().variables
 
+  @tf.autograph.experimental.do_not_convert
   def enqueue(self, features, weights=None, training: bool = True,
               name=None, device=None):
     """``TPUEmbedding.enqueue`` with the TPU's checks (``tpu_inputs.py``)."""
@@ -125,8 +126,11 @@ class TPUEmbedding(engine.CPUEmbedding):
                                     [f.path for f in self._features])
     if in_tpu_context:
       tpu_inputs.check_direct_inputs(strategy, features)
+    # On the host inside jit_compile=True: TensorFlow's XLA error (outer_jit),
+    # raised when the enqueue op is made, after the checks above.
+    outer_jit.check_host_enqueue(self._replicas)
     with self._engine_build():
-      super().enqueue(features, weights, training, name, device)
+      return super().enqueue(features, weights, training, name, device)
 
   def apply_gradients(self, gradients, name=None):
     """``TPUEmbedding.apply_gradients``: float32 gradients only, as the TPU's

@@ -11,23 +11,37 @@ TF 2.21):
   ``apply_gradients(gradients, preserved_outputs)`` applies that batch's
   gradients (a ``None`` gradient is a zero gradient);
 * ``enqueue(features, weights, device)`` / ``dequeue(partitioned)``: the two
-  halves of ``embedding_lookup``;
+  halves of ``embedding_lookup`` (``partitioned.py``); ``apply_gradients`` may follow ``enqueue``
+  directly, through ``_copy_tensors_to_device`` (as TensorFlow's tests train);
+  ``enqueue(device=...)`` of distributed values is refused with TensorFlow's
+  ``ValueError`` phrase ("Input of unknown type ...");
 * the topology is the strategy's: ``num_replicas_in_sync`` chips of
   ``tpu_hardware_feature.num_embedding_devices_per_chip`` SparseCores (4 when
   it reports none, as upstream): tables are stacked for it, each replica's
   ids are checked against ``SparseCoreEmbeddingConfig``'s limits as its
   chip's (dropped with ``allow_id_dropping``), and checkpoints hold the
   stacked variables and ``_sparse_core_table_layouts``;
+* ``TPUEmbeddingV2.compute_sparse_core_stats`` profiles one chip's batch with
+  the counts those limits are checked against (``sparsecore_stats.py``);
+* ``pipeline_execution_with_tensor_core=True``: a step inside a
+  ``tf.while_loop`` looks up the tables before the previous step's update,
+  as the TPU compiler staggers the loop; steps outside a loop, with summaries
+  recorded, or in ``SequentialEmbeddingContext`` are sequential; lookups and
+  updates carry TensorFlow's ``_embedding_pipelining`` attribute
+  (``pipelining.py``);
 * ``embedding_tables`` / ``variables`` are keyed by stacked table name, as
   upstream's; their values are read-only views of the stacked layout
   (``StackedTable``: ``.values`` is one shard per replica, as
   ``TPUEmbeddingShardedVariable``'s).
 
-What is not SparseCore's: ``preserved_outputs`` is a dict keyed by stacked
-table name, as upstream's, but its values are the number of ids each stack
-received from this replica, not SparseCore's CSR buffers (pass it back to
-``apply_gradients`` unchanged, as programs do). ``pipeline_execution_with_tensor_core=True``
-makes a TPU look up tables one step old; that is not emulated and is refused.
+What is not SparseCore's: ``preserved_outputs`` (and ``enqueue``'s output) is
+a dict keyed by stacked table name, as upstream's, but its values are
+``partitioned.PartitionedBatch``es (the ids each stack received and the
+engine's occurrence tensors), not SparseCore's CSR buffers (TensorFlow's CPU
+wheel has no kernels for SparseCore's preprocessing ops): pass them on
+unchanged, as programs do. Like upstream's, they carry the batch, so
+``dequeue`` / ``apply_gradients`` may be traced in another ``tf.function``
+than ``enqueue``; passed to ``strategy.run``, every replica reads that batch.
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.emulated_tpu import partitioned, pipelining, sparsecore_inputs, sparsecore_stats
 from tpu_embed_ext.emulation import engine as engine_lib
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore import topology as sc_topology
@@ -108,7 +123,7 @@ class StackedTable:
         "the tables.")
 
 
-class TPUEmbeddingV2(engine_lib.CPUEmbedding):
+class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
   """``TPUEmbeddingV2`` under the emulated ``TPUStrategy`` (see the module doc)."""
 
   DEFAULT_MAX_IDS_PER_TABLE = 256
@@ -122,12 +137,6 @@ class TPUEmbeddingV2(engine_lib.CPUEmbedding):
       # Upstream's check and message (RuntimeError), on the emulated classes.
       raise RuntimeError(
           f"TPUEmbeddingV2 should be created under TPUStrategy but found {strategy}.")
-    if pipeline_execution_with_tensor_core:
-      raise errors.ConfigError(
-          "TPUEmbeddingV2(pipeline_execution_with_tensor_core=True) makes a TPU "
-          "look up tables one step old, which the emulated TPU does not "
-          "reproduce. Fix: pass pipeline_execution_with_tensor_core=False "
-          "(results then equal a TPU's without pipelining).")
     _check_weight_decay(feature_config, optimizer)
     topology = topology_of(strategy)
     super().__init__(feature_config, optimizer, engine="v2", topology=topology,
@@ -137,6 +146,17 @@ class TPUEmbeddingV2(engine_lib.CPUEmbedding):
     object.__setattr__(self, "_feature_stacks",
                        [stack_of[self._tables[f.table].name] for f in self._features])
     object.__setattr__(self, "_stacks", sorted(set(stack_of.values())))
+    self._init_pipelining(pipeline_execution_with_tensor_core)
+
+  compute_sparse_core_stats = classmethod(
+      lambda cls, *args, **kwargs: sparsecore_stats.compute_sparse_core_stats(
+          *args, **kwargs))
+  compute_sparse_core_stats.__doc__ = sparsecore_stats.__doc__
+
+  @property
+  def _num_sc_per_chip(self) -> int:
+    """SparseCores per chip, as upstream's attribute (its tests read it)."""
+    return self._topology.sparsecores_per_chip
 
   # --- tables --------------------------------------------------------------
 
@@ -181,7 +201,9 @@ class TPUEmbeddingV2(engine_lib.CPUEmbedding):
   @_library_code
   def embedding_lookup(self, features, weights=None):
     """``(activations, preserved_outputs)`` of this replica's batch."""
-    return self.dequeue(self.enqueue(features, weights))
+    with self._pipelined(pipelining.FORWARD):
+      partitioned = self.enqueue(features, weights)
+    return self.dequeue(partitioned)
 
   @_library_code
   def __call__(self, features, weights=None):
@@ -196,18 +218,34 @@ class TPUEmbeddingV2(engine_lib.CPUEmbedding):
     upstream traces it for Keras ("Use any of the TPU devices and trace once
     for a single device").
     """
+    # SparseCore's own error for a dense tensor of the wrong size (sparsecore_inputs).
+    sparsecore_inputs.check_dense_sample_counts(self._feature_config, features)
     reps = self._replicas
+    if device is not None and not reps.in_replica_fn():
+      _check_one_replica(features, weights)
     if (device is None and reps.num_local > 1 and not reps.in_replica_fn()
         and len(reps.split(features)) == 1):
       device = reps.strategy.extended.worker_devices[0]
     super().enqueue(features, weights, training=True, device=device)
-    return self._ids_per_stack()
+    pending = self._batches._pending  # pylint: disable=protected-access
+    return partitioned.pack(self._stacks, self._feature_stacks,
+                            [pending[r] for r in self._enqueued])
 
   @_library_code
   def dequeue(self, partitioned_tensors):
     """``(activations, preserved_outputs)`` of the batch ``enqueue`` recorded."""
     self._check_preserved(partitioned_tensors, "dequeue(partitioned_tensors)")
-    return super().dequeue(), partitioned_tensors
+    self._adopt(partitioned_tensors, "dequeue()")
+    with self._pipelined(pipelining.FORWARD):
+      return super().dequeue(), partitioned_tensors
+
+  @_library_code
+  def _copy_tensors_to_device(self, partitioned_tensors):
+    """``enqueue``'s output as ``apply_gradients`` takes it (unchanged here:
+    the emulation has no host-to-TPU copy of the batch)."""
+    self._check_preserved(partitioned_tensors,
+                          "_copy_tensors_to_device(partitioned_tensors)")
+    return partitioned_tensors
 
   @_library_code
   def apply_gradients(self, gradients, preserved_outputs=None):
@@ -218,7 +256,9 @@ class TPUEmbeddingV2(engine_lib.CPUEmbedding):
           "call the embedding lookup method first or manually call the build "
           "method.")
     self._check_preserved(preserved_outputs, "apply_gradients(preserved_outputs)")
-    super().apply_gradients(gradients)
+    self._adopt(preserved_outputs, "apply_gradients()")
+    with self._pipelined(pipelining.BACKWARD):
+      super().apply_gradients(gradients)
 
   def _local_replica(self, what) -> int:
     # A lookup outside strategy.run is the first replica's (see enqueue);
@@ -231,16 +271,17 @@ class TPUEmbeddingV2(engine_lib.CPUEmbedding):
     super()._put(batches, training)
     object.__setattr__(self, "_enqueued", sorted(batches))
 
-  def _ids_per_stack(self) -> Dict[str, tf.Tensor]:
-    """Ids each stack received from the batches just enqueued (the
-    preserved outputs)."""
-    pending = self._batches._pending  # pylint: disable=protected-access
-    counts = {stack: [] for stack in self._stacks}
-    for replica in self._enqueued:
-      for stack, occ in zip(self._feature_stacks, pending[replica].occurrences):
-        counts[stack].append(tf.size(occ.ids, tf.int32))
-    return {stack: tf.add_n(c) if c else tf.zeros([], tf.int32)
-            for stack, c in counts.items()}
+  def _adopt(self, partitioned_tensors, what: str):
+    """Takes the batch ``partitioned_tensors`` carries as this replica's
+    pending one when the batch enqueued is not visible here (enqueued in
+    another ``tf.function``, as a TPU program may): ``partitioned.py``."""
+    replica = self._local_replica(what)
+    if self._batches.visible(replica):
+      return
+    batch = partitioned.unpack(partitioned_tensors, self._feature_stacks,
+                               self._output_shapes, self._feature_config)
+    if batch is not None:
+      self._batches.put(replica, batch, self._replicas.num_local)
 
   def _check_preserved(self, preserved: Any, what: str):
     keys = sorted(preserved) if isinstance(preserved, dict) else None
@@ -251,6 +292,24 @@ class TPUEmbeddingV2(engine_lib.CPUEmbedding):
           + f", not the preserved outputs of this object's lookup (a dict keyed "
           f"by stacked table name: {self._stacks}). Fix: pass the second output "
           "of embedding_lookup (or enqueue's output to dequeue), unchanged.")
+
+
+def _check_one_replica(features, weights):
+  """Upstream's refusal of distributed values given with ``device=``.
+
+  ``TPUEmbeddingV2.enqueue(..., device=)`` preprocesses one device's batch;
+  ``_convert_input_feature_to_list_of_coo_tensors`` raises this ValueError for
+  anything but a Tensor, SparseTensor or RaggedTensor.
+  """
+  for value in nest.flatten([features, weights]):
+    if isinstance(value, tf.distribute.DistributedValues):
+      raise errors.InputError(
+          f"Input of unknown type {type(value)}. Please only pass Tensor, "
+          "SparseTensor or RaggedTensor as input to embedding lookup. "
+          "(TPUEmbeddingV2.enqueue(device=...) takes one replica's batch, got "
+          f"{type(value).__name__}. Fix: pass strategy.experimental_local_results"
+          "(x)[i] with device=strategy.extended.worker_devices[i], or enqueue "
+          "inside strategy.run without device=.)")
 
 
 def _check_weight_decay(feature_config, optimizer):

@@ -50,11 +50,15 @@ from tensorflow.python.distribute import (distribute_lib, mirrored_strategy,
 from tensorflow.python.distribute.cluster_resolver.tpu import (
     tpu_cluster_resolver as tpu_resolver_lib)
 from tensorflow.python.eager import context
+from tensorflow.python.autograph.core import ag_ctx as autograph_ctx
+from tensorflow.python.autograph.impl import api as autograph
+from tensorflow.python.tpu import embedding_context_utils as ecu
 from tensorflow.python.tpu import tpu_hardware_feature, tpu_system_metadata
 from tensorflow.python.training import server_lib
 
 from tpu_embed_ext import emulated_tpu
-from tpu_embed_ext.emulated_tpu import embedding_memory, patching, tpu_inputs
+from tpu_embed_ext.emulated_tpu import (embedding_memory, outer_jit, patching,
+                                        tpu_inputs, xla_check)
 
 __all__ = ["configure_logical_devices", "logical_devices", "EmulatedTPUClusterResolver",
            "initialize_tpu_system", "shutdown_tpu_system", "connect_to_cluster",
@@ -280,6 +284,9 @@ class EmulatedTPUExtended(mirrored_strategy.MirroredExtended):
     self._emulation = emulation
     # Read by tpu_replication.is_tpu_strategy's callers (outside compilation).
     self._device_assignment = None
+    # TPUExtended's [replicas, logical cores per replica] array of device
+    # names (one core per replica here); TPUEmbeddingV2 and its tests read it.
+    self._tpu_devices = np.array([[d] for d in self.worker_devices], dtype=object)
 
   @property
   def tpu_hardware_feature(self):
@@ -295,6 +302,19 @@ class EmulatedTPUExtended(mirrored_strategy.MirroredExtended):
 
   def experimental_logical_device(self, logical_device_id):
     raise _not_emulated("TPUStrategy.extended.experimental_logical_device")
+
+  # Datasets: MirroredStrategy's, with no tf.data autotuning thread on the
+  # host side (its destructor hangs at 8 replicas: device_datasets.py).
+  def _experimental_distribute_dataset(self, dataset, options):
+    from tpu_embed_ext.emulated_tpu import device_datasets  # pylint: disable=g-import-not-at-top
+    return super()._experimental_distribute_dataset(
+        device_datasets.without_autotuning(dataset), options)
+
+  def _distribute_datasets_from_function(self, dataset_fn, options):
+    from tpu_embed_ext.emulated_tpu import device_datasets  # pylint: disable=g-import-not-at-top
+    return super()._distribute_datasets_from_function(
+        lambda context: device_datasets.without_autotuning(dataset_fn(context)),
+        options)
 
 
 class _TPUFace:
@@ -329,11 +349,46 @@ class _TPUFace:
     return self._tpu_cluster_resolver
 
   def run(self, fn, args=(), kwargs=None, options=None):
-    """``strategy.run``, which a TPU refuses to run eagerly (as here)."""
+    """``strategy.run``, which a TPU refuses to run eagerly (as here).
+
+    In a graph, with XLA on, each replica's program is checked to compile
+    as a TPU's must (``xla_check.py``); inside ``jit_compile=True`` the
+    replicas are checked, not compiled together (``outer_jit.py``).
+    """
     tpu_strategy.validate_run_function(fn)
+    if tf.executing_eagerly() and outer_jit.is_jit_function(fn):
+      return outer_jit.run_eagerly_in_a_graph(self, fn, args, kwargs, options)
+    fn = _with_callers_embedding_state(outer_jit.replica_function(fn))
     # Recorded for TPUEmbedding.enqueue's TPU checks (tpu_inputs.py).
-    with tpu_inputs.recorded_run(self, args, kwargs):
+    with tpu_inputs.recorded_run(self, args, kwargs), \
+        outer_jit.replicas_compiled_separately(), \
+        xla_check.replica_program(self.extended._emulation):  # pylint: disable=protected-access
       return distribute_lib.StrategyBase.run(self, fn, args, kwargs, options)
+
+
+def _with_callers_embedding_state(fn):
+  """``fn`` seeing the caller's ``SequentialEmbeddingContext``.
+
+  TensorFlow keeps it in a thread-local (``embedding_context_utils``); a TPU
+  traces the replica function in the caller's thread, the mirrored machinery
+  in one thread per replica, which would see pipelining enabled.
+  """
+  enabled = ecu.embedding_pipelining_state.enabled
+  if enabled:
+    return fn
+  # Converted as StrategyBase.run converts it; the wrapper is left alone.
+  fn = autograph.tf_convert(fn, autograph_ctx.control_status_ctx(),
+                            convert_by_default=False)
+
+  @autograph.do_not_convert
+  def replica_fn(*args, **kwargs):
+    previous = ecu.embedding_pipelining_state.enabled
+    ecu.embedding_pipelining_state.enabled = enabled
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      ecu.embedding_pipelining_state.enabled = previous
+  return replica_fn
 
 
 def is_emulated_tpu_strategy(strategy) -> bool:

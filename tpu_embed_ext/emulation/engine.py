@@ -210,6 +210,19 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       return self._sparsecore.check_checkpoint(path, prefix)
     tables_lib.check_checkpoint(self._tables, path, prefix)
 
+  # With a topology, a checkpoint saved per table or in another SparseCore
+  # layout restores as into TPUEmbeddingV2 (its checkpoint adapter): see
+  # sparsecore/restore.py. Both hooks are TensorFlow's restore's own.
+  def _checkpoint_adapter(self, path):
+    if self._sparsecore is not None:
+      self._sparsecore.checkpoint_adapter(self, path)
+    return None
+
+  def _lookup_dependency(self, name, cached_dependencies=None):
+    if self._sparsecore is not None and self._sparsecore.claims(name):
+      return None  # deferred, then loaded by the router
+    return super()._lookup_dependency(name, cached_dependencies)
+
   @property
   def engine(self) -> str:
     return self._engine

@@ -85,6 +85,11 @@ class Batches:
           "apply_gradients() when training=True) after each enqueue().")
     self._pending[replica] = pending._replace(graph=_current_graph())
 
+  def visible(self, replica: int) -> bool:
+    """Whether ``replica`` has a pending batch that can be used here."""
+    pending = self._pending.get(replica)
+    return pending is not None and _visible(pending.graph)
+
   def check_free(self, replicas: List[int], num_local: int):
     """``put``'s check for several replicas, before any is recorded."""
     for replica in replicas:

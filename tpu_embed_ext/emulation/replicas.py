@@ -174,6 +174,12 @@ class Replicas:
         local = [[strategy.gather(v, axis=0)] for v in flat]
       else:
         local = [strategy.experimental_local_results(v) for v in flat]
+        # A tensor every replica passed as the same object (a replicated
+        # input, e.g. a batch enqueued once for all) is regrouped into one
+        # value: it is every replica's.
+        count = max(len(parts) for parts in local)
+        local = [tuple(parts) * count if len(parts) == 1 else parts
+                 for parts in local]
       return fn([tf.nest.pack_sequence_as(
           per_replica, [parts[i] for parts in local], expand_composites=False)
           for i in range(len(local[0]))])

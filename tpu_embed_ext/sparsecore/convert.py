@@ -31,6 +31,7 @@ from tensorflow.python.util import nest
 from tpu_embed_ext import (atomic, derived_names, errors, host_memory,
                            tf_optimizers)
 from tpu_embed_ext import model_dir as model_dir_lib
+from tpu_embed_ext.sparsecore import from_checkpoint
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.checkpoint import (LAYOUTS_NAME, BundleWriter, ObjectGraph,
                                                  find_embedding, read_rows, slice_spec,
@@ -302,6 +303,9 @@ def convert_checkpoint(src: str, dst: str, config, topology=None, *,
       ``FeatureConfig`` (with ``optimizer`` for tables that have none). It
       gives the shapes to check, the slots' initial values for padding and,
       for a stacked output, the optimizer groups that decide the stacking.
+      None: the checkpoint's own tables, slots and shapes
+      (``from_checkpoint``): tables with the same slots stack, padding holds
+      TensorFlow's default initial values.
     topology: None writes per-table keys; a ``Topology`` (or "v5p:4") writes
       ``TPUEmbeddingV2``'s stacked layout for it.
     prefix: the embedding's path in the checkpoint's object graph; None finds
@@ -332,8 +336,21 @@ def convert_checkpoint(src: str, dst: str, config, topology=None, *,
     raise atomic.io_error(e, "--out", dst) from None
 
 
+def _from_checkpoint(src, prefix):
+  """(prefix, [_Table], stacking inputs) from the checkpoint alone (no config)."""
+  prefix, stored = from_checkpoint.stored_tables(src, prefix)
+  tables = [_Table(t.name, t.rows, t.dim, t.slots, tuple(
+      from_checkpoint.DEFAULT_SLOT_INITIAL.get(s, 0.0) for s in t.slots))
+            for t in stored]
+  return prefix, tables, from_checkpoint.stacking_inputs(stored)
+
+
 def _convert(src, dst, config, topology, optimizer, prefix):
-  feature_config, tables = _feature_config(config, optimizer)
+  if config is None:
+    prefix, tables, stacking = _from_checkpoint(src, prefix)
+  else:
+    feature_config, tables = _feature_config(config, optimizer)
+    stacking = None
   if prefix is None:
     prefix = find_embedding(src, [t.name for t in tables])
   graph = ObjectGraph(src, prefix)
@@ -344,8 +361,9 @@ def _convert(src, dst, config, topology, optimizer, prefix):
   layouts = None
   if topology is not None:
     topology = parse_topology(topology)
-    layouts = {l.table: l for l in sc_layout.compute_layouts(
-        sc_layout.stacking_inputs(feature_config, optimizer), topology)}
+    if stacking is None:
+      stacking = sc_layout.stacking_inputs(feature_config, optimizer)
+    layouts = {l.table: l for l in sc_layout.compute_layouts(stacking, topology)}
     by_name = {t.name: t for t in tables}
     added = [LAYOUTS_NAME] + [
         _local(stack, s) for stack, ls in sc_layout.layouts_by_stack(

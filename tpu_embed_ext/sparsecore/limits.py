@@ -75,8 +75,11 @@ class Limits:
     """From a ``SparseCoreEmbeddingConfig`` (or None: its defaults)."""
     if config is None:
       return cls()
-    return cls(config.max_ids_per_chip_per_sample, config.max_ids_per_table,
-               config.max_unique_ids_per_table, config.allow_id_dropping)
+    # Values may be the scalar tensors compute_sparse_core_stats returns.
+    def ints(limits):
+      return None if limits is None else {k: int(v) for k, v in limits.items()}
+    return cls(config.max_ids_per_chip_per_sample, ints(config.max_ids_per_table),
+               ints(config.max_unique_ids_per_table), config.allow_id_dropping)
 
   def max_ids(self, stack: str) -> int:
     return (self.max_ids_per_table or {}).get(stack, DEFAULT_MAX_IDS)

@@ -2,7 +2,9 @@
 
 ``SparseCoreState`` is built once from the engine's feature config; the engine
 calls ``track`` with its per-table variables after creating them (untracked),
-``check_checkpoint`` before a restore, and ``keep`` on each step's ids. The
+``check_checkpoint`` before a restore, ``checkpoint_adapter`` / ``claims``
+from its restore hooks (a checkpoint of another layout: ``restore.Router``),
+and ``keep`` on each step's ids. The
 engine's variables, lookups and updates stay per table.
 """
 
@@ -15,6 +17,7 @@ import numpy as np
 from tpu_embed_ext import errors, tf_optimizers
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore import limits as sc_limits
+from tpu_embed_ext.sparsecore import restore as sc_restore
 from tpu_embed_ext.sparsecore import trackable
 from tpu_embed_ext.sparsecore.topology import parse_topology
 
@@ -49,10 +52,26 @@ class SparseCoreState:
       spec = tf_optimizers.as_spec(f.table.optimizer or optimizer)
       self.padding[f.table.name] = {
           "parameters": 0.0, **dict(zip(spec.slot_names, spec.slot_initial_values()))}
+    self.router = sc_restore.Router(self.layouts)
 
   def track(self, owner, variables: Mapping[str, Mapping[str, object]]) -> None:
     """Makes ``owner`` save and restore ``variables`` in the stacked layout."""
-    trackable.track_stacked(owner, variables, self.layouts, self.padding)
+    # TensorFlow's own deferred restores of the stacked objects (a checkpoint
+    # of this layout) wait until the router's (other layouts) are merged with
+    # them: every restore then applies in restore order, the latest last.
+    held = self.router.hold_deferred(owner, variables)
+    tracked = trackable.track_stacked(owner, variables, self.layouts, self.padding)
+    self.router.built(variables, tracked, held)
+
+  def checkpoint_adapter(self, owner, path: str) -> None:
+    """``_checkpoint_adapter``: a restore of checkpoint ``path`` begins
+    (``restore.Router``); returns None, the router being the adapter."""
+    self.router.adapt(owner, path)
+
+  def claims(self, name: str) -> bool:
+    """Whether the restore's child ``name`` is loaded by the router (the
+    engine's ``_lookup_dependency`` then answers None)."""
+    return self.router.claims(name)
 
   def check_checkpoint(self, path: str, prefix: str = "embedding") -> None:
     trackable.check_checkpoint(path, self.layouts, prefix)

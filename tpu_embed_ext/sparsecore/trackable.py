@@ -93,25 +93,36 @@ def _describe(l: sc_layout.TableLayout) -> str:
 
 def check_layouts(stored: Sequence[sc_layout.TableLayout],
                   ours: Sequence[sc_layout.TableLayout]) -> None:
-  """Raises ConfigError unless a checkpoint's layouts are ``ours``, table by table."""
+  """Raises ConfigError unless a checkpoint's layouts place every row as ``ours``.
+
+  Only the fields that place rows count (``restore.PLACEMENT_FIELDS``): the
+  batch size and feature count a layout also records do not move a row.
+  """
+  from tpu_embed_ext.sparsecore import restore  # pylint: disable=g-import-not-at-top
   theirs = {l.table: l for l in stored}
   for l in ours:
     if l.table not in theirs:
       raise errors.ConfigError(
           f"table '{l.table}' is not in the checkpoint's SparseCore layouts. Fix: "
           "restore a checkpoint of the same tables.")
-    if theirs[l.table] != l:
+    field = restore.differing_field(theirs[l.table], l)
+    if field is not None:
       raise errors.ConfigError(
-          f"table '{l.table}': the checkpoint's SparseCore layout ("
-          f"{_describe(theirs[l.table])}) is not this engine's ({_describe(l)}). "
-          "Fix: convert the checkpoint to this topology (python -m tpu_embed_ext "
-          "convert-checkpoint --topology ...).")
+          f"table '{l.table}': the checkpoint's SparseCore layout has {field} "
+          f"{getattr(theirs[l.table], field)}, this engine's has "
+          f"{getattr(l, field)} (checkpoint: {_describe(theirs[l.table])}; "
+          f"engine: {_describe(l)}). Fix: convert the checkpoint to this "
+          "topology (python -m tpu_embed_ext convert-checkpoint --topology ...).")
 
 
 def check_checkpoint(path: str, layouts: Sequence[sc_layout.TableLayout],
                      prefix: str = "embedding") -> None:
   """``check_layouts`` on checkpoint ``path`` before restoring it, and every
-  stacked table and slot finite (``checkpoint_scan``); changes nothing."""
+  stacked table and slot finite (``checkpoint_scan``); changes nothing.
+
+  Stricter than ``tf.train.Checkpoint``'s restore (``restore.Router``), which
+  also reads a checkpoint saved per table or of another layout: ``train``
+  resumes its own checkpoints only."""
   from tpu_embed_ext import checkpoint_scan  # pylint: disable=g-import-not-at-top
   from tpu_embed_ext.sparsecore.convert import checkpoint_layouts  # pylint: disable=g-import-not-at-top
   stored = checkpoint_layouts(path, prefix)

@@ -1,0 +1,313 @@
+"""Each replica's step, checked when first traced to compile with XLA as a TPU's must.
+
+A TPU compiles the program of every replica (``strategy.run``'s function)
+with XLA; the embedding engine's work (lookups, the cross-replica sum of
+gradients, the table update) is not in that program: it runs on the
+embedding engine or SparseCore, and the program receives activations and
+sends gradients. The emulated TPU runs the steps as TensorFlow ops on CPU
+devices, so a program no TPU could compile would pass silently. With XLA on
+(``emulate_tpu(xla=True)``, the default), when ``strategy.run`` is traced in
+a ``tf.function`` every op the replica function made (nested functions,
+``tf.cond`` / ``tf.while_loop`` bodies included), except the engine's, is
+checked against these rules. The first op that fails raises
+``NotCompilableError`` (a ``tf.errors.InvalidArgumentError`` with XLA's
+phrase first) naming the op, the user's line and the fix, when soft device
+placement is off (``tf.config.set_soft_device_placement(False)``); when it
+is on (TensorFlow's default) a TPU places such ops on its host CPU instead
+("Automatic outside compilation is enabled. Ops without XLA kernels will be
+automatically placed on CPU.", ``tpu.py``), and the emulated TPU runs them
+too, logging one warning per op and line:
+
+* the op has an XLA kernel: TensorFlow's ``tf2xla`` registrations for
+  ``XLA_CPU_JIT`` (read from TensorFlow's kernel registry, where they appear
+  once XLA has initialised), with the op's types among those the kernel
+  accepts. ``tf.py_function`` / ``tf.numpy_function`` (``EagerPyFunc``,
+  ``PyFunc``) and string ops have none;
+* every type is one a TPU compiles: ``kTpuAllTypes`` in TensorFlow's
+  ``tensorflow/core/tpu/tpu_defs.h`` (the types ``REGISTER_XLA_BACKEND(
+  DEVICE_TPU_XLA_JIT, kTpuAllTypes, TpuOpFilter)`` gives every TPU kernel;
+  ``TpuOpFilter`` allows strings in ``Const`` and ``Assert`` only). It holds
+  ``DT_DOUBLE``: float64 compiles on a TPU (slowly) and is not refused. It
+  lacks ``complex128``, which XLA on CPU compiles: refused, as on a TPU;
+* shapes that depend on the data are not refused: XLA compiles them, on
+  CPU as on a TPU, with bounded dynamic dimensions (``tf.boolean_mask``,
+  ``tf.unique``, ``tf.where(x)``, ``RaggedTensor.from_tensor``, a
+  ``tf.range`` / ``tf.zeros`` / ``tf.reshape`` sized from a tensor all
+  compile under ``jit_compile=True`` on CPU; tf2xla registers its kernels
+  for every XLA device, and ``tpu.py`` turns the TPU's dynamic padder on by
+  default). A shape XLA cannot bound is refused by XLA's compiler, which
+  this check does not run.
+
+The check reads the ops of the traced step; it does not compile them (the
+steps run as TensorFlow ops on CPU devices). What only XLA's compiler
+finds (a shape it cannot bound, a compile-time constant it cannot
+evaluate) is not caught here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Iterable, List, Optional, Set
+
+import tensorflow as tf
+from tensorflow.python.framework import kernels, ops
+
+from tpu_embed_ext import emulated_tpu
+
+__all__ = ["NotCompilableError", "replica_program", "check_ops", "first_problem"]
+
+
+class NotCompilableError(emulated_tpu.EmulationError, tf.errors.InvalidArgumentError):
+  """A replica's step no TPU could compile with XLA.
+
+  TensorFlow's class for XLA's refusal (``InvalidArgumentError``), its phrase
+  first ("Detected unsupported operations when trying to compile graph ...
+  on XLA_TPU_JIT"), so tests written against a TPU match it.
+  """
+
+  def __init__(self, message: str):
+    tf.errors.InvalidArgumentError.__init__(self, None, None, message)
+
+  def __str__(self):
+    return self.message
+
+
+# tensorflow/core/tpu/tpu_defs.h, kTpuAllTypes (TensorFlow 2.21).
+TPU_TYPES = frozenset(tf.as_dtype(t).as_datatype_enum for t in (
+    tf.int32, tf.uint32, tf.float16, tf.bfloat16, tf.float32, tf.float64,
+    tf.bool, tf.complex64, tf.int64, tf.uint64, tf.qint8, tf.quint8,
+    tf.qint32, tf.int8, tf.uint8, tf.int16, tf.uint16)) | frozenset(
+        getattr(tf.dtypes, name).as_datatype_enum
+        for name in ("float8_e4m3fn", "float8_e5m2", "int4", "uint4",
+                     "float8_e4m3fnuz", "float8_e4m3b11fnuz", "float8_e5m2fnuz")
+        if hasattr(tf.dtypes, name))
+_STRING = tf.string.as_datatype_enum
+# TpuOpFilter (tensorflow/core/tpu/tpu_node_device_util.cc) adds DT_STRING to
+# these two kernels only (string messages of asserts, dropped by XLA).
+_TPU_STRING_OPS = frozenset(["Const", "Assert"])
+
+# Files whose ops are the embedding engine's (outside the TPU program) or
+# this package's machinery, not the user's program.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ENGINE_DIRS = tuple(os.path.join(_PACKAGE, d) + os.sep
+                     for d in ("emulation", "sparsecore"))
+_ENGINE_FILES = tuple(os.path.join(_PACKAGE, "emulated_tpu", f)
+                      for f in ("sparsecore.py", "mid_level.py"))
+_LIBRARY_MARKERS = (os.sep + "tensorflow" + os.sep, os.sep + "keras" + os.sep,
+                    os.sep + "keras_rs" + os.sep, os.sep + "tf_keras" + os.sep,
+                    _PACKAGE + os.sep)
+
+_FIX = {
+    "EagerPyFunc": "compute it with TensorFlow ops, or outside strategy.run "
+                   "(in the input pipeline)",
+    "PyFunc": "compute it with TensorFlow ops, or outside strategy.run (in "
+              "the input pipeline)",
+    "PyFuncStateless": "compute it with TensorFlow ops, or outside "
+                       "strategy.run (in the input pipeline)",
+}
+_FIX_STRING = ("turn strings into numbers in the input pipeline (tf.data), "
+               "outside strategy.run")
+_FIX_KERNEL = "replace it with ops XLA compiles, or move it outside strategy.run"
+_FIX_TYPE = "cast to a type a TPU has (float32, bfloat16, int32...)"
+_OFF = "; or run with XLA off (emulate_tpu(xla=False), emulate --no-xla, pytest --emulate-tpu-no-xla)"
+
+# A function's inputs and captures: the compiled program's parameters.
+_PROGRAM_INPUTS = frozenset(["Placeholder"])
+
+_REPLICA_GRAPH = "(each replica's program)"
+
+_xla_initialised = False
+
+
+def _ensure_xla_kernels():
+  """XLA registers its kernels (``XLA_CPU_JIT``) when it first compiles."""
+  global _xla_initialised
+  if not _xla_initialised:
+    with ops.init_scope():
+      tf.function(lambda x: x + 1, jit_compile=True)(tf.constant(0))
+    _xla_initialised = True
+
+
+_kernel_cache = {}
+
+
+def _xla_kernels(op_type: str):
+  if op_type not in _kernel_cache:
+    _kernel_cache[op_type] = [
+        k for k in kernels.get_registered_kernels_for_op(op_type).kernel
+        if k.device_type == "XLA_CPU_JIT"]
+  return _kernel_cache[op_type]
+
+
+def _attr_types(op, name) -> List[int]:
+  value = op.node_def.attr.get(name)
+  if value is None:
+    return []
+  if value.HasField("type"):
+    return [value.type]
+  return list(value.list.type)
+
+
+def _all_types(op) -> Set[int]:
+  types = {t.dtype.base_dtype.as_datatype_enum for t in list(op.inputs) + op.outputs}
+  return types - {tf.resource.as_datatype_enum, tf.variant.as_datatype_enum}
+
+
+def _kernel_problem(op) -> Optional[str]:
+  """Why ``op`` has no XLA kernel a TPU has (None if it has one)."""
+  defs = _xla_kernels(op.type)
+  if not defs:
+    return f"no XLA kernel for op {op.type}"
+  for kernel in defs:
+    if all(all(t in c.allowed_values.list.type for t in _attr_types(op, c.name))
+           for c in kernel.constraint):
+      break
+  else:
+    names = sorted({tf.as_dtype(t).name for c in defs[0].constraint
+                    for t in _attr_types(op, c.name)})
+    return f"no XLA kernel for op {op.type} on {', '.join(names)}"
+  for t in sorted(_all_types(op)):
+    if t not in TPU_TYPES and not (t == _STRING and op.type in _TPU_STRING_OPS):
+      return f"op {op.type} has type {tf.as_dtype(t).name}, which a TPU does not compile"
+  return None
+
+
+def _frames(op):
+  try:
+    return list(op.traceback)
+  except Exception:  # pylint: disable=broad-except
+    return []
+
+
+def _is_engine(frames) -> bool:
+  return any(f.filename.startswith(_ENGINE_DIRS) or f.filename in _ENGINE_FILES
+             for f in frames)
+
+
+def _autograph_origin(filename: str, lineno: int):
+  """The user's (file, line) of a line of autograph's generated code, or None.
+
+  Autograph keeps, per converted function, the generated module and its
+  source map (``pyct/transpiler.py``); TensorFlow's own error messages are
+  mapped back the same way (``autograph/impl/api.py``).
+  """
+  try:
+    from tensorflow.python.autograph.impl import api  # pylint: disable=g-import-not-at-top
+    from tensorflow.python.autograph.pyct import origin_info  # pylint: disable=g-import-not-at-top
+    for per_key in list(api._TRANSPILER._cache._cache.values()):  # pylint: disable=protected-access
+      for factory in list(per_key.values()):
+        if getattr(getattr(factory, "module", None), "__file__", None) != filename:
+          continue
+        origin = factory.source_map.get(origin_info.LineLocation(filename, lineno))
+        if origin is not None:
+          return origin.loc.filename, origin.loc.lineno
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return None
+
+
+def _user_line(frames) -> str:
+  for f in reversed(frames):
+    filename, lineno = f.filename, f.lineno
+    if "__autograph_generated_file" in filename:
+      filename, lineno = _autograph_origin(filename, lineno) or (filename, lineno)
+    name = os.path.abspath(filename)
+    if not any(m in name for m in _LIBRARY_MARKERS) and not filename.startswith("<"):
+      return f"{filename}:{lineno}"
+  return "(no line outside TensorFlow and Keras)"
+
+
+def _function_graphs(op, graph) -> Iterable:
+  """The graphs of the functions ``op`` calls (nested tf.function, cond, while)."""
+  for value in op.node_def.attr.values():
+    names = ([value.func.name] if value.HasField("func") else
+             [f.name for f in value.list.func])
+    for name in names:
+      if not name:
+        continue
+      function = graph._get_function(name)  # pylint: disable=protected-access
+      inner = getattr(function, "graph", None) if function is not None else None
+      if inner is not None:
+        yield inner
+
+
+def first_problem(op_list, graph, seen=None):
+  """(op, problem, frames) of the first op no TPU compiles, or None."""
+  seen = set() if seen is None else seen
+  for op in op_list:
+    if op.type in _PROGRAM_INPUTS:
+      continue
+    frames = _frames(op)
+    if _is_engine(frames):
+      continue
+    problem = _kernel_problem(op)
+    if problem is not None:
+      return op, problem, frames
+    for inner in _function_graphs(op, graph):
+      if id(inner) in seen:
+        continue
+      seen.add(id(inner))
+      found = first_problem(inner.get_operations(), inner, seen)
+      if found is not None:
+        return found
+  return None
+
+
+def _message(op, problem, frames) -> str:
+  fix = (_FIX.get(op.type) or
+         (_FIX_STRING if tf.string.as_datatype_enum in _all_types(op) else
+          _FIX_TYPE if "which a TPU does not compile" in problem else _FIX_KERNEL))
+  if problem.startswith("no XLA kernel"):
+    # TensorFlow's own words for it (tf2xla, compile_util / xla_compiler).
+    head = (f"{op.type} (No registered '{op.type}' OpKernel for XLA_TPU_JIT "
+            f"devices compatible with node {{{{node {op.name}}}}})")
+  else:
+    head = f"{op.type} ({problem}; node {op.name})"
+  return ("Detected unsupported operations when trying to compile graph "
+          f"{_REPLICA_GRAPH} on XLA_TPU_JIT: {head}: emulated TPU: made at "
+          f"{_user_line(frames)} in the function given to strategy.run. "
+          f"Fix: {fix}{_OFF}.")
+
+
+_warned = set()
+
+
+def check_ops(op_list, graph):
+  """Raises ``NotCompilableError`` for the first op no TPU compiles.
+
+  Unless soft device placement is on: a TPU then places ops without XLA
+  kernels on its host CPU ("Automatic outside compilation",
+  ``tpu.py`` ``split_compile_and_replicate``: ``allow_soft_placement =
+  config.get_soft_device_placement()``), and so does the emulated TPU, with
+  one warning per op and line saying so.
+  """
+  _ensure_xla_kernels()
+  found = first_problem(op_list, graph)
+  if found is None:
+    return
+  if not tf.config.get_soft_device_placement():
+    raise NotCompilableError(_message(*found))
+  op, problem, frames = found
+  key = (op.type, _user_line(frames))
+  if key not in _warned:
+    _warned.add(key)
+    logging.getLogger(__name__).warning(
+        "%s (%s, made at %s) in the function given to strategy.run: a TPU runs "
+        "it on its host CPU (automatic outside compilation, as soft device "
+        "placement is on), a host round trip per step; with "
+        "tf.config.set_soft_device_placement(False) it refuses the step.",
+        problem, op.name, key[1])
+
+
+@contextlib.contextmanager
+def replica_program(emulation):
+  """Checks the ops ``strategy.run`` makes in a graph (not eagerly, not off)."""
+  if not getattr(emulation, "xla", False) or tf.executing_eagerly():
+    yield
+    return
+  graph = ops.get_default_graph()
+  start = len(graph.get_operations())
+  yield
+  check_ops(graph.get_operations()[start:], graph)
