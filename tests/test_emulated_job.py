@@ -9,6 +9,7 @@ in another order than one device sums them).
 """
 
 import numpy as np
+import pytest
 import yaml
 
 from tests import jobs
@@ -26,6 +27,12 @@ def _config(tmp_path, data_dir):  # the session's tiny dataset (conftest)
   return str(path)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 32: RankingModel.call turns the multi-hot features' padded ids into "
+    "RaggedTensors inside the training step, i.e. inside strategy.run; a TPU's "
+    "TPUEmbedding refuses ids computed there (tpu_embedding_v2.py "
+    "_raise_error_for_non_direct_inputs), and so does the emulated TPU now. "
+    "Fix (job): build the ragged ids in the input pipeline."))
 def test_train_on_the_emulated_tpu_equals_cpu_emulation(capsys, tmp_path, tiny_data_dir):
   config = _config(tmp_path, tiny_data_dir)
   runs = {}

@@ -542,6 +542,9 @@ def test_tpu_embedding_refuses_what_a_tpu_refuses():
       with pytest.raises(errors.ConfigTypeError) as e:
         _EMB.TPUEmbedding(_config(), None)
       assert str(e.value) == (
+          "<class 'NoneType'> is an unsupported optimizer class. Please pass an "
+          "instance of one of the optimizer classes under "
+          "tf.tpu.experimental.embedding. "
           "table 't': TPUEmbedding under a TPUStrategy needs one of "
           "tf.tpu.experimental.embedding's optimizers, got None. Fix: pass "
           "optimizer= (e.g. tf.tpu.experimental.embedding.SGD(0.1)) or set "
@@ -577,10 +580,20 @@ def test_tpu_embedding_private_state_programs_touch():
     embedding._load_variables()  # pylint: disable=protected-access
     parameters = embedding._variables["t"]["parameters"]  # pylint: disable=protected-access
     assert parameters.variables[0] is parameters
+    # Values made on the host, as a TPU wants them (on a core's device a TPU
+    # refuses them: test_enqueue_refuses_inputs_on_a_cores_device).
+    host = "/job:localhost/replica:0/task:0/device:CPU:0"
+
+    def on_host(make):
+      def value(ctx):
+        with tf.device(host):
+          return make(ctx)
+      return strategy.experimental_distribute_values_from_function(value)
+
     with pytest.raises(errors.InputError,
-                       match=r"^feature 'a' \(table 't'\): .*\[3\]"):
-      embedding.enqueue(strategy.experimental_distribute_values_from_function(
-          lambda _: {"a": tf.constant([1, 2], tf.int64)}))
+                       match=r"^Inconsistent shape founded for input feature a, "
+                       r".*feature 'a' \(table 't'\): .*\[3\]"):
+      embedding.enqueue(on_host(lambda _: {"a": tf.constant([1, 2], tf.int64)}))
 
     @tf.function
     def step(features):
@@ -592,9 +605,8 @@ def test_tpu_embedding_private_state_programs_touch():
         return activations["a"]
       return strategy.run(fn)
 
-    per_replica = strategy.experimental_distribute_values_from_function(
-        lambda ctx: {"a": tf.constant([1, 1, 2], tf.int64)
-                          + ctx.replica_id_in_sync_group})
+    per_replica = on_host(lambda ctx: {"a": tf.constant([1, 1, 2], tf.int64)
+                                       + ctx.replica_id_in_sync_group})
     activations = step(per_replica)
     embedding._retrieve_variables()  # pylint: disable=protected-access
     assert [a.shape.as_list() for a in strategy.experimental_local_results(

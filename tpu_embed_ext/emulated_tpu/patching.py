@@ -40,6 +40,13 @@ exists and is the object named in ``ORIGINALS``, and no other module under
   else a class that refuses (no SparseCore, as on a TPU without one):
   ``tensorflow.python.tpu.tpu_embedding_v3`` and ``tf.tpu.experimental.embedding``.
 
+* ``device_assignment`` (``tensorflow.python.tpu.device_assignment``, also
+  what ``tf.tpu.experimental.DeviceAssignment.build`` calls) ->
+  ``strategy.device_assignment``: TensorFlow's own, except that several cores
+  per replica which the emulated topology cannot hold raise
+  ``NotEmulatedError`` (model parallelism) instead of TensorFlow's
+  ``ValueError`` about the topology.
+
 * ``multi_device_iterator_ops._create_device_dataset`` (internal, no alias)
   -> ``device_datasets.create_device_dataset``: the per-replica datasets of
   distributed iterators without tf.data autotuning (its thread hangs their
@@ -98,6 +105,8 @@ ORIGINALS = {
     "connect_to_cluster": ("tensorflow.python.eager.remote", "connect_to_cluster"),
     "TPUEmbedding": ("tensorflow.python.tpu.tpu_embedding_v2", "TPUEmbedding"),
     "TPUEmbeddingV2": ("tensorflow.python.tpu.tpu_embedding_v3", "TPUEmbeddingV2"),
+    "device_assignment": ("tensorflow.python.tpu.device_assignment",
+                          "device_assignment"),
     "_create_device_dataset": ("tensorflow.python.data.ops.multi_device_iterator_ops",
                                "_create_device_dataset"),
 }
@@ -116,6 +125,7 @@ _REPLACEMENTS = {
     # SparseCore: the partner module tpu_embed_ext/emulated_tpu/sparsecore.py
     # (TPUEmbeddingV2 adapter). Without SparseCore, a class that refuses.
     "TPUEmbeddingV2": "sparsecore:TPUEmbeddingV2",
+    "device_assignment": "strategy:device_assignment",
     # Not an entry point: the per-replica datasets of distributed iterators,
     # without the autotuning thread that hangs their destructor at 8 replicas.
     "_create_device_dataset": "device_datasets:create_device_dataset",
@@ -150,6 +160,7 @@ PATCHES: Tuple[Patch, ...] = tuple(
     + [row for name in ("TPUEmbedding", "TPUEmbeddingV2")
        for row in _rows(name, *((f"{api}.tpu.experimental.embedding", name)
                                 for api in (_API, _V1, _V2)))]
+    + _rows("device_assignment")
     + _rows("_create_device_dataset"))
 
 
