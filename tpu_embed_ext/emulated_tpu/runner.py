@@ -289,6 +289,11 @@ def _start(stack: contextlib.ExitStack, shape, owns_process: bool) -> None:
   finally:
     if log is not None:
       log.close()
+  if owns_process:
+    # TensorFlow's and the set-up's objects out of every full collection and
+    # of the exit's (start_up_objects.py); the script's own are untouched.
+    from tpu_embed_ext.emulated_tpu import start_up_objects  # pylint: disable=g-import-not-at-top
+    start_up_objects.freeze_start_up()
 
 
 def _first_program_word(argv: List[str]) -> int:
