@@ -19,7 +19,8 @@ collection just before the freeze leaves no cyclic garbage behind, and after
 the benchmark's tests ``gc.unfreeze(); gc.collect()`` found none (0 objects),
 so nothing of the set-up's is kept that plain Python would free.
 Measured back to back at 8 replicas (load 3.4): exit 1.61-1.68 s -> 0.26 s,
-longest collection 0.33-0.37 s -> 0.17-0.21 s.
+longest collection 0.33-0.37 s -> 0.17-0.21 s. The cost: one collection
+at start-up (0.2 s for 323,543 objects at 8 replicas, load 2).
 """
 
 from __future__ import annotations
