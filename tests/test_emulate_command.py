@@ -73,6 +73,10 @@ def test_files_left_open_end_as_under_python(tmp_path):
       "RuntimeError: the end, 16 examples in the first batch\n")
   assert not [f for f in python["files"] if f.startswith("temporary-")]
   assert python["data.h5"] == np.arange(12.0).reshape(3, 4).tolist()
+  # The script's reference cycles, in the run and at exit (the runner freezes
+  # only the objects alive before the script starts: start_up_objects.py).
+  assert {"cycle-collected-during-the-run.txt", "cycle-freed-by-gc.collect.txt",
+          "cycle-finalized-at-exit.txt"} <= set(python["files"])
 
 
 # --- -m MODULE, in this process -------------------------------------------------

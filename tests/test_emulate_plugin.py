@@ -100,3 +100,31 @@ def test_no_xla_reaches_the_session_emulation(flags, expected, tmp_path):
   done = _pytest(tmp_path, _XLA_SWITCH.format(expected=expected), *flags)
   assert done.returncode == 0, done.stdout + done.stderr
   assert "1 passed" in done.stdout
+
+
+_CYCLES = '''
+import gc
+import weakref
+
+
+class InACycle:
+  def __init__(self):
+    self.me = self
+
+
+def test_cycles_made_by_a_test_are_collected():
+  # The session froze TensorFlow's start-up objects (start_up_objects.py)...
+  assert gc.get_freeze_count() > 0
+  # ...and a test's own reference cycles are still freed, as without the plugin.
+  cycle = InACycle()
+  alive = weakref.ref(cycle)
+  del cycle
+  gc.collect()
+  assert alive() is None
+'''
+
+
+def test_a_tests_reference_cycles_are_still_collected(tmp_path):
+  done = _pytest(tmp_path, _CYCLES, "--emulate-tpu=2")
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "1 passed" in done.stdout

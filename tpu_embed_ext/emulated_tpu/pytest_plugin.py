@@ -148,6 +148,10 @@ def pytest_configure(config):
   except errors.Error as e:
     raise pytest.UsageError(f"--emulate-tpu={shape[0]}: {e}") from None
   config.stash[_STACK] = stack
+  # TensorFlow's and the set-up's objects out of every full collection and of
+  # the exit's (start_up_objects.py); the tests' own objects are untouched.
+  from tpu_embed_ext.emulated_tpu import start_up_objects  # pylint: disable=g-import-not-at-top
+  start_up_objects.freeze_start_up()
 
 
 def pytest_unconfigure(config):
