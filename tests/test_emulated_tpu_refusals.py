@@ -289,7 +289,7 @@ def test_create_config_proto_is_tensorflows():
   """valid_input_test / initialization_test: ``_create_config_proto`` is
   TensorFlow's own, on our tables. TensorFlow 2.21's writes the bool
   ``low_dimensional_packing_status`` into an enum field, which protobuf 7
-  refuses (protobuf 6 stores 0): there it raises as on a TPU."""
+  refuses (protobuf 6 stores 0): setup.py pins protobuf < 7, so it works."""
   with emulate_tpu(replicas=2):
     strategy = _strategy()
     table = _EMB.TableConfig(vocabulary_size=8, dim=2)  # Unnamed: table_0.
@@ -297,11 +297,6 @@ def test_create_config_proto_is_tensorflows():
     with strategy.scope():
       embedding = _EMB.TPUEmbedding(features, _EMB.Adagrad(lambda: 0.5))
     embedding._output_shapes = [tf.TensorShape([128])]  # pylint: disable=protected-access
-    if int(google.protobuf.__version__.split(".")[0]) >= 7:
-      with pytest.raises(TypeError, match="low_dimensional_packing_status: "
-                         "Expected an int, got a boolean"):
-        embedding._create_config_proto()  # pylint: disable=protected-access
-      return
     proto = embedding._create_config_proto()  # pylint: disable=protected-access
   assert table.name is None  # The user's TableConfig is not renamed.
   assert [t.name for t in proto.table_descriptor] == ["table_0"]
@@ -309,6 +304,36 @@ def test_create_config_proto_is_tensorflows():
   assert proto.table_descriptor[0].optimization_parameters.learning_rate.dynamic.tag == 0
   assert list(proto.feature_descriptor[0].input_shape) == [128]
   assert proto.num_tensor_cores == 2 and proto.num_hosts == 1
+
+
+class _Protobuf7Parameters:
+  """``OptimizationParameters`` as protobuf 7 has it: a bool into an enum raises."""
+
+  def __setattr__(self, name, value):
+    if isinstance(value, bool):
+      raise TypeError(f"Field tensorflow.tpu.OptimizationParameters.{name}: "
+                      "Expected an int, got a boolean.")
+
+
+def test_build_refuses_a_protobuf_that_tensorflows_tpu_config_cannot_use(monkeypatch):
+  """With protobuf 7, TensorFlow 2.21's ``TPUEmbedding.build`` fails on a TPU
+  (``_create_config_proto``); the emulated build fails first, in one line."""
+  from tensorflow.core.protobuf.tpu import optimization_parameters_pb2  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(optimization_parameters_pb2, "OptimizationParameters",
+                      _Protobuf7Parameters)
+  with emulate_tpu(replicas=2):
+    strategy = _strategy()
+    with strategy.scope():
+      embedding = _EMB.TPUEmbedding(_config(), _EMB.SGD(0.5))
+    with pytest.raises(errors.ConfigTypeError) as caught:
+      embedding.build(per_replica_batch_size=4)
+  assert str(caught.value) == (
+      "Field tensorflow.tpu.OptimizationParameters.low_dimensional_packing_status: "
+      f"Expected an int, got a boolean. (TensorFlow {tf.__version__}'s "
+      "TPUEmbedding.build writes this bool into its TPU configuration for every "
+      f"table, and protobuf {google.protobuf.__version__} refuses it: on a TPU, "
+      "TPUEmbedding cannot build with this install). Fix: pip install 'protobuf<7'.")
+  assert embedding._variables is None  # pylint: disable=protected-access
 
 
 def test_model_parallel_device_assignment_is_not_emulated():

@@ -53,9 +53,7 @@ as a difference):
   (``/device:CPU:0``), so inputs prefetched to core 0 (all of them with one
   replica) cannot be told from the host's, and, as in TensorFlow's own check,
   tensors of an iterator passed to a ``tf.function`` as an argument carry no
-  device; TensorFlow 2.21 with protobuf >= 7 cannot build ``TPUEmbedding``'s
-  TPU configuration (its ``_create_config_proto`` raises ``TypeError``, here
-  too), yet the emulated ``build`` succeeds; distributed datasets run
+  device; distributed datasets run
   without tf.data autotuning (``device_datasets.py``: the same elements per
   replica; autotuning's threads hung their destructors at 8 replicas);
   memory limits and speed are the CPU's.

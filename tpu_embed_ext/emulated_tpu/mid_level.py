@@ -95,6 +95,7 @@ class TPUEmbedding(engine.CPUEmbedding):
     if self._table_vars is not None:
       return
     tables = [t.name for t in self._tables]
+    _check_config_proto_writable()
     embedding_memory.check_free(tables)
     if (not self._engine_builds and per_replica_input_shapes is None
         and not per_replica_batch_size):
@@ -233,6 +234,24 @@ def _with_table(feature, table):
   feature = copy.copy(feature)
   feature.table = table
   return feature
+
+
+def _check_config_proto_writable() -> None:
+  """Refuses, as a TPU's ``build`` would, an install whose protobuf refuses
+  TensorFlow's TPU embedding config: ``TPUEmbedding._create_config_proto``
+  sets ``OptimizationParameters.low_dimensional_packing_status`` (an enum)
+  to a bool for every table (``tpu_embedding_v2_utils.py``,
+  ``_set_optimization_parameters``), which protobuf 7 refuses."""
+  from tensorflow.core.protobuf.tpu import optimization_parameters_pb2  # pylint: disable=g-import-not-at-top
+  try:
+    optimization_parameters_pb2.OptimizationParameters().low_dimensional_packing_status = False
+  except TypeError as e:
+    import google.protobuf  # pylint: disable=g-import-not-at-top
+    raise errors.ConfigTypeError(
+        f"{e} (TensorFlow {tf.__version__}'s TPUEmbedding.build writes this bool "
+        f"into its TPU configuration for every table, and protobuf "
+        f"{google.protobuf.__version__} refuses it: on a TPU, TPUEmbedding "
+        "cannot build with this install). Fix: pip install 'protobuf<7'.") from None
 
 
 def _check_tpu_optimizers(feature_config, optimizer):
