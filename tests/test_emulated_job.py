@@ -18,21 +18,24 @@ TINY = "configs/tiny.yaml"
 STEPS = 10
 
 
-def _config(tmp_path, data_dir):  # the session's tiny dataset (conftest)
+MULTI_HOT = ("c20", "c21", "c22", "c23", "c24", "c25")  # tiny's multi-hot columns
+
+
+def _config(tmp_path, data_dir, multi_hot=False):  # the session's tiny dataset (conftest)
+  """tiny.yaml on the session's data; without its multi-hot features unless
+  asked (the job cannot feed those to a TPU: test_multi_hot_features_...)."""
   with open(TINY) as f:
     config = yaml.safe_load(f)
+  if not multi_hot:
+    for name in MULTI_HOT:
+      del config["features"][name], config["tables"][f"t_{name}"]
+    config["overrides"] = [o for o in config["overrides"] if o["match"] != "t_c2[0-5]"]
   config["train"].update(data_dir=data_dir, steps_per_checkpoint=5)
   path = tmp_path / "c.yaml"
   path.write_text(yaml.safe_dump(config))
   return str(path)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 32: RankingModel.call turns the multi-hot features' padded ids into "
-    "RaggedTensors inside the training step, i.e. inside strategy.run; a TPU's "
-    "TPUEmbedding refuses ids computed there (tpu_embedding_v2.py "
-    "_raise_error_for_non_direct_inputs), and so does the emulated TPU now. "
-    "Fix (job): build the ragged ids in the input pipeline."))
 def test_train_on_the_emulated_tpu_equals_cpu_emulation(capsys, tmp_path, tiny_data_dir):
   config = _config(tmp_path, tiny_data_dir)
   runs = {}
@@ -70,3 +73,22 @@ def test_a_bad_emulated_tpu_is_one_line(capsys, tmp_path, tiny_data_dir):
       "--tpu: 'emulate:0' is not an emulated TPU. Fix: write emulate (the "
       "default number of replicas) or emulate:N with N >= 1 replicas, e.g. "
       "emulate:2.")
+
+
+def test_multi_hot_features_on_a_tpu_are_refused_before_anything_is_built(
+    capsys, tmp_path, tiny_data_dir):
+  """The job makes a multi-hot feature's ragged ids inside the step, which a
+  TPU refuses (tpu_embedding_v2.py _raise_error_for_non_direct_inputs): the
+  run says so in one line before it builds a model or writes a checkpoint."""
+  model_dir = tmp_path / "run"
+  line = jobs.one_line_error(
+      capsys, "train", "--config", _config(tmp_path, tiny_data_dir, multi_hot=True),
+      "--model_dir", str(model_dir), "--steps", str(STEPS), "--tpu", "emulate:2")
+  assert line == (
+      "--tpu: features c20, c21, c22, c23, c24, c25 are multi-hot: the job turns "
+      "their padded ids into ragged ids inside the training step, and a TPU's "
+      "TPUEmbedding refuses ids computed inside strategy.run (tpu_embedding_v2.py, "
+      "_raise_error_for_non_direct_inputs), so this run would fail at its first "
+      "step. Fix: train this config with --tpu none (CPU emulation), or leave the "
+      "multi-hot features out of the config's features for a TPU run.")
+  assert not (model_dir / "checkpoints").exists()
