@@ -27,7 +27,7 @@ from tensorflow.python.trackable import constants
 from tpu_embed_ext import errors
 from tpu_embed_ext.derived_names import LAYOUTS_NAME, variable_key
 
-__all__ = ["LAYOUTS_NAME", "BundleWriter", "ObjectGraph", "embedding_paths",
+__all__ = ["LAYOUTS_NAME", "BundleWriter", "ObjectGraph", "embedding_paths", "find_objects",
            "find_embedding", "read_rows", "slice_spec", "variable_key"]
 
 _VALUE = "VARIABLE_VALUE"
@@ -70,12 +70,19 @@ def embedding_paths(path: str, table_names: Iterable[str]) -> List[str]:
   path from the root (``train``'s checkpoints: ``model/embedding/embedding``;
   ``tf.train.Checkpoint(embedding=e)``: ``embedding``).
   """
-  proto, tables = _graph(path), set(table_names)
+  tables = set(table_names)
+  return find_objects(_graph(path), lambda node, names: (
+      LAYOUTS_NAME in names or bool(tables and tables <= names)))
+
+
+def find_objects(proto, holds) -> List[str]:
+  """Paths of the objects of an object graph for which ``holds(node, names
+  of its children)``, each by its shortest path from the root; the search
+  does not go below an object that holds."""
   seen, found, queue = {0}, [], [(0, "")]
   while queue:  # Breadth first: the first path to reach a node is a shortest.
     node, where = queue.pop(0)
-    names = {c.local_name for c in proto.nodes[node].children}
-    if where and (LAYOUTS_NAME in names or (tables and tables <= names)):
+    if where and holds(node, {c.local_name for c in proto.nodes[node].children}):
       found.append(where)
       continue
     for c in proto.nodes[node].children:

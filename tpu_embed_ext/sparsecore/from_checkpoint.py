@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tpu_embed_ext import derived_names, errors
 from tpu_embed_ext.sparsecore import layout as sc_layout
-from tpu_embed_ext.sparsecore.checkpoint import LAYOUTS_NAME, ObjectGraph, _graph
+from tpu_embed_ext.sparsecore.checkpoint import LAYOUTS_NAME, ObjectGraph, _graph, find_objects
 
 __all__ = ["StoredTable", "DEFAULT_SLOT_INITIAL", "find_embedding_object",
            "stored_tables"]
@@ -75,21 +75,13 @@ def find_embedding_object(path: str) -> str:
   """
   proto = _graph(path)
   shapes = tf.train.load_checkpoint(path).get_variable_to_shape_map()
-  seen, found, queue = {0}, [], [(0, "")]
-  while queue:
-    node, where = queue.pop(0)
-    names = {c.local_name for c in proto.nodes[node].children}
-    if where and LAYOUTS_NAME in names:
-      found.append(where)
-      continue
-    leaves = _leaf_shapes(proto, node, shapes) if where else None
-    if leaves is not None and _looks_per_table(leaves):
-      found.append(where)
-      continue
-    for c in proto.nodes[node].children:
-      if c.node_id not in seen:
-        seen.add(c.node_id)
-        queue.append((c.node_id, f"{where}/{c.local_name}" if where else c.local_name))
+
+  def holds(node, names):
+    if LAYOUTS_NAME in names:
+      return True
+    leaves = _leaf_shapes(proto, node, shapes)
+    return leaves is not None and _looks_per_table(leaves)
+  found = find_objects(proto, holds)
   if len(found) == 1:
     return found[0]
   if not found:
