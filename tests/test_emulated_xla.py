@@ -374,3 +374,41 @@ def test_a_dense_id_tensor_of_the_wrong_size_gets_sparsecores_error():
                        r"\(table 'item'\).*Fix: ") as caught:
       embedding.embedding_lookup(features)
     assert isinstance(caught.value, tee.errors.InputError)
+
+
+def _size_from_the_data(a):
+  depth = tf.cast(tf.reduce_max(a), tf.int32) * 0 + 3
+  return tf.reduce_sum(tf.one_hot(tf.constant([0, 1]), depth)) * 0.0  # LINE:constant
+
+
+def test_xla_itself_refuses_a_size_from_the_data_when_compiling_for_unknown_values():
+  """What a TPU compiles: the step's inputs are values it does not know yet
+  (jit_compile on CPU, given a value, would compile once per value)."""
+  compiled = tf.function(_size_from_the_data, jit_compile=True)
+  with pytest.raises(ValueError, match=r"OneHot must be a compile-time constant"):
+    compiled.experimental_get_compiler_ir(tf.TensorSpec([4, 3], tf.float32))(stage="hlo")
+
+
+def test_a_size_from_the_data_is_refused_by_xla_when_first_traced():
+  """Replica 0's TensorCore program is compiled (soft placement on, the
+  default: an XLA compile error is refused all the same)."""
+  with pytest.raises(xla_check.NotCompilableError) as caught:
+    _program(2, _size_from_the_data)
+  message = str(caught.value)
+  assert "\n" not in message
+  assert isinstance(caught.value, tf.errors.InvalidArgumentError)
+  assert message == (
+      "Input 1 to node `one_hot` with op OneHot must be a compile-time constant: "
+      f"emulated TPU: made at {__file__.rsplit('/', 1)[0]}/{_line('constant')} in the "
+      "function given to strategy.run (replica 0's TensorCore program, compiled "
+      "with XLA on CPU at first trace). Fix: compute it from static values "
+      "(Python numbers, tensor.shape), or pad to a fixed size: a TPU compiles the "
+      "step before it sees the data; or run with XLA off (emulate_tpu(xla=False), "
+      "emulate --no-xla, pytest --emulate-tpu-no-xla).")
+
+
+def test_a_size_from_the_data_runs_with_xla_off():
+  table, weight = _program(2, _size_from_the_data, xla=False)
+  want_table, want_weight = _reference(2)
+  np.testing.assert_allclose(table, want_table, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(weight, want_weight, rtol=1e-5, atol=1e-5)

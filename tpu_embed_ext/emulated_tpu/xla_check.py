@@ -286,7 +286,7 @@ def check_ops(op_list, graph):
   _ensure_xla_kernels()
   found = first_problem(op_list, graph)
   if found is None:
-    return
+    return True
   if not tf.config.get_soft_device_placement():
     raise NotCompilableError(_message(*found))
   op, problem, frames = found
@@ -299,6 +299,34 @@ def check_ops(op_list, graph):
         "placement is on), a host round trip per step; with "
         "tf.config.set_soft_device_placement(False) it refuses the step.",
         problem, op.name, key[1])
+  return False
+
+
+_FIX_CONSTANT = ("compute it from static values (Python numbers, tensor.shape), "
+                 "or pad to a fixed size: a TPU compiles the step before it "
+                 "sees the data")
+_FIX_COMPILE = "change the op or its arguments so that XLA compiles it, or move it outside strategy.run"
+
+
+def compile_message(error: str, op) -> str:
+  """XLA's refusal, its words first, with the user's line and the fix."""
+  head = error.strip().splitlines()[0].strip() if error.strip() else "XLA compilation failed"
+  head = head.removeprefix("Failed getting HLO text: ").strip("'\" ")
+  line = _user_line(_frames(op)) if op is not None else "(op not found)"
+  fix = _FIX_CONSTANT if "compile-time constant" in error else _FIX_COMPILE
+  return (f"{head.rstrip('.')}: emulated TPU: made at {line} in the function given to "
+          f"strategy.run (replica 0's TensorCore program, compiled with XLA "
+          f"on CPU at first trace). Fix: {fix}{_OFF}.")
+
+
+def compile_program(op_list, graph):
+  """Compiles replica 0's TensorCore program; raises what XLA refuses."""
+  from tpu_embed_ext.emulated_tpu import xla_compile  # pylint: disable=g-import-not-at-top
+  error = xla_compile.compile_replica_program(op_list, graph)
+  if error is None:
+    return
+  op = xla_compile.failing_op(error, xla_compile.replica_zero_ops(op_list), graph)
+  raise NotCompilableError(compile_message(error, op))
 
 
 @contextlib.contextmanager
@@ -310,4 +338,6 @@ def replica_program(emulation):
   graph = ops.get_default_graph()
   start = len(graph.get_operations())
   yield
-  check_ops(graph.get_operations()[start:], graph)
+  new_ops = graph.get_operations()[start:]
+  if check_ops(new_ops, graph):
+    compile_program(new_ops, graph)
