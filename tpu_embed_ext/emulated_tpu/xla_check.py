@@ -29,19 +29,20 @@ too, logging one warning per op and line:
   ``TpuOpFilter`` allows strings in ``Const`` and ``Assert`` only). It holds
   ``DT_DOUBLE``: float64 compiles on a TPU (slowly) and is not refused. It
   lacks ``complex128``, which XLA on CPU compiles: refused, as on a TPU;
-* shapes that depend on the data are not refused: XLA compiles them, on
-  CPU as on a TPU, with bounded dynamic dimensions (``tf.boolean_mask``,
-  ``tf.unique``, ``tf.where(x)``, ``RaggedTensor.from_tensor``, a
-  ``tf.range`` / ``tf.zeros`` / ``tf.reshape`` sized from a tensor all
-  compile under ``jit_compile=True`` on CPU; tf2xla registers its kernels
-  for every XLA device, and ``tpu.py`` turns the TPU's dynamic padder on by
-  default). A shape XLA cannot bound is refused by XLA's compiler, which
-  this check does not run.
+* shapes that depend on the data are not refused here: XLA compiles them,
+  on CPU as on a TPU, with bounded dynamic dimensions (``tf.boolean_mask``,
+  ``tf.unique``, ``tf.where(x)``, ``RaggedTensor.from_tensor``; tf2xla
+  registers its kernels for every XLA device, and ``tpu.py`` turns the TPU's
+  dynamic padder on by default).
 
-The check reads the ops of the traced step; it does not compile them (the
-steps run as TensorFlow ops on CPU devices). What only XLA's compiler
-finds (a shape it cannot bound, a compile-time constant it cannot
-evaluate) is not caught here.
+When every op passes (with soft placement on: when none was warned about),
+replica 0's TensorCore program is compiled with XLA on CPU, not run
+(``xla_compile.py``: the engine's ops and ``merge_call``'s cross-replica
+sums are cut out, their values the program's inputs and outputs). What only
+XLA's compiler finds (an argument that must be a compile-time constant but
+is computed from the data's values, as in ``tf.zeros([tf.reduce_max(x)])``)
+is refused then, whatever the soft placement, with XLA's words first
+(``compile_program``).
 """
 
 from __future__ import annotations
