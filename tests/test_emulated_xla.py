@@ -412,3 +412,34 @@ def test_a_size_from_the_data_runs_with_xla_off():
   want_table, want_weight = _reference(2)
   np.testing.assert_allclose(table, want_table, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(weight, want_weight, rtol=1e-5, atol=1e-5)
+
+
+def test_replica_zeros_program_is_built_from_activations_to_gradients(monkeypatch):
+  """The compiled program: the activations come in (the engine's lookup is
+  not in it), the embedding gradient goes out, the Keras optimizer's
+  cross-replica sum is cut out (its result comes in), and XLA compiles it."""
+  from tpu_embed_ext.emulated_tpu import xla_compile  # pylint: disable=g-import-not-at-top
+  built, results = [], []
+  build, compile_ = xla_compile._program_graph_def, xla_compile.compile_replica_program  # pylint: disable=protected-access
+
+  def recording_build(program_ops, graph):
+    out = build(program_ops, graph)
+    built.append((program_ops, out[1], out[2]))
+    return out
+
+  def recording_compile(*args):
+    results.append(compile_(*args))
+    return results[-1]
+
+  monkeypatch.setattr(xla_compile, "_program_graph_def", recording_build)
+  monkeypatch.setattr(xla_compile, "compile_replica_program", recording_compile)
+  _program(2)
+  assert results == [None] and len(built) == 1
+  program_ops, feeds, fetches = built[0]
+  assert not {op.type for op in program_ops} & {"TpuEmbedExtLookup", "AddN"}
+  assert all("replica_1" not in op.name for op in program_ops)
+  feed_ops = {t.op.type for t in feeds.values()}
+  assert "Reshape" in feed_ops  # the activations, shaped by the engine
+  assert "AddN" not in feed_ops and "Identity" in feed_ops  # the all-reduced gradient
+  assert any(t.shape.as_list() == [PER_REPLICA, DIM] and
+             any(c.type == "Reshape" for c in t.consumers()) for t in fetches)

@@ -70,7 +70,17 @@ def replica_zero_ops(op_list) -> List:
     if xla_check._is_engine(frames) or _is_merge(frames):  # pylint: disable=protected-access
       continue
     kept.append(op)
-  return kept
+  # Constants the program uses, wherever placed (colocated with a variable,
+  # made by the engine): constants in the program, not inputs, so that a
+  # shape argument they give stays a compile-time constant.
+  names = {op.name for op in kept}
+  for op in list(kept):
+    for t in op.inputs:
+      if t.op.type == "Const" and t.op.name not in names:
+        names.add(t.op.name)
+        kept.append(t.op)
+  order = {op.name: i for i, op in enumerate(op_list)}
+  return sorted(kept, key=lambda op: order.get(op.name, -1))
 
 
 def _tensor_name(t) -> str:
@@ -104,8 +114,8 @@ def _program_graph_def(program_ops, graph):
       if c.name in inside:
         node.input.append("^" + c.name)
     for t in op.outputs:
-      if t.dtype in _SKIPPED_DTYPES:
-        continue
+      if t.dtype in _SKIPPED_DTYPES or t.dtype == tf.string:
+        continue  # handles and strings are not a TPU program's outputs
       if not all(c.name in inside for c in t.consumers()) or not t.consumers():
         fetches.append(t)
   for name, t in feeds.items():
@@ -186,8 +196,8 @@ def _compile(op_list, graph) -> Optional[str]:
       if variable is None:
         raise _NotCompiled(f"the variable of {t.name} has no known dtype and shape")
       variables[name] = variable
-    elif t.dtype == tf.variant:
-      raise _NotCompiled(f"its input {t.name} is a variant")
+    elif t.dtype in (tf.variant, tf.string):
+      raise _NotCompiled(f"its input {t.name} is a {t.dtype.name}")
     elif not t.shape.is_fully_defined():
       raise _NotCompiled(f"its input {t.name} has shape {t.shape}, not fully known")
     else:
