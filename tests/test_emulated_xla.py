@@ -10,7 +10,11 @@ in a ``tf.function`` whose replica function holds an op no TPU compiles
 (``tf.py_function``, a string op, complex128) is refused when first traced, in
 one line naming the op and the line that made it; with XLA off it runs.
 Shapes that depend on the data are accepted: XLA compiles them (bounded
-dynamic shapes), as shown here on one device. A step that compiles trains as before: its tables equal a
+dynamic shapes). When every op passes, replica 0's TensorCore program
+(activations in, gradients out, the engine and the optimizer's cross-replica
+sum cut out) is compiled with XLA on CPU, not run: a size computed from the
+data's values, which XLA needs as a compile-time constant, is refused then
+(soft placement on or off), and runs with XLA off. A step that compiles trains as before: its tables equal a
 numpy reference of the TPU's math (a dense layer too, through a Keras
 optimizer's cross-replica sum).
 """

@@ -56,6 +56,7 @@ import tensorflow as tf
 from tensorflow.python.framework import kernels, ops
 
 from tpu_embed_ext import emulated_tpu
+from tpu_embed_ext.emulated_tpu import xla_compile
 
 __all__ = ["NotCompilableError", "replica_program", "check_ops", "first_problem"]
 
@@ -322,11 +323,11 @@ def compile_message(error: str, op) -> str:
 
 def compile_program(op_list, graph):
   """Compiles replica 0's TensorCore program; raises what XLA refuses."""
-  from tpu_embed_ext.emulated_tpu import xla_compile  # pylint: disable=g-import-not-at-top
-  error = xla_compile.compile_replica_program(op_list, graph)
+  error = xla_compile.compile_replica_program(op_list, graph, _is_engine)
   if error is None:
     return
-  op = xla_compile.failing_op(error, xla_compile.replica_zero_ops(op_list), graph)
+  op = xla_compile.failing_op(
+      error, xla_compile.replica_zero_ops(op_list, _is_engine), graph)
   raise NotCompilableError(compile_message(error, op))
 
 

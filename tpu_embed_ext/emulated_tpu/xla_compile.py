@@ -41,7 +41,6 @@ from tensorflow.python.eager import wrap_function
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import handle_data_util, resource_variable_ops
 
-from tpu_embed_ext.emulated_tpu import xla_check
 
 __all__ = ["replica_zero_ops", "compile_replica_program"]
 
@@ -60,14 +59,25 @@ def _on_replica_zero(op) -> bool:
   return spec.device_index in (0, None) and (spec.device_type or "CPU") == "CPU"
 
 
-def replica_zero_ops(op_list) -> List:
-  """Replica 0's TensorCore ops among those ``strategy.run`` made."""
+def _frames(op):
+  try:
+    return list(op.traceback)
+  except Exception:  # pylint: disable=broad-except
+    return []
+
+
+def replica_zero_ops(op_list, is_engine) -> List:
+  """Replica 0's TensorCore ops among those ``strategy.run`` made.
+
+  ``is_engine(frames)``: whether an op made there is the engine's
+  (``xla_check``'s rule, passed in: that module calls this one).
+  """
   kept = []
   for op in op_list:
     if op.type == "Placeholder" or not _on_replica_zero(op):
       continue
-    frames = xla_check._frames(op)  # pylint: disable=protected-access
-    if xla_check._is_engine(frames) or _is_merge(frames):  # pylint: disable=protected-access
+    frames = _frames(op)
+    if is_engine(frames) or _is_merge(frames):
       continue
     kept.append(op)
   # Constants the program uses, wherever placed (colocated with a variable,
@@ -164,7 +174,7 @@ class _NotCompiled(Exception):
 _logged = set()
 
 
-def compile_replica_program(op_list, graph) -> Optional[str]:
+def compile_replica_program(op_list, graph, is_engine) -> Optional[str]:
   """Compiles replica 0's program; returns XLA's error text, or None.
 
   Where the program cannot be built (an input of unknown shape, a resource
@@ -172,7 +182,7 @@ def compile_replica_program(op_list, graph) -> Optional[str]:
   op check (``xla_check.py``) has run.
   """
   try:
-    return _compile(op_list, graph)
+    return _compile(op_list, graph, is_engine)
   except _NotCompiled as reason:
     if str(reason) not in _logged:
       _logged.add(str(reason))
@@ -182,8 +192,8 @@ def compile_replica_program(op_list, graph) -> Optional[str]:
     return None
 
 
-def _compile(op_list, graph) -> Optional[str]:
-  program_ops = replica_zero_ops(op_list)
+def _compile(op_list, graph, is_engine) -> Optional[str]:
+  program_ops = replica_zero_ops(op_list, is_engine)
   if not program_ops:
     return None
   gdef, feeds, fetches = _program_graph_def(program_ops, graph)
