@@ -42,7 +42,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import handle_data_util, resource_variable_ops
 
 
-__all__ = ["replica_zero_ops", "compile_replica_program"]
+__all__ = ["replica_zero_ops", "compile_replica_program", "failing_op"]
 
 _MERGE_FILES = ("cross_device_ops.py", "cross_device_utils.py")
 _SKIPPED_DTYPES = (tf.resource, tf.variant)
@@ -102,6 +102,7 @@ def _program_graph_def(program_ops, graph):
   inside = {op.name for op in program_ops}
   gdef = graph_pb2.GraphDef()
   feeds: Dict[str, tf.Tensor] = {}
+  feed_of: Dict[str, str] = {}
   fetches = []
   for op in program_ops:
     node = gdef.node.add()
@@ -114,12 +115,10 @@ def _program_graph_def(program_ops, graph):
       if t.op.name in inside:
         node.input.append(_tensor_name(t))
       else:
-        name = f"tee_feed_{len(feeds)}"
-        if t.name not in {v.name for v in feeds.values()}:
-          feeds[name] = t
-        else:
-          name = next(k for k, v in feeds.items() if v.name == t.name)
-        node.input.append(name)
+        if t.name not in feed_of:  # one input per outside tensor
+          feed_of[t.name] = f"tee_feed_{len(feeds)}"
+          feeds[feed_of[t.name]] = t
+        node.input.append(feed_of[t.name])
     for c in op.control_inputs:
       if c.name in inside:
         node.input.append("^" + c.name)
@@ -236,8 +235,14 @@ def _compile(op_list, graph, is_engine) -> Optional[str]:
 
   with ops.init_scope():
     compiled = tf.function(program, jit_compile=True, autograph=False)
+    specs = [s for _, s in args]
+    try:  # tracing the rebuilt program is ours; only XLA's refusal is the user's
+      compiled.get_concrete_function(*specs)
+    except Exception as error:  # pylint: disable=broad-except
+      raise _NotCompiled(f"its rebuilt program could not be traced: "
+                         f"{type(error).__name__}: {str(error).splitlines()[0]}") from error
     try:
-      compiled.experimental_get_compiler_ir(*[s for _, s in args])(
+      compiled.experimental_get_compiler_ir(*specs)(
           stage="hlo", platform_name="CPU")
     except (ValueError, tf.errors.OpError) as error:
       # The program runs as one call: its node names carry the call's scope.
