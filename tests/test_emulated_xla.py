@@ -447,3 +447,26 @@ def test_replica_zeros_program_is_built_from_activations_to_gradients(monkeypatc
   assert "AddN" not in feed_ops and "Identity" in feed_ops  # the all-reduced gradient
   assert any(t.shape.as_list() == [PER_REPLICA, DIM] and
              any(c.type == "Reshape" for c in t.consumers()) for t in fetches)
+
+
+def test_an_input_of_unknown_shape_is_not_compiled_and_says_so(caplog):
+  """What the compile cannot stand for (an input whose shape is not fully
+  known) is logged, not refused: only the op check has run for that step."""
+  from tpu_embed_ext.emulated_tpu import xla_compile  # pylint: disable=g-import-not-at-top
+  xla_compile._logged.clear()  # pylint: disable=protected-access
+  with tee.emulate_tpu(replicas=2):
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="")
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+    strategy = tf.distribute.TPUStrategy(resolver)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+    def step(x):
+      return strategy.run(lambda v: v * 2.0 + 1.0, args=(x,))
+
+    out = step(tf.constant([1.0, 2.0, 3.0]))
+    assert [v.numpy().tolist() for v in out.values] == [[3.0, 5.0, 7.0]] * 2
+  warned = [r.getMessage() for r in caplog.records
+            if r.name == "tpu_embed_ext.emulated_tpu.xla_compile"]
+  assert len(warned) == 1 and warned[0].startswith(
+      "Replica 0's TensorCore program was not compiled with XLA (its input ")
+  assert "has shape (None,), not fully known); only its ops were checked" in warned[0]
