@@ -18,14 +18,25 @@ export TPU_EMBED_EXT_CACHE_DIR ?= $(CURDIR)/.cache
 # so a module's fixtures (a trained model_dir, say) are built once.
 TEST_WORKERS ?= 2
 
-.PHONY: run test bench docs install clean
+.PHONY: run test bench docs install dist clean
 
+# TensorFlow's C++ start-up lines, printed on some CPUs whatever
+# TF_CPP_MIN_LOG_LEVEL says: not the install's to show.
+TF_STARTUP := -e '/^WARNING: All log messages before absl::InitializeLog/d' -e '/^I0000 /d'
+
+# One line per stage, with what it costs, before it runs (pip -q is silent for
+# minutes otherwise); the kernels' compile says so itself (loader.py), once.
 $(VENV)/.installed: setup.py
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -e '.[$(TF_FLAVOUR),test]' 2>&1 | sed '/is ignored: it is neither/d'
-	$(PY) -c "import tensorflow, tpu_embed_ext"
-	$(PY) -m tpu_embed_ext.emulation.native build
-	touch $@
+	@echo "make install: 1/3 creating $(VENV) (a few seconds)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "make install: 2/3 installing TensorFlow ($(TF_FLAVOUR)) and tpu_embed_ext, about 2 minutes"
+	@$(PIP) install -e '.[$(TF_FLAVOUR)]' 2>&1 | sed '/is ignored: it is neither/d'
+	@echo "make install: 3/3 installing the data and test tools (tfds, matplotlib, pytest, mkdocs), about 1 minute"
+	@$(PIP) install -e '.[$(TF_FLAVOUR),test]' 2>&1 | sed '/is ignored: it is neither/d'
+	@$(PY) -c "import tensorflow, tpu_embed_ext" 2>&1 | sed $(TF_STARTUP)
+	@$(PY) -m tpu_embed_ext.emulation.native build 2>&1 | sed $(TF_STARTUP)
+	@echo "make install: done; next: make run (about 5 minutes) or make test (about 15 minutes on 2 cores)"
+	@touch $@
 
 install: $(VENV)/.installed
 
@@ -52,5 +63,15 @@ bench: $(VENV)/.bench-installed
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
 
+# The wheel and the sdist, into dist/ (pip builds the wheel in an isolated
+# environment: setuptools and wheel come from the index, nothing else).
+dist:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	rm -rf dist build
+	$(PY) -m pip --disable-pip-version-check wheel -q --no-deps -w dist . 2>&1 | sed '/is ignored: it is neither/d'
+	$(PY) setup.py -q sdist -d dist 2>&1 | sed '/standard file not found/d'
+	rm -rf build *.egg-info
+	@ls dist
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache site .cache
+	rm -rf $(VENV) *.egg-info .pytest_cache site .cache dist build

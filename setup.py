@@ -13,6 +13,11 @@ any TensorFlow raises an error that says which extra to use.
 import setuptools
 
 _TF = ">=2.16,<3"  # 2.16 is the first release whose tf.keras is Keras 3.
+# TensorFlow (2.21 and earlier) writes a bool into an enum field of the TPU
+# embedding config (OptimizationParameters.low_dimensional_packing_status)
+# for every table; protobuf 7 refuses that with a TypeError, so TPUEmbedding
+# cannot build on a TPU with it (TensorFlow itself allows protobuf < 8).
+_PROTOBUF = "protobuf<7"
 # mkdocs 1.6 added the `validation` settings that make --strict fail on a
 # broken anchor (mkdocs.yml).
 _DOCS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26",
@@ -43,9 +48,9 @@ setuptools.setup(
         "keras>=3.0",
     ],
     extras_require={
-        "cpu": [f"tensorflow-cpu{_TF}"],
-        "tf": [f"tensorflow{_TF}"],
-        "tpu": [f"tensorflow-tpu{_TF}"],
+        "cpu": [f"tensorflow-cpu{_TF}", _PROTOBUF],
+        "tf": [f"tensorflow{_TF}", _PROTOBUF],
+        "tpu": [f"tensorflow-tpu{_TF}", _PROTOBUF],
         # The training job: tfds (which imports importlib_resources without
         # declaring it), the learning-curve plot and TensorBoard logs.
         "data": ["tensorflow-datasets>=4.9", "importlib_resources", "matplotlib>=3.5",
@@ -67,6 +72,9 @@ setuptools.setup(
             "importlib_resources",
             "matplotlib>=3.5",
             "tensorboard",
+            # tests/test_emulate_command.py: files a script leaves open survive
+            # the runner's exit as they survive `python SCRIPT`'s.
+            "h5py>=3",
             # The benchmark contenders' equivalence test covers keras-rs too.
             "keras-rs>=0.2; python_version >= '3.11'",
             # tests/test_docs.py builds the site with --strict.

@@ -2,11 +2,9 @@
 import os
 import nbformat as nbf
 
-# Where a fresh Colab runtime clones the package from (then installs it,
-# editable). No public URL existed when this was written: set it here when the
-# repository is published (TEE_REPO_URL overrides it at run time).
+# The git URL the install cell installs from on a fresh runtime (route 3
+# below): set it when the repository is published; TEE_REPO_URL overrides it.
 REPO_URL = ""
-
 
 def nb(cells, accelerator=None):
   n = nbf.v4.new_notebook()
@@ -18,36 +16,47 @@ def nb(cells, accelerator=None):
     cell.id = f"cell-{i}"  # stable across regenerations (nbformat's are random)
   return n
 
-SETUP = f"""# Installs tpu_embed_ext, with nothing to upload by hand:
-# - fresh runtime: clones the repository to /content/tpu_embed_ext and installs it
-#   (editable), importable at once, no restart needed;
-# - after a runtime restart: the install is still there; nothing is installed again;
-# - from a checkout (as in CI): uses it.
-import importlib.util, os, subprocess, sys
+SETUP = f"""# Installs tpu_embed_ext by the first route that applies:
+#  1. already installed (a restarted runtime, a local Jupyter): nothing to do;
+#  2. a wheel uploaded to the working directory (tpu_embed_ext-*.whl, `make dist`);
+#  3. a git URL: REPO_URL below (the one edit), or the TEE_REPO_URL variable;
+#  4. the package index, by name, once the package is published there.
+# Colab's own TensorFlow is kept; tensorflow-cpu is added only where none is.
+import glob, importlib, importlib.util, os, subprocess, sys
 REPO_URL = os.environ.get("TEE_REPO_URL", "{REPO_URL}")
-REPO_DIR = os.environ.get("TEE_NOTEBOOK_REPO_DIR", "/content/tpu_embed_ext")
-found = importlib.util.find_spec("tpu_embed_ext")
-if found is not None:
-  REPO_DIR = os.path.dirname(os.path.dirname(found.origin))
-else:
-  if not os.path.isdir(os.path.join(REPO_DIR, "tpu_embed_ext")):
-    if not REPO_URL:
-      raise RuntimeError("tpu_embed_ext is not installed and REPO_URL is empty. Fix: "
-                         "set REPO_URL above to the repository's git URL.")
-    subprocess.check_call(["git", "clone", "--depth", "1", REPO_URL, REPO_DIR])
-  subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e",
-                         REPO_DIR + "[data]"])
-  sys.path.insert(0, REPO_DIR)
-os.chdir(REPO_DIR)  # configs/ lives in the repository.
+if importlib.util.find_spec("tpu_embed_ext") is None:
+  extras = "data" if importlib.util.find_spec("tensorflow") else "cpu,data"
+  wheels = sorted(glob.glob("tpu_embed_ext-*.whl"))
+  if wheels:
+    source = f"{{os.path.abspath(wheels[-1])}}[{{extras}}]"
+  elif REPO_URL:
+    url = REPO_URL if REPO_URL.startswith("git+") else "git+" + REPO_URL
+    source = f"tpu_embed_ext[{{extras}}] @ {{url}}"
+  else:
+    source = f"tpu_embed_ext[{{extras}}]"
+  print(f"installing {{source}} (about 1 minute; 3 with TensorFlow)...", flush=True)
+  done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", source],
+                        capture_output=True, text=True)
+  if done.returncode != 0:
+    raise RuntimeError(
+        "tpu_embed_ext is not installed and could not be installed from "
+        f"{{source}} ({{(done.stderr.strip().splitlines() or ['pip failed'])[-1]}}). "
+        "Fix, one of: upload its wheel (tpu_embed_ext-*.whl, from `make dist`) to "
+        f"{{os.getcwd()}}; set REPO_URL at the top of this cell (or TEE_REPO_URL) "
+        "to its git URL; or, once it is published, pip install tpu_embed_ext.")
+  importlib.invalidate_caches()
+import tpu_embed_ext
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # CI runs this notebook small: TEE_NOTEBOOK_STEPS overrides the step count.
 STEPS = int(os.environ.get("TEE_NOTEBOOK_STEPS", "400"))
-CONFIG = os.environ.get("TEE_NOTEBOOK_CONFIG", "configs/ranking.yaml")
+# A shipped config, by name (tiny, ranking, criteo, movielens), or a file.
+CONFIG = os.environ.get("TEE_NOTEBOOK_CONFIG", "ranking")
 WORKDIR = os.environ.get("TEE_NOTEBOOK_WORKDIR", "/tmp/tee_quickstart")
-print("tpu_embed_ext from", REPO_DIR)"""
+print("tpu_embed_ext", tpu_embed_ext.__version__, "from",
+      os.path.dirname(tpu_embed_ext.__file__))"""
 
-# Run right after SETUP (not inside it: the install-cell tests exec SETUP in
-# their own process, which must keep its logging).
+# Run right after SETUP (not inside it: SETUP must keep the process's logging
+# when run on its own).
 QUIET = """# Other libraries' lines go to a log file, not under the cells: TensorFlow's C++
 # start-up lines (some CPUs print them whatever TF_CPP_MIN_LOG_LEVEL says), absl,
 # TensorFlow and tfds log lines, Python warnings and tfds' progress bars. The
@@ -89,7 +98,7 @@ for p, label in zip(probabilities, labels[:5].numpy()):
   print(f"predicted click probability {p:.3f}   clicked: {int(label)}")"""
 
 quick = nb([
- ("md", "# tpu_embed_ext quickstart\n\nSpec -> plan -> train on the CPU emulation of the TPU embedding engine -> evaluate -> export for serving -> predict. Runs on any CPU runtime (no TPU needed; none is requested)."),
+ ("md", "# tpu_embed_ext quickstart\n\nSpec -> plan -> train on the CPU emulation of the TPU embedding engine -> evaluate -> export for serving -> predict. Runs on any CPU runtime (no TPU needed; none is requested).\n\n**Open it in Colab:** File > Upload notebook in [Colab](https://colab.research.google.com) and pick this file (from the repository's `colab/` folder), or, once the repository is public on GitHub, File > Open notebook > GitHub and paste its URL. The first cell installs the package: upload the wheel (`make dist` builds `dist/tpu_embed_ext-*.whl`) into the runtime's files first, or set `REPO_URL` at the top of that cell to the repository's git URL."),
  ("code", SETUP),
  ("code", QUIET),
  ("md", "## 1. The spec\nOne frozen spec holds every table, its optimizer (global, pattern overrides, per-table overrides) and its schedule."),
@@ -117,7 +126,7 @@ assert 0.5 < metrics["eval_auc"] <= 1.0, metrics"""),
 ])
 
 tpu = nb([
- ("md", "# Training on a Colab TPU (with a CPU fallback)\n\nDetects a TPU runtime and trains with `TPUEmbedding` on it; without one (or in CI) it falls back to the CPU emulation and says so. The TPU path was not run by this package's CI: no TPU is reachable there."),
+ ("md", "# Training on a Colab TPU (with a CPU fallback)\n\nDetects a TPU runtime and trains with `TPUEmbedding` on it; without one (or in CI) it falls back to the CPU emulation and says so. The TPU path was not run by this package's CI: no TPU is reachable there.\n\n**Open it in Colab:** File > Upload notebook in [Colab](https://colab.research.google.com) and pick this file (from the repository's `colab/` folder), or, once the repository is public on GitHub, File > Open notebook > GitHub and paste its URL. The first cell installs the package: upload the wheel (`make dist` builds `dist/tpu_embed_ext-*.whl`) into the runtime's files first, or set `REPO_URL` at the top of that cell to the repository's git URL."),
  ("code", SETUP.replace("tee_quickstart", "tee_tpu")),
  ("code", QUIET),
  ("code", """import tensorflow as tf
@@ -129,7 +138,7 @@ try:
   print("TPU runtime found:", resolver.master())
 except (ValueError, RuntimeError, tf.errors.OpError) as e:
   TPU = "none"
-  print("No TPU runtime (" + type(e).__name__ + "): falling back to CPU emulation.")"""),
+  print("No TPU attached to this runtime: falling back to CPU emulation.")"""),
  ("code", """import tpu_embed_ext as tee
 spec = tee.EmbeddingSpec.from_file(CONFIG)
 for line in tee.plan(spec).warnings:

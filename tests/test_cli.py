@@ -7,6 +7,7 @@ stderr.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -225,7 +226,8 @@ def test_train_ends_with_where_everything_went_and_the_export_command_works(
       f"  metrics           {join(model_dir, 'metrics.json')}",
       f"  learning curve    {join(model_dir, 'learning_curve.png')}",
       f"  history           {join(model_dir, 'history.csv')}",
-      f"  TensorBoard logs  {join(model_dir, 'logs')}   (tensorboard --logdir "
+      f"  TensorBoard logs  {join(model_dir, 'logs')}   "
+      f"({console.tool('tensorboard', 'tensorboard.main')} --logdir "
       f"{join(model_dir, 'logs')})"]
   assert summary[6] == (f"  library log       {join(model_dir, 'logs', 'libraries.log')}"
                         "   (TensorFlow's and other libraries' lines)")
@@ -315,7 +317,7 @@ def test_commands_never_define_absl_global_flags(capsys, monkeypatch, tmp_path):
   status, _, err = _cli(capsys, "plan", "--config", "tiny")
   assert status == 0, err
   calls = []
-  runner = types.SimpleNamespace(main=lambda argv: calls.append(argv) or 7)
+  runner = types.SimpleNamespace(main=lambda argv, **_: calls.append(argv) or 7)
   package = types.SimpleNamespace(runner=runner)
   monkeypatch.setitem(sys.modules, "tpu_embed_ext.emulated_tpu", package)
   monkeypatch.setitem(sys.modules, "tpu_embed_ext.emulated_tpu.runner", runner)
@@ -359,25 +361,37 @@ def test_a_config_beside_the_missing_one_is_suggested(capsys, tmp_path):
                   "config: criteo, movielens, ranking, tiny.")
 
 
-@pytest.mark.parametrize("command,module,message", [
-    ("plan", "tensorflow", "plan needs TensorFlow, which is not installed. Fix: pip "
-     "install 'tpu_embed_ext[cpu]' (or [tf], or [tpu] on a Cloud TPU VM)."),
-    ("train", "tensorflow_datasets", "train needs tensorflow_datasets (the training "
-     "data), which is not installed. Fix: pip install 'tpu_embed_ext[data]'."),
-    ("train", "matplotlib", "train needs matplotlib (the learning curve), which is "
-     "not installed. Fix: pip install 'tpu_embed_ext[data]'."),
-    ("export", "tensorflow_datasets", "export needs tensorflow_datasets (the "
-     "training data), which is not installed. Fix: pip install "
-     "'tpu_embed_ext[data]'."),
-])
+def _clone_fix(extras):
+  """The fix printed from this clone: its pip, by path unless on PATH."""
+  return f"Fix: {console.tool('pip', 'pip')} install -e '{ROOT}[{extras}]'"
+
+
+@pytest.mark.parametrize("command,modules,message", [
+    ("plan", ("tensorflow",), "plan needs TensorFlow, which is not installed. "
+     + "<FIX cpu>" + " (or [tf], or [tpu] on a Cloud TPU VM)."),
+    ("train", ("tensorflow_datasets",), "train needs tensorflow_datasets (the "
+     "training data), which is not installed. " + "<FIX data>" + "."),
+    ("train", ("matplotlib",), "train needs matplotlib (the learning curve), which "
+     "is not installed. " + "<FIX data>" + "."),
+    # Every missing one on the first try, not one per try.
+    ("train", ("tensorflow", "tensorflow_datasets", "matplotlib"), "train needs "
+     "TensorFlow, tensorflow_datasets (the training data) and matplotlib (the "
+     "learning curve), which are not installed. " + "<FIX cpu,data>"
+     + " (or [tf], or [tpu] on a Cloud TPU VM)."),
+    ("export", ("tensorflow_datasets",), "export needs tensorflow_datasets (the "
+     "training data), which is not installed. " + "<FIX data>" + "."),
+], ids=["plan_tf", "train_tfds", "train_matplotlib", "train_all", "export_tfds"])
 def test_a_missing_extra_is_named_before_anything_is_made(capsys, monkeypatch,
-                                                          tmp_path, command, module,
+                                                          tmp_path, command, modules,
                                                           message):
   import importlib.util
   find_spec = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
-                      lambda name, *a: None if name == module else find_spec(name, *a))
+                      lambda name, *a: None if name in modules else find_spec(name, *a))
   monkeypatch.chdir(tmp_path)
+  # The fix names the venv's pip by a path from where the command runs (the
+  # test's directory), so it is spelled after the chdir, not at collection.
+  message = re.sub(r"<FIX ([a-z,]+)>", lambda m: _clone_fix(m.group(1)), message)
   assert _usage_error(capsys, command, "--config", "tiny") == message
   assert os.listdir(tmp_path) == []
 
@@ -388,9 +402,10 @@ def test_a_module_missing_while_running_names_the_extra(capsys, monkeypatch):
   def run(*_):
     raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
   monkeypatch.setattr(cli.COMMANDS["plan"], "_run", run)
+  monkeypatch.chdir(ROOT)  # From the clone's root: '.[data]'.
   assert _one_line_error(capsys, "plan", "--config", "tiny") == (
-      "plan needs matplotlib (the learning curve), which is not installed. Fix: pip "
-      "install 'tpu_embed_ext[data]'.")
+      "plan needs matplotlib (the learning curve), which is not installed. Fix: "
+      f"{console.tool('pip', 'pip')} install -e '.[data]'.")
 
 
 def test_the_printed_command_runs_as_printed(monkeypatch, tmp_path):
@@ -406,3 +421,130 @@ def test_the_printed_command_runs_as_printed(monkeypatch, tmp_path):
   monkeypatch.chdir(os.path.dirname(os.path.dirname(bin_dir)))
   assert console.program() == os.path.relpath(script)
   assert os.sep in console.program()  # A path, not a PATH lookup.
+
+
+# --- first-hour polish (issue 36) ------------------------------------------------
+
+def test_version(capsys):
+  import tpu_embed_ext
+  status, out, err = _cli(capsys, "--version")
+  package = os.path.dirname(os.path.abspath(tpu_embed_ext.__file__))
+  assert (status, out, err) == (0, f"tpu_embed_ext 0.1.0 ({package})\n", "")
+
+
+def test_each_command_help_tells_of_that_command_only(capsys):
+  for command, other in (("export", "convert-checkpoint"), ("plan", "convert-checkpoint"),
+                         ("train", "convert-checkpoint"), ("plan", "export:")):
+    status, out, _ = _cli(capsys, command, "--help")
+    flags_part = out[out.index("flags:"):out.index("examples:")]
+    assert status == 0 and other not in flags_part, (command, flags_part)
+  status, out, _ = _cli(capsys, "export", "--help")
+  assert "  --out\n      Where to write the SavedModel (default: <model_dir>/serving).\n" in out
+
+
+def test_plan_shows_sparsecore_notes_only_when_asked(capsys, monkeypatch, tmp_path):
+  monkeypatch.chdir(tmp_path)
+  status, out, _ = _cli(capsys, "plan", "--config", "tiny")
+  assert status == 0 and "SparseCore" not in out, out
+  for flags in (("--engine", "v2"), ("--topology", "v5p:4")):
+    status, out, err = _cli(capsys, "plan", "--config", "tiny", *flags)
+    assert status == 0, err
+    assert ("SparseCore (TPUEmbeddingV2) notes:\n  table 't_c13': clip_weight_min=-2.0 "
+            "is ignored by TPUEmbeddingV2 (SparseCore): no weight clipping.") in out
+
+
+def test_a_failed_train_leaves_nothing_it_created(capsys, monkeypatch, tmp_path,
+                                                 data_dir):
+  """A run refused after its model_dir was made (a TPU that cannot be
+  reached): no empty runs/<name>/, no .lock; a model_dir that was there stays."""
+  config = _config(tmp_path, data_dir, name="bad.yaml")
+  work = tmp_path / "work"
+  work.mkdir()
+  monkeypatch.chdir(work)
+  for extra in ((), ("--model_dir", str(work / "a" / "b"))):
+    line = _one_line_error(capsys, "train", "--config", config, "--tpu",
+                           "no-such-tpu-name", *extra)
+    assert line.startswith("--tpu: TPU 'no-such-tpu-name' cannot be reached: ")
+    assert os.listdir(work) == []  # No runs/, runs/bad/, a/b/ or .lock.
+  (work / "mine").mkdir()
+  _one_line_error(capsys, "train", "--config", config, "--tpu", "no-such-tpu-name",
+                  "--model_dir", str(work / "mine"))
+  assert os.listdir(work) == ["mine"] and os.listdir(work / "mine") == []
+
+
+def test_the_lock_file_goes_with_the_run_that_held_it(tmp_path):
+  with model_dir_lib.lock(str(tmp_path)):
+    assert (tmp_path / ".lock").read_text() == str(os.getpid())
+    with pytest.raises(model_dir_lib.ModelDirError, match="is in use by another run"):
+      with model_dir_lib.lock(str(tmp_path)):
+        pass
+  assert os.listdir(tmp_path) == []
+  with model_dir_lib.lock(str(tmp_path)):  # Taken again after it went.
+    pass
+  assert os.listdir(tmp_path) == []
+
+
+def test_the_python_api_resolves_shipped_config_names_as_the_cli(monkeypatch, tmp_path):
+  import tpu_embed_ext as tee
+  monkeypatch.chdir(tmp_path)  # No configs/ here.
+  by_name = tee.EmbeddingSpec.from_file("ranking")
+  with open(os.path.join(ROOT, "configs", "ranking.yaml")) as f:
+    assert by_name == tee.EmbeddingSpec.from_dict(yaml.safe_load(f))
+  assert [t.name for t in tee.plan("criteo").tables] == [
+      t.name for t in tee.EmbeddingSpec.from_file(
+          os.path.join(ROOT, "configs", "criteo.yaml")).tables]
+  embedding = tee.CPUEmbedding("tiny")
+  assert len(embedding.embedding_tables) == 26
+  # A path that exists wins over the shipped name.
+  (tmp_path / "tiny").write_text(yaml.safe_dump(
+      {"tables": {"t": {"vocabulary_size": 3, "dim": 2}},
+       "features": {"f": {"table": "t"}}, "optimizer": {"type": "sgd",
+                                                       "learning_rate": 0.1}}))
+  assert [t.name for t in tee.EmbeddingSpec.from_file("tiny").tables] == ["t"]
+  with pytest.raises(tee.ConfigError) as info:
+    tee.EmbeddingSpec.from_file("rankin")
+  assert str(info.value) == (
+      "no config file or shipped config named 'rankin'. Did you mean \"ranking\"? "
+      "Fix: pass a path to a .yaml or .json file, or a shipped config: criteo, "
+      "movielens, ranking, tiny.")
+
+
+def test_a_finished_train_decides_nothing_to_do_before_any_work(
+    capsys, monkeypatch, tmp_path, data_dir):
+  """No dataset, model, strategy or emulated TPU for a finished run, and one
+  device line, true: where the run trained (not the --tpu of this call)."""
+  config = _config(tmp_path, data_dir)
+  model_dir = str(tmp_path / "run")
+  status, out, err = _cli(capsys, "train", "--config", config, "--steps", "5",
+                          "--tpu", "none", "--model_dir", model_dir)
+  assert status == 0, err
+  # One device line, then the AUC without a second one.
+  assert [l for l in out.splitlines() if "CPU emulation" in l] == [
+      "Training on CPU emulation (CPUEmbedding)."]
+  assert re.search(r"^held-out AUC \S+ \(planted model: \S+\) at step 5, [\d,]+ "
+                   r"examples/s\.$", out, re.M), out
+  from tpu_embed_ext.job import loop
+
+  def refused(*_, **__):
+    raise AssertionError("work done for a finished run")
+  for name in ("input_datasets", "resolve_strategy", "emulation", "build_model",
+               "load"):
+    monkeypatch.setattr(loop, name, refused)
+  for tpu in ("none", "emulate:2", "auto"):
+    status, out, err = _cli(capsys, "train", "--config", config, "--steps", "5",
+                            "--tpu", tpu, "--model_dir", model_dir)
+    assert status == 0, err
+    lines = out.splitlines()
+    assert lines[0] == ("Already trained to step 5 (asked for 5): nothing to do; "
+                        "metrics.json left as it was.")
+    held_out = [l for l in lines if l.startswith("held-out AUC")]
+    assert len(held_out) == 1 and held_out[0].endswith(
+        " at step 5 (already trained, on CPU emulation (CPUEmbedding): nothing to "
+        "do)."), held_out
+    assert not [l for l in lines if "Training on" in l or "emulated TPU" in l]
+
+
+def test_no_tpu_attached_is_information_not_an_error():
+  from tpu_embed_ext.job import strategy
+  assert strategy.resolve_strategy("auto") == (
+      None, "CPU emulation (CPUEmbedding), as no TPU is attached")

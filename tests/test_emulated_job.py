@@ -9,6 +9,7 @@ in another order than one device sums them).
 """
 
 import numpy as np
+import pytest
 import yaml
 
 from tests import jobs
@@ -17,9 +18,18 @@ TINY = "configs/tiny.yaml"
 STEPS = 10
 
 
-def _config(tmp_path, data_dir):  # the session's tiny dataset (conftest)
+MULTI_HOT = ("c20", "c21", "c22", "c23", "c24", "c25")  # tiny's multi-hot columns
+
+
+def _config(tmp_path, data_dir, multi_hot=False):  # the session's tiny dataset (conftest)
+  """tiny.yaml on the session's data; without its multi-hot features unless
+  asked (the job cannot feed those to a TPU: test_multi_hot_features_...)."""
   with open(TINY) as f:
     config = yaml.safe_load(f)
+  if not multi_hot:
+    for name in MULTI_HOT:
+      del config["features"][name], config["tables"][f"t_{name}"]
+    config["overrides"] = [o for o in config["overrides"] if o["match"] != "t_c2[0-5]"]
   config["train"].update(data_dir=data_dir, steps_per_checkpoint=5)
   path = tmp_path / "c.yaml"
   path.write_text(yaml.safe_dump(config))
@@ -36,8 +46,16 @@ def test_train_on_the_emulated_tpu_equals_cpu_emulation(capsys, tmp_path, tiny_d
     assert status == 0, out
     runs[tpu] = (out, jobs.variables(jobs.checkpoint(model_dir, STEPS)))
   out, emulated = runs["emulate:2"]
+  # The device line once (issue 36), true.
   assert "Training on emulated TPU, 2 replicas (TPUEmbedding)." in out
-  assert f"at step {STEPS}, on emulated TPU, 2 replicas (TPUEmbedding)" in out
+  assert out.count("emulated TPU") == 1 and f"at step {STEPS}, " in out
+  # Again on the finished model_dir: nothing to do, and where it trained.
+  status, again, _ = jobs.run_cli(capsys, "train", "--config", config, "--steps",
+                                  str(STEPS), "--tpu", "emulate:2", "--model_dir",
+                                  str(tmp_path / "emulate_2"))
+  assert status == 0 and again.count("emulated TPU") == 1, again
+  assert (f"at step {STEPS} (already trained, on emulated TPU, 2 replicas "
+          "(TPUEmbedding): nothing to do).") in again
   _, cpu = runs["none"]
   assert sorted(emulated) == sorted(cpu)
   assert any(k.startswith("model/embedding/embedding/t_c0") for k in cpu)
@@ -55,3 +73,22 @@ def test_a_bad_emulated_tpu_is_one_line(capsys, tmp_path, tiny_data_dir):
       "--tpu: 'emulate:0' is not an emulated TPU. Fix: write emulate (the "
       "default number of replicas) or emulate:N with N >= 1 replicas, e.g. "
       "emulate:2.")
+
+
+def test_multi_hot_features_on_a_tpu_are_refused_before_anything_is_built(
+    capsys, tmp_path, tiny_data_dir):
+  """The job makes a multi-hot feature's ragged ids inside the step, which a
+  TPU refuses (tpu_embedding_v2.py _raise_error_for_non_direct_inputs): the
+  run says so in one line before it builds a model or writes a checkpoint."""
+  model_dir = tmp_path / "run"
+  line = jobs.one_line_error(
+      capsys, "train", "--config", _config(tmp_path, tiny_data_dir, multi_hot=True),
+      "--model_dir", str(model_dir), "--steps", str(STEPS), "--tpu", "emulate:2")
+  assert line == (
+      "--tpu: features c20, c21, c22, c23, c24, c25 are multi-hot: the job turns "
+      "their padded ids into ragged ids inside the training step, and a TPU's "
+      "TPUEmbedding refuses ids computed inside strategy.run (tpu_embedding_v2.py, "
+      "_raise_error_for_non_direct_inputs), so this run would fail at its first "
+      "step. Fix: train this config with --tpu none (CPU emulation), or leave the "
+      "multi-hot features out of the config's features for a TPU run.")
+  assert not (model_dir / "checkpoints").exists()

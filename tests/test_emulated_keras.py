@@ -12,6 +12,7 @@ trained on one CPU device on the same global batches.
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
@@ -38,13 +39,31 @@ def _feature_config(batch=None):
           "item": api.FeatureConfig(item, name="item", output_shape=shape)}
 
 
-def _fit(strategy, feature_config, engine=None):
+class DirectRanker(Ranker):
+  """``Ranker`` fed ids it passes to the layer unchanged: inside ``strategy.run``
+  a TPU takes ``TPUEmbedding.enqueue``'s ids only straight from the step's
+  arguments (``_raise_error_for_non_direct_inputs``), so the padded-to-ragged
+  conversion of ``Ranker.call`` is refused there
+  (``test_ids_computed_inside_the_step_are_refused_as_on_a_tpu``)."""
+
+  def call(self, features, training=False):
+    acts = self.embedding(features, training=training)
+    return self.head(tf.concat([acts["user"], acts["item"]], 1))
+
+
+def _direct_dataset():
+  """``_dataset`` with one item per row ([batch, 1], each row's first id)."""
+  return _dataset().map(lambda x, y: (dict(x, item=x["item"][:, :1]), y))
+
+
+def _fit(strategy, feature_config, engine=None, model_class=DirectRanker,
+         dataset=_direct_dataset):
   with strategy.scope():
-    model = Ranker(feature_config, engine)
+    model = model_class(feature_config, engine)
     model.compile(optimizer=keras.optimizers.SGD(0.5),
                   loss=keras.losses.BinaryCrossentropy(from_logits=True))
-  model.fit(_dataset(), epochs=1, verbose=0)
-  predictions = model.predict(_dataset().map(lambda x, y: x), verbose=0)
+  model.fit(dataset(), epochs=1, verbose=0)
+  predictions = model.predict(dataset().map(lambda x, y: x), verbose=0)
   return model, predictions
 
 
@@ -103,3 +122,16 @@ def test_fit_with_sparsecore_takes_the_tpu_embedding_v2_branch():
     for slot, var in slots.items():
       np.testing.assert_allclose(tables[table][slot], var.numpy(), rtol=1e-5,
                                  atol=1e-6, err_msg=f"{table}/{slot}")
+
+
+def test_ids_computed_inside_the_step_are_refused_as_on_a_tpu():
+  """``Ranker`` turns its padded items into a RaggedTensor inside the model, so
+  inside ``strategy.run``: a TPU refuses such ids (TensorFlow's
+  ``_raise_error_for_non_direct_inputs``), and so does the emulated TPU."""
+  with tee.emulate_tpu(replicas=REPLICAS):
+    strategy = _tpu_strategy()
+    with pytest.raises(ValueError, match=(
+        "Received input tensor item/RaggedTensor/0 which is the output of op "
+        ".* which does not have the `_tpu_input_identity` attr. .*Fix: compute "
+        "the ids in the input pipeline")):
+      _fit(strategy, _feature_config(), model_class=Ranker, dataset=_dataset)

@@ -364,7 +364,7 @@ def test_no_method_of_the_real_tpu_class_is_reachable(real, ours):
     assert owner is not real, f"{real.__name__}.{name} is not overridden"
 
 
-# --- the runner, in this process (fast_exit=False) ---------------------------------
+# --- the runner, in this process ---------------------------------------------------
 
 from tpu_embed_ext.emulated_tpu import runner  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -393,8 +393,7 @@ def test_runner_runs_the_script_as_python_would(how, code, tmp_path, capsys):
   script = tmp_path / "prog.py"
   script.write_text(_SCRIPT)
   argv, path0 = list(sys.argv), sys.path[0]
-  assert runner.main(["--replicas", "2", str(script), how, "--flag=x"],
-                     fast_exit=False) == code
+  assert runner.main(["--replicas", "2", str(script), how, "--flag=x"]) == code
   out, err = capsys.readouterr()
   assert out.splitlines() == ["name __main__", f"argv ['{how}', '--flag=x']",
                               f"path0 {tmp_path}", "replicas 2 2"]
@@ -404,29 +403,69 @@ def test_runner_runs_the_script_as_python_would(how, code, tmp_path, capsys):
     assert err == "goodbye\n"
   elif how == "raise":
     assert "Traceback (most recent call last)" in err
+    assert "runpy" not in err and "runner.py" not in err  # As python shows it.
     assert err.rstrip().endswith("KeyError: 'from the script'")
   else:
     assert err == ""
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--replicas", "0", "prog.py"], "error: emulate: emulate_tpu needs a positive "
-     "integer replicas, got replicas=0. Fix: e.g. replicas=8 (one per TPU core).\n"),
-    (["missing.py"], "error: emulate: no script 'missing.py'. Usage: python -m "
-     "tpu_embed_ext emulate [--replicas N] [--sparsecore] [--topology T] "
-     "[--no-xla] [--finalize] SCRIPT [ARGS...]\n"),
-])
-def test_runner_bad_command_line(argv, message, tmp_path, capsys, monkeypatch):
+def test_runner_bad_replicas_is_one_line(tmp_path, capsys, monkeypatch):
   monkeypatch.chdir(tmp_path)
   (tmp_path / "prog.py").write_text("raise SystemExit(7)\n")
-  assert runner.main(argv, fast_exit=False) == 2
-  assert capsys.readouterr().err == message
+  assert runner.main(["--replicas", "0", "prog.py"]) == 2
+  assert capsys.readouterr().err == (
+      "error: emulate: emulate_tpu needs a positive integer replicas, got "
+      "replicas=0. Fix: e.g. replicas=8 (one per TPU core).\n")
   _assert_unpatched()
 
 
-def test_runner_usage_errors_are_status_2(capsys):
-  assert runner.main([], fast_exit=False) == 2
-  assert "the following arguments are required: SCRIPT" in capsys.readouterr().err
+# --- distributed datasets: MirroredStrategy's batches per replica --------------------
+
+
+def _pipeline():
+  """Shuffled (seeded), mapped with AUTOTUNE, ragged: what autotuning could touch."""
+  data = tf.data.Dataset.range(200).shuffle(50, seed=7).map(
+      lambda x: {"ids": tf.range(x % 4 + 1) + x, "y": tf.cast(x, tf.float32)},
+      num_parallel_calls=tf.data.AUTOTUNE)
+  return data.ragged_batch(12).prefetch(tf.data.AUTOTUNE)
+
+
+def _steps(strategy, how, steps=4):
+  """Per replica, per step: the values a step sees (eager and in a tf.function)."""
+  if how == "dataset":
+    iterator = iter(strategy.experimental_distribute_dataset(_pipeline()))
+  else:
+    iterator = iter(strategy.distribute_datasets_from_function(
+        lambda context: _pipeline().rebatch(12 // context.num_replicas_in_sync)))
+
+  @tf.function
+  def step(iterator):
+    return next(iterator)
+
+  seen = []
+  for i in range(steps):
+    batch = step(iterator) if i % 2 else next(iterator)
+    seen.append([tf.nest.map_structure(lambda t: t.numpy().tolist(), value,
+                                       expand_composites=False)
+                 if not isinstance(value["ids"], tf.RaggedTensor) else
+                 (value["ids"].to_list(), value["y"].numpy().tolist())
+                 for value in strategy.experimental_local_results(batch)])
+  return seen
+
+
+@pytest.mark.parametrize("how", ["dataset", "function"])
+def test_distributed_batches_are_mirrored_strategys(how):
+  """The emulated strategy's distributed datasets (no tf.data autotuning,
+  device_datasets.py) give each replica what MirroredStrategy gives it."""
+  devices = strategy_lib.logical_devices(4)
+  mirrored = tf.distribute.MirroredStrategy(
+      list(devices), cross_device_ops=tf.distribute.ReductionToOneDevice())
+  expected = _steps(mirrored, how)
+  with emulate_tpu(replicas=4):
+    emulated = tf.distribute.TPUStrategy(
+        tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
+    assert _steps(emulated, how) == expected
+  assert len({str(replica) for replica in expected[0]}) == 4  # Distinct shares.
 
 
 # --- the pytest plugin's fixture ------------------------------------------------------
@@ -503,6 +542,9 @@ def test_tpu_embedding_refuses_what_a_tpu_refuses():
       with pytest.raises(errors.ConfigTypeError) as e:
         _EMB.TPUEmbedding(_config(), None)
       assert str(e.value) == (
+          "<class 'NoneType'> is an unsupported optimizer class. Please pass an "
+          "instance of one of the optimizer classes under "
+          "tf.tpu.experimental.embedding. "
           "table 't': TPUEmbedding under a TPUStrategy needs one of "
           "tf.tpu.experimental.embedding's optimizers, got None. Fix: pass "
           "optimizer= (e.g. tf.tpu.experimental.embedding.SGD(0.1)) or set "
@@ -538,10 +580,20 @@ def test_tpu_embedding_private_state_programs_touch():
     embedding._load_variables()  # pylint: disable=protected-access
     parameters = embedding._variables["t"]["parameters"]  # pylint: disable=protected-access
     assert parameters.variables[0] is parameters
+    # Values made on the host, as a TPU wants them (on a core's device a TPU
+    # refuses them: test_enqueue_refuses_inputs_on_a_cores_device).
+    host = "/job:localhost/replica:0/task:0/device:CPU:0"
+
+    def on_host(make):
+      def value(ctx):
+        with tf.device(host):
+          return make(ctx)
+      return strategy.experimental_distribute_values_from_function(value)
+
     with pytest.raises(errors.InputError,
-                       match=r"^feature 'a' \(table 't'\): .*\[3\]"):
-      embedding.enqueue(strategy.experimental_distribute_values_from_function(
-          lambda _: {"a": tf.constant([1, 2], tf.int64)}))
+                       match=r"^Inconsistent shape founded for input feature a, "
+                       r".*feature 'a' \(table 't'\): .*\[3\]"):
+      embedding.enqueue(on_host(lambda _: {"a": tf.constant([1, 2], tf.int64)}))
 
     @tf.function
     def step(features):
@@ -553,9 +605,8 @@ def test_tpu_embedding_private_state_programs_touch():
         return activations["a"]
       return strategy.run(fn)
 
-    per_replica = strategy.experimental_distribute_values_from_function(
-        lambda ctx: {"a": tf.constant([1, 1, 2], tf.int64)
-                          + ctx.replica_id_in_sync_group})
+    per_replica = on_host(lambda ctx: {"a": tf.constant([1, 1, 2], tf.int64)
+                                       + ctx.replica_id_in_sync_group})
     activations = step(per_replica)
     embedding._retrieve_variables()  # pylint: disable=protected-access
     assert [a.shape.as_list() for a in strategy.experimental_local_results(

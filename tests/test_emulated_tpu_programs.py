@@ -211,7 +211,7 @@ sys.exit(3)
 
 
 def test_tpu_embed_emulate_exits_with_the_scripts_status_and_outputs(tmp_path):
-  """The fast exit keeps what a script can observe: files, threads, atexit."""
+  """The exit (Python's own) keeps what a script can observe: files, threads, atexit."""
   script = tmp_path / "exiting.py"
   script.write_text(_EXITING_SCRIPT)
   tpu_embed = os.path.join(os.path.dirname(sys.executable), "tpu-embed")

@@ -518,6 +518,7 @@ def test_dense_ids_for_a_sequence_feature_and_gradient_structure():
   with pytest.raises(tee.InputError) as info:
     emb.apply_gradients({"other": acts["s"]})
   assert str(info.value).startswith(
+      "The two structures don't have the same nested structure. "
       "gradients do not match the feature config's structure: missing ['s'], "
       "unexpected ['other']. Fix: pass one gradient per feature")
   after = _snapshot(emb)
@@ -652,8 +653,10 @@ def test_rejected_apply_gradients_keeps_the_batch_for_a_corrected_retry(mode):
           "feature 'f' (table 't'): gradient shape [3, 2] does not match its "
           "activation shape [2, 2]."),
          ([tf.ones([2, 2])], tee.InputTypeError,
+          "The two structures don't have the same nested structure. "
           "gradients do not match the feature config's structure"),
          ({"f": 1.0}, tee.InputError,
+          "found non-tensor type: <class 'float'> at path f. "
           "feature 'f' (table 't'): gradient is a float, not a tf.Tensor.")]
   if mode == "eager":  # in a graph a NaN gradient fails when the step runs
     bad.append(({"f": tf.constant([[np.nan, 1.0], [1.0, 1.0]])}, tee.InputError,
@@ -1115,10 +1118,12 @@ def test_uint64_ids_below_2_63_train_as_int64_ids():
 
 @pytest.mark.parametrize("features,weights,message", [
     ({"f": [1, 2]}, None,
+     "The two structures don't have the same nested structure. "
      "features entry 'f' is a Python list, but each feature takes one tf.Tensor, "
      "tf.SparseTensor or tf.RaggedTensor. Fix: convert it, e.g. tf.constant(ids, "
      "tf.int64) for one id per row, or tf.ragged.constant(ids, tf.int64) for several."),
     ([1, 2], None,
+     "The two structures don't have the same nested structure. "
      "features do not match the feature config's structure: missing ['f'], unexpected "
      "['0', '1'] (the feature config is a dict, features a list)."),
     ({"f": tf.ragged.constant(IDS, tf.int64)}, {"f": tf.ragged.constant([["a", "b"], ["c"]])},

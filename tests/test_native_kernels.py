@@ -8,6 +8,7 @@ The engine's own tests run on both paths (conftest.py ``kernel_paths``).
 import json
 import logging
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -455,6 +456,29 @@ def test_concurrent_builds_compile_once_and_never_expose_a_partial_library(tmp_p
 
 
 @needs_native
+def test_first_compile_is_announced_in_one_line_with_its_duration(tmp_path):
+  """The first run after an install compiles for about a minute: one line
+  says so, then its duration; a run with the library cached says nothing."""
+  built = os.path.join(loader.library_dir(), loader.LIBRARY)
+  cxx = tmp_path / "fake-g++"
+  cxx.write_text(f'#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\n'
+                 f'sleep 1\ncp {built} "$2"\n')
+  cxx.chmod(cxx.stat().st_mode | stat.S_IEXEC)
+  env = dict(os.environ, CXX=str(cxx), TPU_EMBED_EXT_CACHE_DIR=str(tmp_path / "c"),
+             TF_CPP_MIN_LOG_LEVEL="3")
+  code = ("from tpu_embed_ext.emulation import native\n"
+          "assert native.load() is not None, native.why_not()\n")
+  runs = [subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=300, check=False)
+          for _ in range(2)]
+  assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:]
+  first = [line for line in runs[0].stdout.splitlines() if "tpu_embed_ext" in line]
+  assert len(first) == 1, runs[0].stdout[-2000:] + runs[0].stderr[-2000:]
+  assert re.fullmatch(re.escape(loader.COMPILING) + r" done in \d+ s\.", first[0])
+  assert "tpu_embed_ext" not in runs[1].stdout + runs[1].stderr
+
+
+@needs_native
 def test_failed_build_keeps_its_log_and_falls_back(tmp_path):
   cxx = tmp_path / "failing-g++"
   cxx.write_text("#!/bin/sh\necho 'error: the compiler said no' >&2\nexit 3\n")
@@ -467,9 +491,10 @@ def test_failed_build_keeps_its_log_and_falls_back(tmp_path):
       print("KERNELS", native.choose("auto"))
       """, env)
   assert "KERNELS tf" in done.stdout
-  line, = [l for l in done.stderr.splitlines() if "native kernels" in l]
+  line, = [l for l in done.stderr.splitlines() if "native kernels unavailable" in l]
   log = line.split("build log: ")[1].split(")")[0]
   assert "the C++ build failed (exit 3)" in line
+  assert re.search(re.escape(loader.COMPILING) + r" failed in \d+ s\.", done.stdout)
   assert "the compiler said no" in open(log).read()
 
 

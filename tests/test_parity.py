@@ -219,25 +219,36 @@ REJECTED_ENQUEUES = {
     # invalid_input_test.test_enqueue_weight_for_dense_tensor
     "weight_for_dense": ({}, lambda: (_ids(), _ids(), _ids()),
                          lambda: (tf.ones([4]), None, None), ValueError,
-                         "feature '0' (table 'video'): weights were given for a dense"),
+                         "Weight specified for dense input 0, which is not allowed. Weight "
+                         "will always be 1 in this case. feature '0' (table 'video'): "
+                         "weights were given for a dense"),
     # ..._wrong_weight_type_for_sparse_and_ragged_tensor
     "ragged_weight_for_sparse": ({}, _sparse,
                                  lambda: (tf.ragged.constant([[1.0]] * 4), None, None),
                                  ValueError,
+                                 "Weight for 0 is type <class 'tensorflow.python.ops."
+                                 "ragged.ragged_tensor.RaggedTensor'> which does not match "
+                                 "type input which is SparseTensor. "
                                  "feature '0' (table 'video'): weights are a RaggedTensor "
                                  "but ids a SparseTensor"),
     "sparse_weight_for_ragged": ({}, _ragged, lambda: (_sparse()[0], None, None),
                                  ValueError,
+                                 "Weight for 0 is type <class 'tensorflow.python.framework."
+                                 "sparse_tensor.SparseTensor'> which does not match type "
+                                 "input which is RaggedTensor. "
                                  "feature '0' (table 'video'): weights are a SparseTensor "
                                  "but ids a RaggedTensor"),
     # ..._incorrect_structure_for_features_and_weights
     "missing_feature": ({}, lambda: _ragged()[:1], None, ValueError,
+                        "The two structures don't have the same nested structure. "
                         "features do not match the feature config's structure: missing "
                         "['1', '2'], unexpected []."),
     "missing_weight": ({}, _ragged, lambda: (None,), ValueError,
+                       "The two structures don't have the same nested structure. "
                        "weights do not match the feature config's structure: missing "
                        "['1', '2'], unexpected []."),
     "list_for_tuple": ({}, lambda: list(_ragged()), None, TypeError,
+                       "The two structures don't have the same nested structure. "
                        "features do not match the feature config's structure: the "
                        "feature config is a tuple, features a list."),
     # TPUEmbedding passes them on, with an effect the TPU does not document.
@@ -254,8 +265,11 @@ REJECTED_ENQUEUES = {
     "output_shape_mismatch": ({"output_shape": [1, 1]},
                               lambda: tuple(tf.sparse.reshape(s, [2, 2, -1])
                                             for s in _sparse()), None, ValueError,
-                              "feature '0' (table 'video'): the input gives activations "
-                              "of shape [2, 2], but the feature's output shape is [1, 1]"),
+                              "Inconsistent shape founded for input feature 0, Output "
+                              "shape is set to be (1, 1), But got incoming output shape "
+                              "(2, 2). feature '0' (table 'video'): the input gives "
+                              "activations of shape [2, 2], but the feature's output "
+                              "shape is [1, 1]"),
 }
 
 
@@ -284,6 +298,8 @@ def test_batch_shape_must_stay_the_one_the_feature_was_built_with(mode):
   with pytest.raises(ValueError) as info:
     mode(lambda: emb.enqueue(smaller))()
   assert str(info.value).startswith(
+      "Inconsistent shape founded for input feature 0, Output shape is set to be "
+      "(4,), But got incoming output shape (2,). "
       "feature '0' (table 'video'): the input gives activations of shape [2], but "
       "the feature's output shape is [4]")
 
@@ -296,6 +312,7 @@ def test_unknown_batch_dimension_is_rejected_by_enqueue_but_not_by_lookups():
   with pytest.raises(ValueError) as info:
     enqueue.get_concrete_function()
   assert str(info.value).startswith(
+      "Input Feature 0 has output shape set as (None,) which is not fully defined. "
       "feature '0' (table 'video'): output shape [None] is not fully defined; the "
       "TPU compiles every activation shape. Fix: give static shapes")
   # __call__, our lookup with no TPU counterpart, reads the batch when it runs
@@ -319,15 +336,19 @@ def test_unknown_batch_dimension_is_rejected_by_enqueue_but_not_by_lookups():
 REJECTED_BUILDS = {
     # hd_invalid_input_test.test_build_incorrect_output_shapes
     "inconsistent": ({"output_shape": [2, 4]}, [tf.TensorShape([1, 1, 1])] * 3,
+                     "Inconsistent shape founded for input feature 0, Output shape is "
+                     "set to be (2, 4), But got incoming output shape (1, 1). "
                      "feature '0' (table 'video'): the input gives activations of "
                      "shape [1, 1], but the feature's output shape is [2, 4]"),
     # ..._not_fully_defined_output_shapes_for_build
     "not_fully_defined": ({}, [tf.TensorShape([1, None, None])] * 3,
-                          "feature '0' (table 'video'): output shape [1, None] is not "
-                          "fully defined"),
+                          "Input Feature 0 has output shape set as (1, None) which is "
+                          "not fully defined. feature '0' (table 'video'): output shape "
+                          "[1, None] is not fully defined"),
     "rank0": ({}, [tf.TensorShape([])] * 3,
               "feature '0' (table 'video'): input shape [] must have rank >= 1."),
     "count": ({}, [tf.TensorShape([4])] * 2,
+              "The two structures don't have the same nested structure. "
               "per_replica_input_shapes do not match the feature config's structure"),
 }
 
@@ -348,17 +369,21 @@ def test_partial_output_shape_in_feature_config_is_rejected_at_build():
   with pytest.raises(ValueError) as info:
     emb.build()
   assert str(info.value).startswith(
+      "Input Feature 0 has output shape set as (None, 4) which is not fully defined. "
       "feature '0' (table 'video'): output shape [None, 4] is not fully defined")
 
 
 GRADIENT_CASES = {
     # invalid_input_test.test_pass_non_tensor_to_apply_gradients
     "non_tensor": (lambda acts: (1, 2, 3), ValueError,
+                   "found non-tensor type: <class 'int'> at path 0. "
                    "feature '0' (table 'video'): gradient is a int, not a tf.Tensor."),
     "list_for_tuple": (lambda acts: list(acts), TypeError,
+                       "The two structures don't have the same nested structure. "
                        "gradients do not match the feature config's structure: the "
                        "feature config is a tuple, gradients a list."),
     "missing": (lambda acts: acts[:2], ValueError,
+                "The two structures don't have the same nested structure. "
                 "gradients do not match the feature config's structure: missing ['2']"),
     "shape": (lambda acts: (acts[0][:2], acts[1], acts[2]), ValueError,
               "feature '0' (table 'video'): gradient shape [2, 4] does not match its "
@@ -404,8 +429,9 @@ def test_unsupported_optimizer_class_is_a_value_error():
 def test_tables_with_the_same_name():
   video = api.TableConfig(4, 2, name="table")
   other = api.TableConfig(4, 2, name="table")
-  with pytest.raises(ValueError, match="Tables must have unique names; found "
-                                       "\\['table'\\] more than once."):
+  with pytest.raises(ValueError, match="^Tables must have unique names. Multiple tables "
+                                       "with name table found. Tables must have unique "
+                                       "names; found \\['table'\\] more than once"):
     tee.CPUEmbedding((api.FeatureConfig(video), api.FeatureConfig(other)), api.SGD(0.1))
 
 
@@ -686,10 +712,12 @@ STRUCTURE_FIRST = {
     # invalid_input_test.test_pass_different_structure_to_apply_gradients:
     # nothing enqueued, the structure is checked first (a TypeError).
     "list_for_tuple": (lambda emb: emb.apply_gradients([1, 2, 3]), TypeError,
+                       "The two structures don't have the same nested structure. "
                        "gradients do not match the feature config's structure: the "
                        "feature config is a tuple, gradients a list."),
     # invalid_input_test.test_pass_non_tensor_to_apply_gradients (build(64) only).
     "non_tensor": (lambda emb: emb.apply_gradients((1, 2, 3)), ValueError,
+                   "found non-tensor type: <class 'int'> at path 0. "
                    "feature '0' (table 'video'): gradient is a int, not a tf.Tensor."),
     # The built shapes are checked before the missing batch too.
     "shape": (lambda emb: emb.apply_gradients(

@@ -256,7 +256,7 @@ def _refused(path, error, message, config=None, wrapped=False):
       embedding = api.TPUEmbeddingV2(config or _feature_config(PER_REPLICA), None)
     embedding.build()
     before = {t: {s: v.numpy() for s, v in embedding.table_variables(t).items()}
-              for t in embedding._variables}  # pylint: disable=protected-access
+              for t in embedding.embedding_layouts}
     with pytest.raises(error) as e:
       tf.train.Checkpoint(embedding=embedding).restore(path)
     for table, slots in before.items():

@@ -16,66 +16,49 @@ must not leak in). Leaving some out makes a machine without TensorFlow
 
 import os
 import pathlib
+import re
 import shlex
-import shutil
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 
+from tests import wheel_build
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-_OURS = ("tpu_embed_ext", "__editable__", "_tpu_embed_ext")
 
 
 def _pip(*args):
-  subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q",
-                  *args], check=True, capture_output=True, text=True, timeout=600)
+  wheel_build.pip(*args, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
   """A virtualenv with the wheel installed (and nothing else of its own)."""
   root = tmp_path_factory.mktemp("wheel")
-  source = root / "source"
-  source.mkdir()
-  shutil.copy(ROOT / "setup.py", source)
-  ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-  for name in ("tpu_embed_ext", "configs"):
-    shutil.copytree(ROOT / name, source / name, ignore=ignore)
-  _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w",
-       str(root / "dist"), str(source))
-  wheel, = (root / "dist").glob("tpu_embed_ext-*.whl")
-  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "env")],
+  wheel = wheel_build.build_wheel(root)
+  # With pip: the fixes it prints name it (test_a_missing_extra_...).
+  subprocess.run([sys.executable, "-m", "venv", str(root / "env")],
                  check=True, timeout=600)
   python = root / "env" / "bin" / "python"
   _pip("--python", str(python), "install", "--no-deps", "--no-index", str(wheel))
   return root / "env"
 
 
-def _borrow(env, *, without=()):
-  """Points the env's .pth at this environment's distributions, less ``without``."""
-  site = subprocess.run(
-      [str(env / "bin" / "python"), "-c", "import sysconfig; "
-       "print(sysconfig.get_paths()['purelib'])"],
-      check=True, capture_output=True, text=True).stdout.strip()
-  deps = env / "borrowed"
-  shutil.rmtree(deps, ignore_errors=True)
-  deps.mkdir()
-  here = pathlib.Path(sysconfig.get_paths()["purelib"])
-  for entry in here.iterdir():
-    name = entry.name.lower()
-    if name.startswith(_OURS) or name.endswith(".pth") or name.startswith(without):
-      continue
-    (deps / entry.name).symlink_to(entry)
-  pathlib.Path(site, "borrowed.pth").write_text(f"{deps}\n")
+_borrow = wheel_build.borrow
 
 
-def _run(env, work, command):
-  environ = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0",
-             "PATH": f"{env / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin"}
+def _run(env, work, command, active=True):
+  """``command`` in ``work``; ``active``: the env's bin on PATH, else not
+  (a leading ``tpu-embed`` is then the env's script by its path)."""
+  path = f"{env / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin" if active else (
+      f"/usr/bin{os.pathsep}/bin")
+  environ = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0", "PATH": path}
   environ.pop("PYTHONPATH", None)
-  return subprocess.run(shlex.split(command), cwd=work, env=environ,
+  argv = shlex.split(command)
+  if not active and argv[0] == "tpu-embed":
+    argv[0] = str(env / "bin" / "tpu-embed")
+  return subprocess.run(argv, cwd=work, env=environ,
                         capture_output=True, text=True, timeout=900)
 
 
@@ -101,16 +84,106 @@ def test_the_installed_wheel_works_from_an_empty_directory(env, tmp_path):
 
 @pytest.mark.parametrize("without,command,message", [
     ("tensorflow", "plan --config tiny", "plan needs TensorFlow, which is not "
-     "installed. Fix: pip install 'tpu_embed_ext[cpu]' (or [tf], or [tpu] on a Cloud "
-     "TPU VM)."),
+     "installed. Fix: {pip} install tensorflow-cpu (or tensorflow, or tensorflow-tpu "
+     "on a Cloud TPU VM, in place of tensorflow-cpu)."),
     ("tensorflow_datasets", "train --config tiny --steps 10", "train needs "
-     "tensorflow_datasets (the training data), which is not installed. Fix: pip "
-     "install 'tpu_embed_ext[data]'."),
+     "tensorflow_datasets (the training data), which is not installed. Fix: {pip} "
+     "install tensorflow-datasets importlib-resources matplotlib tensorboard."),
 ], ids=["no_tensorflow", "cpu_without_data"])
 def test_a_missing_extra_is_named_and_nothing_is_made(env, tmp_path, without, command,
                                                       message):
-  """``pip install .`` (no TensorFlow), or ``[cpu]`` without ``[data]``."""
+  """``pip install .`` (no TensorFlow), or ``[cpu]`` without ``[data]``: the
+  fix names the extra's real requirements (the package may be on no index)
+  and this environment's pip by its path (the virtualenv is not active)."""
   _borrow(env, without=(without,))
-  out = _run(env, tmp_path, f"tpu-embed {command}")
+  out = _run(env, tmp_path, f"tpu-embed {command}", active=False)
+  message = message.format(pip=env / "bin" / "pip")
   assert (out.returncode, out.stdout, out.stderr) == (2, "", f"error: {message}\n")
   assert os.listdir(tmp_path) == []
+
+
+# --- every command the CLI prints runs as printed (issue 36) ---------------------
+
+def _printed(stdout):
+  """The commands a finished ``train`` prints: export, and TensorBoard's."""
+  lines = stdout.splitlines()
+  export = lines[lines.index("Next, export for serving:") + 1].strip()
+  board, = [re.search(r"\((.* --logdir \S+)\)$", l).group(1) for l in lines
+            if l.startswith("  TensorBoard logs")]
+  return export, board
+
+
+def _as_printed(command, work, environ, then=()):
+  """Runs ``command`` as printed (``then``: arguments added after it, where
+  it would otherwise not end: TensorBoard's ``--inspect``, pip's ``--dry-run``)."""
+  return subprocess.run([*shlex.split(command), *then], cwd=work, env=environ,
+                        capture_output=True, text=True, timeout=900)
+
+
+def _check_train_and_its_commands(run, work, environ):
+  out = run("train --config tiny --steps 10 --tpu none")
+  assert (out.returncode, out.stderr) == (0, ""), out.stdout + out.stderr
+  export, board = _printed(out.stdout)
+  done = _as_printed(export, work, environ)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert (work / "runs" / "tiny" / "serving" / "saved_model.pb").exists()
+  done = _as_printed(board, work, environ, then=("--inspect",))
+  assert done.returncode == 0 and "held_out/auc" in done.stdout, (
+      board, done.stdout[-2000:], done.stderr[-2000:])
+  return export, board
+
+
+def test_every_printed_command_runs_as_printed_from_the_wheel(env, tmp_path):
+  """The virtualenv not active: a missing extra's fix, then train's export and
+  TensorBoard commands, each run as printed."""
+  _borrow(env, without=("tensorflow_datasets",))
+  work = tmp_path / "work"
+  work.mkdir()
+  environ = {**os.environ, "PATH": f"/usr/bin{os.pathsep}/bin"}
+  environ.pop("PYTHONPATH", None)
+  script = str(env / "bin" / "tpu-embed")
+
+  def run(args):
+    return _as_printed(f"{script} {args}", work, environ)
+  out = run("train --config tiny --steps 10 --tpu none")
+  assert out.returncode == 2, out.stderr
+  fix = out.stderr.split("Fix: ", 1)[1].rsplit(".", 1)[0]
+  assert fix.startswith(f"{env}/bin/pip install tensorflow-datasets"), fix
+  try:
+    done = _as_printed(fix, work, environ)  # Installs tfds into the env.
+    assert done.returncode == 0, done.stdout + done.stderr
+    export, board = _check_train_and_its_commands(run, work, environ)
+    assert export.startswith(f"{script} export --config tiny "), export
+    assert board.startswith(f"{env}/bin/python -m tensorboard.main --logdir "), board
+  finally:
+    wheel_build.pip("uninstall", "-y", "tensorflow-datasets", python=env / "bin" / "python")
+
+
+def test_every_printed_command_runs_as_printed_from_a_clone(tmp_path):
+  """This clone's Python (its .venv not active): train's commands, and the
+  fix for a missing extra (pip's --dry-run: the shared venv is not changed)."""
+  work = tmp_path / "work"
+  work.mkdir()
+  hidden = tmp_path / "hidden"  # find_spec("matplotlib") is None there.
+  hidden.mkdir()
+  (hidden / "sitecustomize.py").write_text(
+      "import sys\nsys.modules['matplotlib'] = None\n")
+  environ = {**os.environ, "PATH": f"/usr/bin{os.pathsep}/bin",
+             "PYTHONPATH": str(ROOT)}
+  python = sys.executable
+
+  def run(args, extra_env=None):
+    return _as_printed(f"{python} -m tpu_embed_ext {args}", work,
+                       {**environ, **(extra_env or {})})
+  out = run("train --config tiny --steps 10 --tpu none",
+            {"PYTHONPATH": f"{hidden}{os.pathsep}{ROOT}"})
+  assert out.returncode == 2, out.stderr
+  fix = out.stderr.split("Fix: ", 1)[1].rsplit(".", 1)[0]
+  bin_dir = os.path.dirname(python)
+  assert fix == f"{bin_dir}/pip install -e '{ROOT}[data]'", fix
+  done = _as_printed(fix, work, environ, then=("--dry-run",))
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert not list(ROOT.glob("*.egg-info"))  # Nothing left in the clone.
+  export, board = _check_train_and_its_commands(run, work, environ)
+  assert export.startswith(f"{bin_dir}/tpu-embed export --config tiny "), export
+  assert board.startswith(f"{bin_dir}/tensorboard --logdir "), board

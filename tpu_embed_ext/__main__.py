@@ -4,7 +4,7 @@
   train   --config C [--steps N] [--model_dir DIR] [--tpu auto|none|emulate[:N]|NAME]
   export  --config C --model_dir DIR [--out DIR]
   convert-checkpoint --checkpoint PREFIX --out PREFIX --topology T|none [--config C]
-  emulate [--replicas N] [--sparsecore] [--topology T] SCRIPT [ARGS...]
+  emulate [--replicas N] [--sparsecore] [--topology T] [--no-xla] (SCRIPT | -m MODULE) [ARGS...]
 
 ``--config`` is a file or the name of a shipped config (``tiny``,
 ``ranking``...: ``config_files.resolve``). ``--help`` lists the commands,
@@ -30,6 +30,7 @@ import traceback
 from typing import Callable, Dict, List, Optional, Sequence
 
 from tpu_embed_ext import console, errors
+from tpu_embed_ext.install_fixes import EXTRAS as _EXTRAS
 
 # name -> (DEFINE function, default, help, keyword arguments).
 _FLAGS = {
@@ -76,14 +77,6 @@ _FLAGS = {
                    "without output_shape (the stacker's output samples).", {}),
 }
 
-# Modules a command cannot start without -> (what it is, the extra to install).
-_EXTRAS = {
-    "tensorflow": ("TensorFlow", "cpu",
-                   " (or [tf], or [tpu] on a Cloud TPU VM)"),
-    "tensorflow_datasets": ("tensorflow_datasets (the training data)", "data", ""),
-    "importlib_resources": ("importlib_resources (for tensorflow_datasets)", "data", ""),
-    "matplotlib": ("matplotlib (the learning curve)", "data", ""),
-}
 _NEEDS = {"plan": ("tensorflow",),
           "train": ("tensorflow", "tensorflow_datasets", "importlib_resources",
                     "matplotlib"),
@@ -94,12 +87,26 @@ _HELP = ("--help", "-h", "--helpshort", "--helpfull", "-?", "help")
 _owns_process = False  # run(): this process is the command (log watcher, faulthandler).
 
 
+# A flag's help where the shared text above would talk about another command
+# (``export --help`` tells of export's --out only).
+_CONFIG_HELP = ("The config: a .yaml/.json file, or the name of a shipped config "
+                "(tiny, ranking, criteo, movielens).")
+_COMMAND_HELP = {
+    **{(command, "config"): _CONFIG_HELP for command in ("plan", "train", "export")},
+    ("export", "out"): "Where to write the SavedModel (default: <model_dir>/serving).",
+    ("plan", "topology"): "With --engine v2: the SparseCore topology, "
+                          "GENERATION:CHIPS (v5p:4, v6e:8, tpu7x:4) or "
+                          "CHIPSxSPARSECORES.",
+}
+
+
 def _flag_values(command: str):
   """A FlagValues holding the flags of ``command`` and ``--verbose``."""
   from absl import flags  # pylint: disable=g-import-not-at-top
   values = flags.FlagValues()
   for name in (*console.COMMAND_FLAGS[command], "verbose"):
     kind, default, text, kwargs = _FLAGS[name]
+    text = _COMMAND_HELP.get((command, name), text)
     getattr(flags, f"DEFINE_{kind}")(name=name, default=default, help=text,
                                      flag_values=values, **kwargs)
   return values
@@ -121,7 +128,8 @@ def _plan(f, config: str, progress):
     from tpu_embed_ext.data import spec_ids  # pylint: disable=g-import-not-at-top
     hotness = spec_ids.parse_hotness(f.hotness, spec)
   plan = tee.plan(spec)
-  print(plan)
+  # SparseCore only when asked about: --engine v2, or a --topology given.
+  print(plan.text(sparsecore_notes=f.engine == "v2" or f["topology"].present))
   shortfall = job.memory_shortfall(spec)
   if shortfall:
     print(f"\nCPU emulation (train --tpu none) would not fit: {shortfall}")
@@ -142,15 +150,24 @@ def _plan(f, config: str, progress):
 def _train(f, config: str, progress):
   from tpu_embed_ext import job  # pylint: disable=g-import-not-at-top
   model_dir = _model_dir(f, f.config)
+  said = []
+  line = progress(model_dir)
+
+  def log(text):
+    said.append(text)
+    line(text)
   metrics = job.train(config, model_dir=model_dir, steps=f.steps, tpu=f.tpu,
-                      log=progress(model_dir))
-  speed = metrics.get("examples_per_second")
+                      log=log)
+  finished_before = any(t.startswith("Already trained") for t in said)
+  speed = None if finished_before else metrics.get("examples_per_second")
+  # One device line: "Training on ..." of this run, or, for a finished run
+  # that trained nothing now, where it trained.
   print(f"\nheld-out AUC {metrics['eval_auc']:.4f}"
         + (f" (planted model: {metrics['planted_auc']:.4f})"
            if "planted_auc" in metrics else "")
-        + f" at step {metrics['steps']}, on {metrics['where']}"
-        + (f", {speed:,.0f} examples/s." if speed else
-           " (already trained: nothing to do)."))
+        + (f" at step {metrics['steps']}, {speed:,.0f} examples/s." if speed else
+           f" at step {metrics['steps']} (already trained, on "
+           f"{metrics['where']}: nothing to do)."))
   print(where_everything_went(f.config, model_dir))
 
 
@@ -166,7 +183,8 @@ def where_everything_went(config: str, model_dir: str) -> str:
           ("learning curve", os.path.join(model_dir, "learning_curve.png")),
           ("history", os.path.join(model_dir, "history.csv")),
           ("TensorBoard logs", os.path.join(model_dir, "logs") +
-           f"   (tensorboard --logdir {os.path.join(model_dir, 'logs')})")]
+           f"   ({console.tool('tensorboard', 'tensorboard.main')} --logdir "
+           f"{os.path.join(model_dir, 'logs')})")]
   library_log = os.path.join(model_dir, "logs", "libraries.log")
   if os.path.exists(library_log):  # Not with --verbose: they were shown.
     rows.append(("library log", library_log + "   (TensorFlow's and other "
@@ -231,10 +249,9 @@ def _convert_checkpoint(f, config: str, progress):
   print(f"{source} -> {f.out}: {form}.")
 
 
-def _missing_extra(command: str, module: str) -> str:
-  what, extra, more = _EXTRAS[module]
-  return (f"{command} needs {what}, which is not installed. Fix: pip install "
-          f"'tpu_embed_ext[{extra}]'{more}.")
+def _missing_extra(command: str, modules) -> str:
+  from tpu_embed_ext import install_fixes  # pylint: disable=g-import-not-at-top
+  return install_fixes.missing_line(command, modules)
 
 
 def _one_line(e: BaseException, command: str) -> Optional[str]:
@@ -242,7 +259,7 @@ def _one_line(e: BaseException, command: str) -> Optional[str]:
   if isinstance(e, errors.Error):
     return " ".join(str(e).split())
   if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in _EXTRAS:
-    return _missing_extra(command, e.name.split(".")[0])
+    return _missing_extra(command, [e.name.split(".")[0]])
   if isinstance(e, KeyboardInterrupt):
     return ("interrupted. Run the same command again to resume from the newest "
             "checkpoint.")
@@ -275,9 +292,10 @@ class _AbslCommand:
       return _usage_error(
           f"unexpected argument {rest[0]!r} after {self.name}. Fix: give values "
           f"with their flags (tpu-embed {self.name} --help).")
-    for module in _NEEDS[self.name]:
-      if importlib.util.find_spec(module) is None:
-        return _usage_error(_missing_extra(self.name, module))
+    # Every missing extra at once: a second try should not find another.
+    missing = [m for m in _NEEDS[self.name] if importlib.util.find_spec(m) is None]
+    if missing:
+      return _usage_error(_missing_extra(self.name, missing))
     return self._guarded(f)
 
   def _flag_error(self, e: Exception) -> str:
@@ -350,9 +368,8 @@ def _emulate(argv: List[str]) -> int:
       raise
     return _usage_error("emulate is not available in this installation of "
                         "tpu_embed_ext. Fix: install a version that has it.")
-  # A script that ran ends the process in runner.main (its fast exit), unless
-  # --finalize asks for Python's normal exit, which returning here gives.
-  return runner.main(argv)
+  # Returning ends the process as Python does (runner.py: the exit).
+  return runner.main(argv, owns_process=_owns_process)
 
 
 COMMANDS: Dict[str, Callable[[List[str]], int]] = {
@@ -372,6 +389,11 @@ def main(argv: Sequence[str]) -> int:
     print(console.overview(list(COMMANDS), list(config_files.shipped_configs())))
     return 0 if args else 2
   command = args[0]
+  if command in ("--version", "-V", "version"):
+    import tpu_embed_ext  # pylint: disable=g-import-not-at-top
+    print(f"tpu_embed_ext {tpu_embed_ext.__version__} "
+          f"({os.path.dirname(os.path.abspath(tpu_embed_ext.__file__))})")
+    return 0
   if command not in COMMANDS:
     if command.startswith("-"):
       return _usage_error(

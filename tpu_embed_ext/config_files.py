@@ -46,14 +46,18 @@ def shipped_configs() -> Dict[str, str]:
   return {}
 
 
-def resolve(config: str) -> str:
-  """The file a ``--config`` value names: a path as given, or a shipped name.
+def resolve(config: str, flag: str = "--config") -> str:
+  """The file a config value names: a path as given, or a shipped name.
 
-  An existing path wins (a ``configs/tiny.yaml`` edited in the working
+  The one resolver of the command line (``--config``) and the Python API
+  (``EmbeddingSpec.from_file``, so ``CPUEmbedding("tiny")`` and
+  ``plan("criteo")`` too; ``flag=None`` names the value, not a flag, in an
+  error). An existing path wins (a ``configs/tiny.yaml`` edited in the working
   directory is read, not the shipped one). Otherwise a bare name, with or
   without ``.yaml``, is a shipped config; anything else is returned as given,
   for ``load`` to report.
   """
+  config = os.fspath(config)
   if os.path.exists(config) or os.sep in config:
     return config
   shipped = shipped_configs()
@@ -65,7 +69,8 @@ def resolve(config: str) -> str:
   raise errors.ConfigError(
       f"no config file or shipped config named {config!r}."
       f"{errors.did_you_mean(name, shipped)} Fix: pass a path to a .yaml or "
-      f".json file, or a shipped config: {_names(shipped)}.", path="--config")
+      f".json file, or a shipped config: {_names(shipped)}.",
+      **({"path": flag} if flag else {}))
 
 
 def _names(shipped) -> str:

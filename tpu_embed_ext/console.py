@@ -14,7 +14,7 @@ import textwrap
 from typing import Dict, Sequence
 
 __all__ = ["COMMAND_FLAGS", "SUMMARIES", "EXAMPLES", "overview", "command_help",
-           "program", "quiet_cpp"]
+           "program", "tool", "quiet_cpp"]
 
 # Flags each command reads, in the order its help shows them (and --verbose).
 COMMAND_FLAGS: Dict[str, Sequence[str]] = {
@@ -35,7 +35,7 @@ SUMMARIES = {
     "convert-checkpoint": "convert a checkpoint between per-table keys and "
                           "TPUEmbeddingV2's (SparseCore) stacked layout",
     "emulate": "run a TPU training script on CPU with emulated TPU devices: "
-               "emulate [--replicas N] [--sparsecore] [--topology T] SCRIPT [ARGS...]",
+               "emulate [--replicas N] [--sparsecore] [--topology T] [--no-xla] (SCRIPT | -m MODULE) [ARGS...]",
 }
 
 EXAMPLES = {
@@ -60,7 +60,8 @@ def overview(commands: Sequence[str], config_names: Sequence[str]) -> str:
   for command in commands:
     lines += textwrap.wrap(f"{command}: {SUMMARIES[command]}", 80,
                            initial_indent="  ", subsequent_indent="      ")
-  lines += ["", "tpu-embed COMMAND --help shows a command's flags and examples.",
+  lines += ["", "tpu-embed COMMAND --help shows a command's flags and examples; "
+            "tpu-embed --version the version.",
             "--config takes a .yaml/.json file or a shipped config: "
             f"{', '.join(config_names)}."] + _closing()
   return "\n".join(lines)
@@ -95,14 +96,22 @@ def program() -> str:
   command runs as printed: ``tpu-embed`` when that is on PATH and is this
   installation, else this installation's script by its path (the virtualenv
   need not be active), else this Python with ``-m tpu_embed_ext``."""
+  return tool("tpu-embed", "tpu_embed_ext")
+
+
+def tool(name: str, module: str) -> str:
+  """How to call this installation's script ``name`` so that it runs as
+  printed from here (``program``; ``pip``, ``tensorboard``): its bare name
+  when PATH finds this installation's, else its path, else ``python -m
+  module`` with this Python by its path."""
   bin_dir = os.path.dirname(sys.executable)
-  script = os.path.join(bin_dir, "tpu-embed")
-  found = shutil.which("tpu-embed")
+  script = os.path.join(bin_dir, name)
+  found = shutil.which(name)
   if found and os.path.realpath(found) == os.path.realpath(script):
-    return "tpu-embed"
+    return name
   if os.access(script, os.X_OK):
     return _short(script)
-  return f"{_short(sys.executable)} -m tpu_embed_ext"
+  return f"{_short(sys.executable)} -m {module}"
 
 
 def _short(path: str) -> str:

@@ -7,7 +7,9 @@ logs. The rules, each because a run once lost work without them:
 
 - One run at a time: ``lock`` holds an ``fcntl`` lock on ``.lock`` for the
   life of the process. The kernel drops it when the process dies (even by
-  SIGKILL), so a stale lock file never blocks a later run.
+  SIGKILL), so a stale lock file never blocks a later run. A run that ends
+  removes its ``.lock``, and a failed run removes the model_dir it made if it
+  is still empty (``made_here``): nothing is left that was not there.
 - The state file is a hint, never the truth: ``resume_point`` scans the
   ``ckpt-*.index`` files, newest first, and returns the newest checkpoint
   whose every tensor reads back (TensorFlow checks each tensor's CRC; a
@@ -25,6 +27,7 @@ logs. The rules, each because a run once lost work without them:
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import json
 import os
@@ -38,7 +41,7 @@ import tensorflow as tf
 from tpu_embed_ext import atomic, checkpoint_scan, errors
 from tpu_embed_ext.checkpoint_scan import CheckpointError
 
-__all__ = ["CheckpointError", "ModelDirError", "lock", "check_writable",
+__all__ = ["CheckpointError", "ModelDirError", "lock", "made_here", "check_writable",
            "checkpoint_steps", "resume_point", "repair_state", "check_checkpoint",
            "read_run_record", "write_run_record", "write_json"]
 
@@ -68,6 +71,13 @@ class lock:
           f"model_dir {os.path.dirname(self.path)} is in use by another run "
           f"(pid {owner}). Fix: wait for it to finish, or pass another "
           "--model_dir.") from None
+    try:  # Removed by its last holder (__exit__) after we opened it: retry.
+      same = os.stat(self.path).st_ino == os.fstat(self._file.fileno()).st_ino
+    except FileNotFoundError:
+      same = False
+    if not same:
+      self._file.close()
+      return self.__enter__()
     self._file.seek(0)
     self._file.truncate()
     self._file.write(str(os.getpid()))
@@ -75,9 +85,39 @@ class lock:
     return self
 
   def __exit__(self, *exc):
+    # Removed while held, so nothing is left behind; a run that opened the
+    # old file meanwhile sees it gone (__enter__) and takes a new one.
+    try:
+      os.remove(self.path)
+    except OSError:
+      pass
     fcntl.flock(self._file, fcntl.LOCK_UN)
     self._file.close()
     return False
+
+
+def made_here(model_dir: str):
+  """A context that, if what it wraps raises, removes ``model_dir`` and the
+  parents it creates (``runs/`` of ``runs/tiny``) when they were absent before
+  and are still empty: a failed command leaves nothing behind it created."""
+  absent = []
+  path = os.path.abspath(model_dir)
+  while path and not os.path.exists(path):
+    absent.append(path)
+    path = os.path.dirname(path)
+
+  @contextlib.contextmanager
+  def scope():
+    try:
+      yield
+    except BaseException:
+      for directory in absent:  # Innermost first.
+        try:
+          os.rmdir(directory)
+        except OSError:
+          break  # Not empty (or gone): what the run wrote stays.
+      raise
+  return scope()
 
 
 def check_writable(model_dir: str, what: str = "model_dir") -> None:

@@ -144,6 +144,12 @@ class Plan:
     return " ".join(parts)
 
   def __str__(self) -> str:
+    return self.text()
+
+  def text(self, sparsecore_notes: bool = True) -> str:
+    """The printed plan; ``sparsecore_notes=False`` leaves out what
+    TPUEmbeddingV2 (SparseCore) would ignore (``plan`` shows those with
+    ``--engine v2`` or ``--topology``)."""
     header = ("table", "rows x dim", "combiner", "optimizer", "lr / tag",
               "slots", "bytes", "features")
     rows = []
@@ -170,7 +176,7 @@ class Plan:
       out.append(f"  {check}: {numeric_traps.CHECKS[check][1]} ({where})")
     if self.numeric_warnings:
       out += ["", "numeric notes:"] + [f"  {w}" for w in self.numeric_warnings]
-    if self.warnings:
+    if self.warnings and sparsecore_notes:
       out += ["", "SparseCore (TPUEmbeddingV2) notes:"] + [f"  {w}" for w in self.warnings]
     return "\n".join(out)
 

@@ -117,8 +117,9 @@ class EmbeddingSpec:
   @classmethod
   def from_file(cls, path: str) -> "EmbeddingSpec":
     """Reads a ``.yaml``/``.yml`` or ``.json`` file (config_files.py: bounded
-    in size, nesting and YAML alias expansion)."""
-    path = os.fspath(path)
+    in size, nesting and YAML alias expansion), or a shipped config by name
+    (``"ranking"``, ``"tiny"``...) as ``--config`` does; an existing path wins."""
+    path = config_files.resolve(path, flag=None)
     data = config_files.load(path)
     try:
       return cls.from_dict(data, source=path)

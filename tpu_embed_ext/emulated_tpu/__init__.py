@@ -34,6 +34,14 @@ as a difference):
   ``pipelining.py``);
 * ``TPUEmbeddingV2`` without ``sparsecore=True`` (as on a TPU without
   SparseCore);
+* what a TPU refuses of ``TPUEmbedding`` is refused alike, with TensorFlow's
+  exception class and its words first (``mid_level.py``, ``tpu_inputs.py``,
+  ``embedding_memory.py``): a second ``TPUEmbedding`` built on one TPU (two
+  ``EmbeddingLayer``s in one model), ``build()`` without fully defined
+  shapes, inputs prefetched to the cores
+  (``InputOptions(experimental_fetch_to_device=True)``), ids computed inside
+  ``strategy.run``, ``enqueue`` in a nested ``tf.function`` or control flow
+  inside ``strategy.run``, gradients other than float32;
 * differences that raise nothing: one host (``extended.num_hosts`` 1);
   steps run as TensorFlow ops on CPU devices (with ``xla=True``, the
   default, each replica's program is checked when first traced against the
@@ -43,11 +51,14 @@ as a difference):
   ``jit_compile=True`` function around ``strategy.run`` runs as ops:
   ``outer_jit.py``); variables
   made under ``strategy.scope()`` are ``MirroredVariable``s and the strategy
-  is also a ``MirroredStrategy``; ``enqueue`` does not refuse inputs
-  prefetched to the devices (``InputOptions(experimental_fetch_to_device=True)``,
-  which a TPU refuses for embedding inputs) nor inputs computed inside the
-  step (a TPU wants them straight from the dataset); memory limits and speed
-  are the CPU's.
+  is also a ``MirroredStrategy``; core 0's device is also the host
+  (``/device:CPU:0``), so inputs prefetched to core 0 (all of them with one
+  replica) cannot be told from the host's, and, as in TensorFlow's own check,
+  tensors of an iterator passed to a ``tf.function`` as an argument carry no
+  device; distributed datasets run
+  without tf.data autotuning (``device_datasets.py``: the same elements per
+  replica; autotuning's threads hung their destructors at 8 replicas);
+  memory limits and speed are the CPU's.
 
 This module is cheap to import (no TensorFlow until ``emulate_tpu`` is
 entered): ``import tpu_embed_ext`` exports ``emulate_tpu`` lazily.
@@ -63,7 +74,7 @@ from typing import Optional
 from tpu_embed_ext import errors
 
 __all__ = ["emulate_tpu", "is_active", "current", "Emulation", "EmulationError",
-           "NotEmulatedError"]
+           "NotEmulatedError", "TPURuntimeError"]
 
 
 class EmulationError(errors.Error, RuntimeError):
@@ -72,6 +83,16 @@ class EmulationError(errors.Error, RuntimeError):
 
 class NotEmulatedError(EmulationError, NotImplementedError):
   """A TPU-only feature (model parallelism...) that has no CPU meaning."""
+
+
+class TPURuntimeError(errors.Error, RuntimeError):
+  """What a TPU refuses with TensorFlow's ``RuntimeError``, refused alike.
+
+  A second ``TPUEmbedding`` built on one TPU, ``enqueue`` inside a nested
+  ``tf.function`` or control flow within ``strategy.run``, a ``TPUEmbedding``
+  used after ``initialize_tpu_system`` discarded its tables: the message starts
+  with TensorFlow's own words (users' tests match them), then ours.
+  """
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,9 @@ keras-rs checks an embedding against the class it imported before.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import types
 from typing import List
 
 import tensorflow as tf
@@ -44,8 +47,9 @@ from tensorflow.python.tpu import tpu_embedding_v2_utils
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import emulated_tpu, errors
-from tpu_embed_ext.emulated_tpu import outer_jit, patching, strategy as strategy_lib
-from tpu_embed_ext.emulation import engine
+from tpu_embed_ext.emulated_tpu import (embedding_memory, outer_jit, patching,
+                                        strategy as strategy_lib, tpu_inputs)
+from tpu_embed_ext.emulation import engine, validation
 
 __all__ = ["TPUEmbedding", "TPUEmbeddingV2WithoutSparseCore"]
 
@@ -73,14 +77,90 @@ class TPUEmbedding(engine.CPUEmbedding):
           "results a TPU gives without pipelining).")
     _check_tpu_optimizers(feature_config, optimizer)
     super().__init__(feature_config, optimizer, engine="v1")
+    object.__setattr__(self, "_tf_optimizer", optimizer)
+    object.__setattr__(self, "_engine_builds", 0)
+
+  @contextlib.contextmanager
+  def _engine_build(self):
+    """``build()`` calls from the engine (``enqueue``, ``variables``): as
+    ``TPUEmbedding._maybe_build``, they leave unset shapes to the batch."""
+    object.__setattr__(self, "_engine_builds", self._engine_builds + 1)
+    try:
+      yield
+    finally:
+      object.__setattr__(self, "_engine_builds", self._engine_builds - 1)
 
   def build(self, per_replica_input_shapes=None, per_replica_batch_size=None):
-    built = self._variables is not None
+    """``TPUEmbedding.build``: configures the TPU's embedding engine, once."""
+    if self._table_vars is not None:
+      return
+    tables = [t.name for t in self._tables]
+    _check_config_proto_writable()
+    embedding_memory.check_free(tables)
+    if (not self._engine_builds and per_replica_input_shapes is None
+        and not per_replica_batch_size):
+      # tpu_embedding_v2.py build -> _check_output_shapes_fully_defined: with
+      # no shapes given, every feature needs a fully defined output shape.
+      for feature, shape in zip(self._features, self._shapes.stored):
+        validation.check_fully_defined(feature.where, shape)
     super().build(per_replica_input_shapes, per_replica_batch_size)
-    if not built:
-      for variables in self._variables.values():
-        for variable in variables.values():
-          variable.variables = (variable,)  # One shard: the whole table.
+    embedding_memory.claim(self, tables)
+    for variables in self._table_vars.values():
+      for variable in variables.values():
+        variable.variables = (variable,)  # One shard: the whole table.
+
+  @property
+  def variables(self):
+    with self._engine_build():
+      return super().variables
+
+  @tf.autograph.experimental.do_not_convert
+  def enqueue(self, features, weights=None, training: bool = True,
+              name=None, device=None):
+    """``TPUEmbedding.enqueue`` with the TPU's checks (``tpu_inputs.py``)."""
+    strategy = self._replicas.strategy
+    in_tpu_context = tpu_inputs.check_control_flow(strategy)
+    validation.check_structure(
+        self._feature_config, "features", features,
+        "pass one entry per FeatureConfig, in the same containers.")
+    tpu_inputs.check_inputs_on_host(strategy, nest.flatten(features),
+                                    [f.path for f in self._features])
+    if in_tpu_context:
+      tpu_inputs.check_direct_inputs(strategy, features)
+    # On the host inside jit_compile=True: TensorFlow's XLA error (outer_jit),
+    # raised when the enqueue op is made, after the checks above.
+    outer_jit.check_host_enqueue(self._replicas)
+    with self._engine_build():
+      return super().enqueue(features, weights, training, name, device)
+
+  def apply_gradients(self, gradients, name=None):
+    """``TPUEmbedding.apply_gradients``: float32 gradients only, as the TPU's
+    ``SendTPUEmbeddingGradients`` op takes them (TensorFlow casts nothing)."""
+    validation.check_structure(
+        self._feature_config, "gradients", gradients,
+        "pass one gradient per feature, shaped like its activation (None "
+        "means a zero gradient).")
+    flat = nest.flatten(gradients)
+    # TensorFlow's order: each gradient's type and shape, then the op's dtype.
+    for feature, grad, shape in zip(self._features, flat, self._shapes.stored):
+      validation.check_gradient_type(feature.where, grad)
+      if grad is not None and shape.rank and shape.is_fully_defined():
+        validation.check_gradient(
+            feature.where, grad,
+            shape.as_list() + [self._tables[feature.table].config.dim])
+    wrong = [(f, g) for f, g in zip(self._features, flat)
+             if g is not None and g.dtype != tf.float32]
+    if wrong:
+      feature, grad = wrong[0]
+      types_ = [(g.dtype if g is not None else tf.float32).name for g in flat]
+      raise errors.InputTypeError(
+          "Tensors in list passed to 'inputs' of 'SendTPUEmbeddingGradients' "
+          f"Op have types [{', '.join(types_)}] that do not match expected "
+          f"type float32. {feature.where}: gradient dtype {grad.dtype.name}; "
+          "the TPU takes float32 gradients only and casts nothing. Fix: "
+          "tf.cast the gradient to tf.float32 (e.g. take it with respect to "
+          "the float32 activations dequeue() returned).")
+    super().apply_gradients(gradients, name)
 
   @property
   def embedding_tables(self):
@@ -104,23 +184,74 @@ class TPUEmbedding(engine.CPUEmbedding):
           "features. Fix: one shape per FeatureConfig, in its flattened order.")
     self._shapes.stored = shapes
 
-  @tf.autograph.experimental.do_not_convert
-  def enqueue(self, features, weights=None, training: bool = True, name=None,
-              device=None):
-    # On the host inside jit_compile=True: TensorFlow's XLA error (outer_jit).
-    outer_jit.check_host_enqueue(self._replicas)
-    return super().enqueue(features, weights, training, name, device)
-
   def _retrieve_variables(self):
-    pass  # The host variables are the tables: nothing to copy back.
+    # The host variables are the tables, unless initialize_tpu_system gave
+    # the TPU to another TPUEmbedding since (embedding_memory.py).
+    embedding_memory.retrieve(self)
 
   def _load_variables(self):
-    pass  # Nor to copy to a TPU.
+    embedding_memory.load(self)
+
+  def _create_config_proto(self):
+    """The ``TPUEmbeddingConfiguration`` a TPU would be configured with.
+
+    TensorFlow's own ``TPUEmbedding._create_config_proto`` run on this
+    object's tables, optimizers and output shapes. TensorFlow names unnamed
+    tables (``table_<i>``) and gives tables without an optimizer the global
+    one by writing into the user's ``TableConfig``s; we never modify them, so
+    it reads copies carrying those names and optimizers.
+    """
+    copies = {}
+    for table in self._tables:
+      config = copy.copy(table.config)
+      config.name = table.name
+      if config.optimizer is None:
+        config.optimizer = self._tf_optimizer
+      copies[id(table.config)] = config
+    features = nest.map_structure(
+        lambda f: _with_table(f, copies[id(f.table)]), self._feature_config)
+    rates = []
+    for config in copies.values():
+      rate = config.optimizer.learning_rate
+      if callable(rate) and rate not in rates:
+        rates.append(rate)
+    shim = types.SimpleNamespace(
+        _dynamic_learning_rates=rates, _table_config=list(copies.values()),
+        _strategy=self._replicas.strategy, _feature_config=features,
+        _output_shapes=list(self._shapes.stored), _num_cores_per_replica=None,
+        _pipeline_execution_with_tensor_core=False)
+    real = patching.original("tensorflow.python.tpu.tpu_embedding_v2",
+                             "TPUEmbedding")
+    return real._create_config_proto(shim)  # pylint: disable=protected-access
 
   def __call__(self, features, weights=None):
     raise errors.InputTypeError(
         "TPUEmbedding is not callable, on a TPU either. Fix: enqueue the "
         "features, then dequeue the activations inside strategy.run.")
+
+
+def _with_table(feature, table):
+  feature = copy.copy(feature)
+  feature.table = table
+  return feature
+
+
+def _check_config_proto_writable() -> None:
+  """Refuses, as a TPU's ``build`` would, an install whose protobuf refuses
+  TensorFlow's TPU embedding config: ``TPUEmbedding._create_config_proto``
+  sets ``OptimizationParameters.low_dimensional_packing_status`` (an enum)
+  to a bool for every table (``tpu_embedding_v2_utils.py``,
+  ``_set_optimization_parameters``), which protobuf 7 refuses."""
+  from tensorflow.core.protobuf.tpu import optimization_parameters_pb2  # pylint: disable=g-import-not-at-top
+  try:
+    optimization_parameters_pb2.OptimizationParameters().low_dimensional_packing_status = False
+  except TypeError as e:
+    import google.protobuf  # pylint: disable=g-import-not-at-top
+    raise errors.ConfigTypeError(
+        f"{e} (TensorFlow {tf.__version__}'s TPUEmbedding.build writes this bool "
+        f"into its TPU configuration for every table, and protobuf "
+        f"{google.protobuf.__version__} refuses it: on a TPU, TPUEmbedding "
+        "cannot build with this install). Fix: pip install 'protobuf<7'.") from None
 
 
 def _check_tpu_optimizers(feature_config, optimizer):
@@ -136,7 +267,10 @@ def _check_tpu_optimizers(feature_config, optimizer):
     if not isinstance(chosen, tpu_embedding_v2_utils._Optimizer):  # pylint: disable=protected-access
       name = getattr(table, "name", None) or "(unnamed)"
       raise errors.ConfigTypeError(
-          f"table {name!r}: TPUEmbedding under a TPUStrategy needs one of "
+          f"{type(chosen)} is an unsupported optimizer class. Please pass an "
+          "instance of one of the optimizer classes under "
+          f"tf.tpu.experimental.embedding. table {name!r}: TPUEmbedding under "
+          "a TPUStrategy needs one of "
           f"tf.tpu.experimental.embedding's optimizers, got {chosen!r}. Fix: "
           "pass optimizer= (e.g. tf.tpu.experimental.embedding.SGD(0.1)) or "
           "set TableConfig.optimizer; for our optimizer specs use "

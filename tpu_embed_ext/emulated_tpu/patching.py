@@ -40,6 +40,18 @@ exists and is the object named in ``ORIGINALS``, and no other module under
   else a class that refuses (no SparseCore, as on a TPU without one):
   ``tensorflow.python.tpu.tpu_embedding_v3`` and ``tf.tpu.experimental.embedding``.
 
+* ``device_assignment`` (``tensorflow.python.tpu.device_assignment``, also
+  what ``tf.tpu.experimental.DeviceAssignment.build`` calls) ->
+  ``strategy.device_assignment``: TensorFlow's own, except that several cores
+  per replica which the emulated topology cannot hold raise
+  ``NotEmulatedError`` (model parallelism) instead of TensorFlow's
+  ``ValueError`` about the topology.
+
+* ``multi_device_iterator_ops._create_device_dataset`` (internal, no alias)
+  -> ``device_datasets.create_device_dataset``: the per-replica datasets of
+  distributed iterators without tf.data autotuning (its thread hangs their
+  destructor at 8 replicas; ``device_datasets.py``).
+
 ``tf.X`` above is the module ``tensorflow._api.v2.X`` (what ``tf.X`` is), v1 is
 ``tensorflow._api.v2.compat.v1.X``, compat.v2 ``tensorflow._api.v2.compat.v2.X``.
 """
@@ -93,6 +105,10 @@ ORIGINALS = {
     "connect_to_cluster": ("tensorflow.python.eager.remote", "connect_to_cluster"),
     "TPUEmbedding": ("tensorflow.python.tpu.tpu_embedding_v2", "TPUEmbedding"),
     "TPUEmbeddingV2": ("tensorflow.python.tpu.tpu_embedding_v3", "TPUEmbeddingV2"),
+    "device_assignment": ("tensorflow.python.tpu.device_assignment",
+                          "device_assignment"),
+    "_create_device_dataset": ("tensorflow.python.data.ops.multi_device_iterator_ops",
+                               "_create_device_dataset"),
 }
 
 # Key -> replacement (module:attribute under tpu_embed_ext.emulated_tpu).
@@ -109,6 +125,10 @@ _REPLACEMENTS = {
     # SparseCore: the partner module tpu_embed_ext/emulated_tpu/sparsecore.py
     # (TPUEmbeddingV2 adapter). Without SparseCore, a class that refuses.
     "TPUEmbeddingV2": "sparsecore:TPUEmbeddingV2",
+    "device_assignment": "strategy:device_assignment",
+    # Not an entry point: the per-replica datasets of distributed iterators,
+    # without the autotuning thread that hangs their destructor at 8 replicas.
+    "_create_device_dataset": "device_datasets:create_device_dataset",
 }
 _WITHOUT_SPARSECORE = "mid_level:TPUEmbeddingV2WithoutSparseCore"
 
@@ -139,7 +159,9 @@ PATCHES: Tuple[Patch, ...] = tuple(
               for api in (_API, _V1, _V2)))
     + [row for name in ("TPUEmbedding", "TPUEmbeddingV2")
        for row in _rows(name, *((f"{api}.tpu.experimental.embedding", name)
-                                for api in (_API, _V1, _V2)))])
+                                for api in (_API, _V1, _V2)))]
+    + _rows("device_assignment")
+    + _rows("_create_device_dataset"))
 
 
 def _object(path: str, emulation):

@@ -245,7 +245,7 @@ class PipelinedSteps:
     for i, (feature, occ) in enumerate(zip(self._features, pending.occurrences)):
       table = self._tables[feature.table]
       rows, index = self._lag.rows_for(
-          table.name, self._variables[table.name]["parameters"], occ.ids, gate)
+          table.name, self._table_vars[table.name]["parameters"], occ.ids, gate)
       out = lookups.activation(rows, occ._replace(ids=index), table.config)
       if verdict is not None and verdict.assertion is None:
         out = tf.where(verdict.per_item_ok[i], out,
@@ -263,6 +263,6 @@ class PipelinedSteps:
     for k, table in enumerate(self._tables):
       ids = tf.concat([p["ids"][k] for p in replica_payloads], 0)
       saved.append(self._lag.record(
-          table.name, self._variables[table.name]["parameters"], ids))
+          table.name, self._table_vars[table.name]["parameters"], ids))
     with tf.control_dependencies(saved):
       return super()._apply_all_replicas(replica_payloads)

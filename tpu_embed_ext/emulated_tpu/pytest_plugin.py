@@ -7,21 +7,36 @@
   keeps its own), and the emulation is entered once they are loaded.
 * The ``emulated_tpu`` fixture gives a test its own emulated TPU, shaped by
   ``@pytest.mark.emulate_tpu(replicas=2, sparsecore=False, topology=None,
-  xla=True)``
-  (default 8 replicas). In a session already under ``--emulate-tpu`` it
+  xla=True)`` (default 8 replicas). In a session already under ``--emulate-tpu`` it
   yields the session's, and skips a test whose marker asks for another.
 
-Inert unless asked: without ``--emulate-tpu`` nothing is imported beyond this
-module (no TensorFlow) and nothing is patched.
+Order-independent: without ``--emulate-tpu``, the logical CPU devices the
+collected ``emulated_tpu`` tests need (the most any marker asks for) are set
+up once collection ends, before any test runs, so a fixture's result does
+not depend on whether an earlier test already initialised TensorFlow. If
+TensorFlow was initialised before that (a test module or conftest running an
+op at import), the fixture's error names the module and the fix.
+
+``--emulate-tpu-sparsecore`` and ``--emulate-tpu-topology`` without
+``--emulate-tpu`` are usage errors (pytest's ``ERROR:`` line, status 4);
+``--emulate-tpu-topology`` implies ``--emulate-tpu-sparsecore`` and must
+name a real slice (``v5p:3`` is refused), as for the runner.
+
+Inert unless asked: without ``--emulate-tpu`` and without ``emulated_tpu``
+tests nothing is imported beyond this module (no TensorFlow) and nothing is
+patched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import pytest
 
 _STACK = pytest.StashKey[contextlib.ExitStack]()
+# Where TensorFlow was first seen initialised (a collected module's node id).
+_EARLY_TF = pytest.StashKey[str]()
 
 
 def pytest_addoption(parser):
@@ -38,26 +53,82 @@ def pytest_addoption(parser):
   group.addoption("--emulate-tpu-topology", metavar="T", default=None,
                   dest="emulate_tpu_topology",
                   help="With --emulate-tpu: the SparseCore topology (v5p:N...).")
-  group.addoption("--emulate-tpu-no-xla", action="store_false", default=True,
-                  dest="emulate_tpu_xla",
+  group.addoption("--emulate-tpu-no-xla", action="store_true", default=False,
+                  dest="emulate_tpu_no_xla",
                   help="With --emulate-tpu: do not check that each replica's "
                   "step compiles with XLA, as a TPU's must (faster).")
 
 
-def _session_shape(config):
-  replicas = config.getoption("emulate_tpu")
+def _session_shape(config, options=None):
+  """(replicas, sparsecore, topology, xla) of --emulate-tpu, or None; UsageError.
+
+  ``options``: the parsed options (``config.option`` once configured; the
+  early namespace before conftests load)."""
+  options = options or config.option
+  replicas = getattr(options, "emulate_tpu", None)
+  sparsecore = getattr(options, "emulate_tpu_sparsecore", False)
+  topology = getattr(options, "emulate_tpu_topology", None)
+  no_xla = getattr(options, "emulate_tpu_no_xla", False)
   if replicas is None:
+    for flag, given in (("--emulate-tpu-sparsecore", sparsecore),
+                        ("--emulate-tpu-topology", topology is not None),
+                        ("--emulate-tpu-no-xla", no_xla)):
+      if given:
+        raise pytest.UsageError(
+            f"{flag} needs --emulate-tpu=N (the session's emulated TPU of N "
+            f"replicas); without it {flag} would do nothing. Fix: add "
+            "--emulate-tpu=N, or drop the flag.")
     return None
-  return (replicas, config.getoption("emulate_tpu_sparsecore"),
-          config.getoption("emulate_tpu_topology"),
-          config.getoption("emulate_tpu_xla"))
+  if topology is not None:
+    from tpu_embed_ext import errors  # pylint: disable=g-import-not-at-top
+    from tpu_embed_ext.emulated_tpu import runner  # pylint: disable=g-import-not-at-top
+    try:
+      runner.check_slice(topology)  # Without loading TensorFlow.
+    except errors.Error as e:
+      raise pytest.UsageError(f"--emulate-tpu-topology: {e}") from None
+    sparsecore = True
+  return replicas, sparsecore, topology, not no_xla
+
+
+def _tensorflow_initialised() -> bool:
+  context = sys.modules.get("tensorflow.python.eager.context")
+  return bool(context and context.context()._initialized)  # pylint: disable=protected-access
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+  yield
+  config = collector.config
+  if _EARLY_TF not in config.stash and _tensorflow_initialised():
+    config.stash[_EARLY_TF] = collector.nodeid or "conftest.py"
+
+
+def pytest_collection_modifyitems(session, config, items):
+  """Sets up the devices of the collected emulated_tpu tests, before any runs."""
+  del session
+  if config.getoption("emulate_tpu") is not None:
+    return
+  wanted = [_marker_kwargs(item).get("replicas", 8) for item in items
+            if "emulated_tpu" in getattr(item, "fixturenames", ())]
+  if wanted and not _tensorflow_initialised():
+    from tpu_embed_ext.emulated_tpu import strategy  # pylint: disable=g-import-not-at-top
+    strategy.configure_logical_devices(max(r for r in wanted
+                                           if isinstance(r, int) and r > 0) or 8)
+
+
+def _marker_kwargs(item) -> dict:
+  marker = item.get_closest_marker("emulate_tpu")
+  return dict(marker.kwargs) if marker else {}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config, parser, args):
   """Configures the session's logical devices before conftests import TF."""
   del parser, args
-  replicas = getattr(early_config.known_args_namespace, "emulate_tpu", None)
+  known = early_config.known_args_namespace
+  replicas = getattr(known, "emulate_tpu", None)
+  if replicas and getattr(known, "emulate_tpu_topology", None) is not None:
+    _session_shape(early_config, known)  # A bad slice: refused before TF loads.
   if replicas:
     from tpu_embed_ext.emulated_tpu import strategy  # pylint: disable=g-import-not-at-top
     strategy.configure_logical_devices(replicas)
@@ -65,8 +136,7 @@ def pytest_load_initial_conftests(early_config, parser, args):
 
 def pytest_configure(config):
   config.addinivalue_line(
-      "markers", "emulate_tpu(replicas=8, sparsecore=False, topology=None, "
-      "xla=True): "
+      "markers", "emulate_tpu(replicas=8, sparsecore=False, topology=None, xla=True): "
       "the shape of the TPU the emulated_tpu fixture gives the test.")
   shape = _session_shape(config)
   if shape is None:
@@ -78,6 +148,10 @@ def pytest_configure(config):
   except errors.Error as e:
     raise pytest.UsageError(f"--emulate-tpu={shape[0]}: {e}") from None
   config.stash[_STACK] = stack
+  # TensorFlow's and the set-up's objects out of every full collection and of
+  # the exit's (start_up_objects.py); the tests' own objects are untouched.
+  from tpu_embed_ext.emulated_tpu import start_up_objects  # pylint: disable=g-import-not-at-top
+  start_up_objects.freeze_start_up()
 
 
 def pytest_unconfigure(config):
@@ -91,8 +165,7 @@ def pytest_unconfigure(config):
 def emulated_tpu(request):
   """The test's emulated TPU (an ``Emulation``): see the module docstring."""
   from tpu_embed_ext import emulated_tpu as lib  # pylint: disable=g-import-not-at-top
-  marker = request.node.get_closest_marker("emulate_tpu")
-  wanted = dict(marker.kwargs) if marker else {}
+  wanted = _marker_kwargs(request.node)
   session = _session_shape(request.config)
   if session is not None:
     active = lib.current()
@@ -104,5 +177,19 @@ def emulated_tpu(request):
                   + (" --emulate-tpu-sparsecore" if active.sparsecore else ""))
     yield active
     return
-  with lib.emulate_tpu(**wanted) as emulation:
+  try:
+    context = lib.emulate_tpu(**wanted)
+    emulation = context.__enter__()
+  except lib.EmulationError as e:
+    early = request.config.stash.get(_EARLY_TF, None)
+    if early is None or "logical CPU devices" not in str(e):
+      raise
+    raise lib.EmulationError(
+        f"{e} TensorFlow was initialised while pytest collected {early} (a "
+        "TensorFlow op at import time), before the emulated_tpu fixture could "
+        "set up its devices. Fix: move that op into a test or fixture, or run "
+        "pytest --emulate-tpu=N.") from None
+  try:
     yield emulation
+  finally:
+    context.__exit__(*sys.exc_info())

@@ -1,80 +1,196 @@
-"""``python -m tpu_embed_ext emulate [options] SCRIPT [ARGS...]``: a program on the emulated TPU.
+"""``python -m tpu_embed_ext emulate [options] SCRIPT [ARGS...]`` (or ``-m MODULE``).
 
 SCRIPT runs as ``__main__``, as ``python SCRIPT ARGS`` runs it:
 ``sys.argv`` is ``[SCRIPT, *ARGS]``, ``sys.path[0]`` the script's directory,
-and absl's flag registry holds only what the script defines (the
-command line dispatches ``emulate`` here before it defines its own flags), so
-a script's ``app.run(main)`` parses its own flags. The logical CPU devices
-are set up before the script runs, then the whole script runs inside
+and absl's flag registry holds only what the script defines (the command
+line dispatches ``emulate`` here before it defines its own flags), so a
+script's ``app.run(main)`` parses its own flags. ``-m MODULE ARGS`` runs a
+module as ``python -m MODULE ARGS`` does: ``sys.argv[0]`` is the module's
+file and ``sys.path[0]`` the current directory. The logical CPU devices are
+set up before the script runs, then the whole script runs inside
 ``emulate_tpu``.
 
-Exit status: the script's own (``sys.exit(code)``; 0 when it returns; 1 with
-the traceback printed on an exception); 2 for a bad ``emulate`` command line.
+Exit status: the script's own (``sys.exit(code)``; 0 when it returns; 1
+after the script's ``sys.excepthook`` reported an exception); 2 for a bad
+``emulate`` command line (one line, as the other commands).
 
-Exit time: once the script has finished (and its ``atexit`` handlers and
-non-daemon threads with it, as at a normal exit), open files, ``tf.io.gfile``
-files and summary writers are flushed and the process ends without Python's
-final garbage collection (``exit_now``; ``--finalize`` keeps it). That
-collection runs TensorFlow's C++ destructors of the script's distributed
-iterators and multi-device functions. Measured at 8 replicas on the loaded
-2-core development machine (issue 29), a script building 5 distributed
-iterators and taking 3 steps on each: Python's final collection alone took
-1.3-20.5 s with the engine (stalls of about 10 s: 10.3, 10.3, 20.5, 20.5 s
-in 4 of 6 runs) and 0.6-1.3 s without it; the whole exit after the script's
-last line took 7-22 s with the engine and 5-43 s without it (3 runs each).
-What the engine adds is more to collect: 34,000 objects and 264 traced
-graphs against 16,000 and 99 (its per-replica and merge functions); the
-stalls themselves are inside TensorFlow's C++ destructors (no Python frame
-in a profile of the collection). Through this runner the process ended
-0.8-1.1 s after the script's last line (3 runs), and 3, 25 and 88 s after
-it with ``--finalize``.
+Exit: Python's own. ``main`` returns the status and the command line ends
+with ``sys.exit``: the script's ``atexit`` handlers and non-daemon threads,
+then the interpreter's finalization (open files, ``gzip`` / ``zipfile`` /
+``h5py`` files and ``NamedTemporaryFile``s end as their finalizers leave
+them under ``python SCRIPT``; ``tests/test_emulate_command.py`` compares
+each). Until issue 34 the runner ended with ``os._exit`` to skip that
+finalization, where TensorFlow's destructors of distributed iterators waited
+on tf.data autotuning threads for seconds to minutes at 8 replicas; those
+threads are gone from the emulated TPU's distributed datasets
+(``device_datasets.py``). The rest of the exit's time was the interpreter's
+final collections walking TensorFlow's start-up objects (1.1-2.3 s after the
+script's last line at 8 replicas); on the command line ``_start`` freezes
+them (``start_up_objects.py``) before the script runs, and
+``benchmarks/replica_suite.py`` measures 0.1-0.3 s at 1, 2 and 8 replicas.
+The script's own objects are collected and finalized as under ``python``.
 """
 
 from __future__ import annotations
 
-import argparse
-import atexit
-import gc
-import io
+import contextlib
+import dataclasses
+import importlib.util
 import os
 import runpy
 import sys
-import threading
 import traceback
 from typing import List, Optional
 
-__all__ = ["main"]
+from tpu_embed_ext import errors
+
+__all__ = ["main", "parse", "check_slice", "UsageError", "USAGE", "OPTIONS"]
 
 USAGE = ("python -m tpu_embed_ext emulate [--replicas N] [--sparsecore] "
-         "[--topology T] [--no-xla] [--finalize] SCRIPT [ARGS...]")
+         "[--topology T] [--no-xla] (SCRIPT | -m MODULE) [ARGS...]")
 
 
-def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
-      prog="python -m tpu_embed_ext emulate", usage=USAGE,
-      description="Run SCRIPT, unmodified, on an emulated TPU of logical CPU "
-      "devices: TensorFlow's TPUClusterResolver, TPUStrategy and TPUEmbedding "
-      "(TPUEmbeddingV2 with --sparsecore) run on CPU with the TPU's math.")
-  parser.add_argument("--replicas", type=int, default=8,
-                      help="TPU cores (replicas), one logical CPU device each "
-                      "(default 8).")
-  parser.add_argument("--sparsecore", action="store_true",
-                      help="The TPU has SparseCore: TPUEmbeddingV2 is emulated.")
-  parser.add_argument("--topology", default=None,
-                      help="SparseCore topology of --replicas chips: v5p:N, "
-                      "v6e:N, tpu7x:N or NxSPARSECORES.")
-  parser.add_argument("--no-xla", dest="xla", action="store_false",
-                      help="Do not check that each replica's step compiles "
-                      "with XLA, as a TPU's must (faster; see "
-                      "docs/guides/tpu-on-cpu.md).")
-  parser.add_argument("--finalize", action="store_true",
-                      help="Exit as Python does, with its final garbage "
-                      "collection (TensorFlow's destructors; at 8 replicas this "
-                      "can take minutes).")
-  parser.add_argument("script", metavar="SCRIPT", help="The Python program.")
-  parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
-                      help="SCRIPT's own arguments.")
-  return parser
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """One ``emulate`` option: ``metavar`` None for a switch."""
+  metavar: Optional[str]
+  help: str
+  convert: object = str
+
+
+def _replicas(text: str) -> int:
+  try:
+    return int(text)
+  except ValueError:
+    raise UsageError(f"--replicas takes a whole number of TPU cores, got "
+                     f"{text!r}. Fix: e.g. --replicas 8.") from None
+
+
+# Options by name; a new option is a new entry (the parser reads this table).
+OPTIONS = {
+    "--replicas": Option("N", "TPU cores (replicas), one logical CPU device "
+                         "each (default 8).", _replicas),
+    "--sparsecore": Option(None, "The TPU has SparseCore: TPUEmbeddingV2 is "
+                           "emulated."),
+    "--topology": Option("T", "The TPU slice, e.g. v5p:8, v6e:8, tpu7x:8 or "
+                         "8x4 (chips x SparseCores); implies --sparsecore."),
+    "--no-xla": Option(None, "Do not check that each replica's step compiles "
+                       "with XLA, as a TPU's must (faster; see "
+                       "docs/guides/tpu-on-cpu.md)."),
+    # Before issue 34 it asked for Python's exit instead of os._exit; the
+    # exit is always Python's now. Accepted so existing command lines run.
+    "--finalize": Option(None, "No effect (the exit is always Python's own); "
+                         "kept for older command lines."),
+}
+_DEFAULTS = {"--replicas": 8}
+
+
+class UsageError(Exception):
+  """A bad ``emulate`` command line (one line, exit 2)."""
+
+
+@dataclasses.dataclass
+class Command:
+  """What the ``emulate`` command line asks for."""
+  options: dict
+  script: Optional[str]
+  module: Optional[str]
+  args: List[str]
+
+  def get(self, name: str):
+    return self.options.get(name, _DEFAULTS.get(name, False if
+                                                 OPTIONS[name].metavar is None
+                                                 else None))
+
+
+def parse(argv: List[str]) -> Command:
+  """Reads ``emulate``'s words: options, then SCRIPT or ``-m MODULE``, then
+  the program's own ARGS (which may look like options). Raises UsageError."""
+  options, i = {}, 0
+  while i < len(argv):
+    word = argv[i]
+    if word == "-m" or (word.startswith("-m") and not word.startswith("--")):
+      module = word[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
+      if not module:
+        raise UsageError("-m needs a MODULE, as python -m does.")
+      return Command(options, None, module, argv[i + (1 if word[2:] else 2):])
+    if word == "--":
+      i += 1
+      break
+    if not word.startswith("-") or word == "-":
+      break
+    name, eq, value = word.partition("=")
+    option = OPTIONS.get(name)
+    if option is None:
+      raise UsageError(f"unknown option {name!r}.{errors.did_you_mean(name, OPTIONS)}"
+                       " Options come before SCRIPT; the script's own go after it.")
+    if option.metavar is None:
+      if eq:
+        raise UsageError(f"{name} takes no value, got {word!r}.")
+      options[name] = True
+    else:
+      if not eq:
+        if i + 1 >= len(argv):
+          raise UsageError(f"{name} needs a value ({option.metavar}).")
+        i += 1
+        value = argv[i]
+      options[name] = option.convert(value)
+    i += 1
+  if i >= len(argv):
+    raise UsageError("give the program to run: SCRIPT or -m MODULE.")
+  return Command(options, argv[i], None, argv[i + 1:])
+
+
+def _help() -> str:
+  lines = [f"usage: {USAGE}", "",
+           "Runs a Python program, unmodified, on an emulated TPU of logical "
+           "CPU devices: TensorFlow's TPUClusterResolver, TPUStrategy and "
+           "TPUEmbedding (TPUEmbeddingV2 with --sparsecore) run on CPU with "
+           "the TPU's math.", ""]
+  for name, option in OPTIONS.items():
+    head = f"{name} {option.metavar}" if option.metavar else name
+    lines.append(f"  {head:<16} {option.help}")
+  lines.append(f"  {'-m MODULE':<16} Run a module as python -m does.")
+  return "\n".join(lines)
+
+
+def _shape(command: Command):
+  """(replicas, sparsecore, topology, xla) with the slice checked."""
+  topology = command.get("--topology")
+  if topology is not None:
+    try:
+      check_slice(topology)
+    except errors.Error as e:
+      raise UsageError(f"--topology: {' '.join(str(e).split())}") from None
+  sparsecore = command.get("--sparsecore") or topology is not None
+  return command.get("--replicas"), sparsecore, topology, not command.get("--no-xla")
+
+
+def check_slice(topology):
+  """``sparsecore.topology.check_slice`` without loading TensorFlow.
+
+  The ``tpu_embed_ext.sparsecore`` package imports TensorFlow (its checkpoint
+  conversion); a usage error should not print TensorFlow's start-up lines,
+  so ``topology.py`` (which needs only ``errors``) is read on its own.
+  """
+  name = "tpu_embed_ext.sparsecore.topology"
+  module = sys.modules.get(name) or sys.modules.get(f"{name}_standalone")
+  if module is None:
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), "sparsecore", "topology.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_standalone", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up.
+    spec.loader.exec_module(module)
+  return module.check_slice(topology)
+
+
+def _script_frames(tb, filename: str):
+  """The traceback from the program's first frame on, as ``python`` shows."""
+  start = tb
+  while start is not None and start.tb_frame.f_code.co_filename != filename:
+    start = start.tb_next
+  return start or tb
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -87,92 +203,111 @@ def _exit_code(e: SystemExit) -> int:
   return 1
 
 
-def _run(script: str, args: List[str], options) -> int:
-  from tpu_embed_ext import emulated_tpu  # pylint: disable=g-import-not-at-top
-  # Set-up errors (replicas, devices) propagate: main prints them in one line.
-  with emulated_tpu.emulate_tpu(options.replicas, options.sparsecore,
-                                options.topology, xla=options.xla):
+def _run_program(command: Command) -> int:
+  if command.module is not None:
     saved = sys.argv, sys.path[0]
-    sys.argv = [script] + list(args)
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    sys.path[0] = os.getcwd()
     try:
-      runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-      return _exit_code(e)
-    except KeyboardInterrupt:
+      spec = importlib.util.find_spec(command.module)
+    except (ImportError, ValueError):
+      spec = None
+    if spec is None or spec.origin is None:
+      sys.path[0] = saved[1]
+      raise UsageError(f"no module named {command.module!r} (looked in the "
+                       "current directory and sys.path, as python -m does).")
+    filename = spec.origin
+    sys.argv = [filename] + list(command.args)
+    run = lambda: runpy.run_module(command.module, run_name="__main__",
+                                   alter_sys=True)
+  else:
+    filename = os.path.abspath(command.script)
+    saved = sys.argv, sys.path[0]
+    sys.argv = [command.script] + list(command.args)
+    sys.path[0] = os.path.dirname(filename)
+    run = lambda: runpy.run_path(command.script, run_name="__main__")
+  try:
+    run()
+  except SystemExit as e:
+    return _exit_code(e)
+  except BaseException as e:  # pylint: disable=broad-except
+    # As the interpreter does for an uncaught exception: the script's own
+    # sys.excepthook (the default prints the traceback) and status 1.
+    e.__traceback__ = _script_frames(e.__traceback__, filename)
+    sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
+    try:
+      sys.excepthook(type(e), e, sys.last_traceback)
+    except Exception:  # pylint: disable=broad-except  # A hook that fails.
       traceback.print_exc()
-      return 130  # As Python's own exit on SIGINT reads in a shell.
-    except BaseException:  # pylint: disable=broad-except
-      traceback.print_exc()
-      return 1
-    finally:
-      sys.argv, sys.path[0] = saved
+    return 130 if isinstance(e, KeyboardInterrupt) else 1
+  finally:
+    sys.argv, sys.path[0] = saved
   return 0
 
 
-def main(argv: Optional[List[str]] = None, *, fast_exit: bool = True) -> int:
+def main(argv: Optional[List[str]] = None, *, owns_process: bool = False) -> int:
   """Runs ``emulate``'s command line (the words after ``emulate``).
 
-  Returns the exit status (the script's, or 2 for a bad command line). With
-  ``fast_exit`` (the command line's way) a script that ran does not return
-  here: the process ends with its status through ``exit_now``. Call it as
-  ``sys.exit(main(argv))``.
+  Returns the exit status (the script's, or 2 for a bad command line): call
+  it as ``sys.exit(main(argv))``, which ends the process as Python does.
+  ``owns_process`` (the command line's way): TensorFlow's start-up lines go
+  to the library log, not the terminal.
   """
-  parser = _parser()
   argv = sys.argv[1:] if argv is None else list(argv)
+  if any(a in ("-h", "--help") for a in argv[:_first_program_word(argv)]):
+    print(_help())
+    return 0
   try:
-    options = parser.parse_args(argv)
-  except SystemExit as e:  # argparse printed the usage or --help.
-    return 0 if e.code == 0 else 2
-  if not os.path.isfile(options.script):
-    print(f"error: emulate: no script {options.script!r}. Usage: {USAGE}",
-          file=sys.stderr)
+    command = parse(argv)
+    if command.script is not None and not os.path.isfile(command.script):
+      raise UsageError(f"no script {command.script!r}.")
+    shape = _shape(command)
+  except UsageError as e:
+    print(f"error: emulate: {e} Usage: {USAGE}", file=sys.stderr)
     return 2
+  with contextlib.ExitStack() as stack:
+    try:
+      _start(stack, shape, owns_process)
+      return _run_program(command)
+    except UsageError as e:
+      print(f"error: emulate: {e} Usage: {USAGE}", file=sys.stderr)
+      return 2
+    except errors.Error as e:  # Set-up (replicas, devices): one line.
+      print(f"error: emulate: {' '.join(str(e).split())}", file=sys.stderr)
+      return 2
+
+
+def _start(stack: contextlib.ExitStack, shape, owns_process: bool) -> None:
+  """Enters the emulation. On the command line, TensorFlow's start-up lines
+  (written to fd 2 while it loads and makes its devices: the oneDNN and CPU
+  feature lines) go to the library log, as in the other commands; the
+  script's own stderr is the terminal again before it runs."""
+  log = None
+  if owns_process:
+    from tpu_embed_ext import library_log  # pylint: disable=g-import-not-at-top
+    log = library_log.LibraryLog("emulate")
   try:
-    code = _run(options.script, options.args, options)
-  except Exception as e:  # pylint: disable=broad-except
-    from tpu_embed_ext import errors  # pylint: disable=g-import-not-at-top
-    if not isinstance(e, errors.Error):
-      raise
-    print(f"error: emulate: {' '.join(str(e).split())}", file=sys.stderr)
-    return 2
-  if fast_exit and not options.finalize:
-    exit_now(code)
-  return code
+    from tpu_embed_ext import emulated_tpu  # pylint: disable=g-import-not-at-top
+    stack.enter_context(emulated_tpu.emulate_tpu(*shape))
+  finally:
+    if log is not None:
+      log.close()
+  if owns_process:
+    # TensorFlow's and the set-up's objects out of every full collection and
+    # of the exit's (start_up_objects.py); the script's own are untouched.
+    from tpu_embed_ext.emulated_tpu import start_up_objects  # pylint: disable=g-import-not-at-top
+    start_up_objects.freeze_start_up()
 
 
-def exit_now(code: int) -> None:
-  """Ends the process as a finished ``python SCRIPT`` would, minus final GC.
-
-  What the script can observe still happens: non-daemon threads are waited
-  for, ``atexit`` handlers run, and open files, ``tf.io.gfile`` files and
-  ``tf.summary`` writers are flushed (Python's and TensorFlow's destructors
-  would flush them). Then ``os._exit(code)``: no final garbage collection,
-  which is where TensorFlow's distributed iterators take their time.
-  """
-  threading._shutdown()  # pylint: disable=protected-access
-  atexit._run_exitfuncs()  # pylint: disable=protected-access
-  _flush_outputs()
-  os._exit(code)  # pylint: disable=protected-access
-
-
-def _flush_outputs() -> None:
-  kinds = [io.IOBase]
-  if "tensorflow" in sys.modules:
-    from tensorflow.python.lib.io import file_io  # pylint: disable=g-import-not-at-top
-    from tensorflow.python.ops import summary_ops_v2  # pylint: disable=g-import-not-at-top
-    kinds += [file_io.FileIO, summary_ops_v2.SummaryWriter]
-  kinds = tuple(kinds)
-  for obj in gc.get_objects():
-    if isinstance(obj, kinds) and obj not in (sys.stdout, sys.stderr):
-      _flush(obj)
-  for stream in (sys.stdout, sys.stderr):
-    _flush(stream)
-
-
-def _flush(obj) -> None:
-  try:
-    if not getattr(obj, "closed", False):
-      obj.flush()
-  except Exception:  # pylint: disable=broad-except  # Not writable, or gone.
-    pass
+def _first_program_word(argv: List[str]) -> int:
+  """Where SCRIPT or -m is: the words from there on are the program's."""
+  i = 0
+  while i < len(argv):
+    word = argv[i]
+    if word.startswith("-m") and not word.startswith("--"):
+      return i
+    if word == "--" or not word.startswith("-") or word == "-":
+      return i
+    name = word.partition("=")[0]
+    option = OPTIONS.get(name)
+    i += 2 if option and option.metavar and "=" not in word else 1
+  return i

@@ -29,10 +29,15 @@ TF 2.21):
   recorded, or in ``SequentialEmbeddingContext`` are sequential; lookups and
   updates carry TensorFlow's ``_embedding_pipelining`` attribute
   (``pipelining.py``);
-* ``embedding_tables`` / ``variables`` are keyed by stacked table name, as
-  upstream's; their values are read-only views of the stacked layout
-  (``StackedTable``: ``.values`` is one shard per replica, as
-  ``TPUEmbeddingShardedVariable``'s).
+* ``embedding_tables`` / ``variables`` / ``_variables`` are keyed by stacked
+  table name, as upstream's; their values are read-only views of the stacked
+  layout, instances of TensorFlow's ``TPUEmbeddingShardedVariable``
+  (``sharded_views.StackedTable``: ``.values`` is one shard per replica). The
+  engine keeps its variables per table, in ``_table_vars``;
+* ``build`` calls ``_batch_initialize_tables()`` as upstream does (once, no
+  arguments, unless a restore waiting for the build fills every stacked
+  variable); a replaced hook's shards are written into the tables, so
+  TensorFlow's ``tpu_embedding_v3_checkpoint_test.py`` passes unmodified.
 
 What is not SparseCore's: ``preserved_outputs`` (and ``enqueue``'s output) is
 a dict keyed by stacked table name, as upstream's, but its values are
@@ -48,13 +53,13 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-import numpy as np
 import tensorflow as tf
-from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.emulated_tpu import partitioned, pipelining, sparsecore_inputs, sparsecore_stats
+from tpu_embed_ext.emulated_tpu import (partitioned, pipelining, sharded_views,
+                                        sparsecore_inputs, sparsecore_stats)
+from tpu_embed_ext.emulated_tpu.sharded_views import StackedTable
 from tpu_embed_ext.emulation import engine as engine_lib
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore import topology as sc_topology
@@ -80,47 +85,6 @@ def topology_of(strategy) -> sc_topology.Topology:
               or _DEFAULT_SPARSECORES_PER_CHIP)
   return sc_topology.Topology(strategy.num_replicas_in_sync, int(per_chip),
                               name=f"emulated {strategy.num_replicas_in_sync}x{per_chip}")
-
-
-class StackedTable:
-  """A read-only view of one stacked variable (``TPUEmbeddingShardedVariable``'s face).
-
-  ``values`` holds one shard per replica (the stacked rows split evenly, as
-  the TPU keeps them on its chips); ``read_value()`` / ``numpy()`` the whole
-  stacked variable, padding included. The engine keeps its variables per
-  table; this is built from them when read.
-  """
-
-  def __init__(self, name: str, source, num_shards: int):
-    self._name = name
-    self._source = source  # the engine's stacked checkpoint object
-    self._num_shards = num_shards
-
-  @property
-  def name(self) -> str:
-    return self._name
-
-  @property
-  def shape(self) -> tf.TensorShape:
-    return tf.TensorShape(self._source._shape)  # pylint: disable=protected-access
-
-  def read_value(self) -> tf.Tensor:
-    return self._source._serialize_to_tensors()[trackable_base.VARIABLE_VALUE_KEY]  # pylint: disable=protected-access
-
-  def numpy(self) -> np.ndarray:
-    return self.read_value().numpy()
-
-  @property
-  def values(self):
-    return tuple(tf.split(self.read_value(), self._num_shards, axis=0))
-
-  def assign(self, *args, **kwargs):
-    del args, kwargs
-    raise errors.ConfigError(
-        f"stacked table '{self._name}' is a read-only view in the emulated "
-        "TPUEmbeddingV2 (its tables are kept per table). Fix: restore a "
-        "checkpoint (tf.train.Checkpoint(embedding=...).restore) to change "
-        "the tables.")
 
 
 class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
@@ -166,29 +130,46 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
     return {stack: slots["parameters"] for stack, slots in self.variables.items()}
 
   @property
+  def _variables(self) -> Optional[Dict[str, Dict[str, StackedTable]]]:
+    """Upstream's private ``_variables``: the stacked
+    ``TPUEmbeddingShardedVariable`` views (None before ``build``). The
+    engine's per-table variables are ``_table_vars``."""
+    return None if self._table_vars is None else sharded_views.stacked_views(self)
+
+  @property
   def variables(self) -> Dict[str, Dict[str, StackedTable]]:
     """``{stacked table name: {"parameters": ..., <slot>: ...}}``, as upstream.
 
     The engine's per-table variables: ``table_variables(table)``.
     """
     self.build()
-    out = {}
-    for stack in self._stacks:
-      out[stack] = {}
-      for slot in ("parameters", *self._slot_names(stack)):
-        name = stack if slot == "parameters" else f"{stack}/{slot}"
-        out[stack][slot] = StackedTable(name, self._lookup_dependency(name),
-                                        self._topology.chips)
-    return out
+    return sharded_views.stacked_views(self)
+
+  def build(self, per_replica_input_shapes=None, per_replica_batch_size=None):
+    """Creates the variables; as upstream, ``_batch_initialize_tables()``
+    is called once unless a restore waiting for the build fills them all."""
+    if self._table_vars is not None:
+      return
+    with tf.init_scope():  # as upstream's _maybe_build: never in a traced step
+      pending = sharded_views.uninitialized(self)
+      super().build(per_replica_input_shapes, per_replica_batch_size)
+      sharded_views.initialize_stacked(
+          self, pending, TPUEmbeddingV2._batch_initialize_tables)
+
+  def _batch_initialize_tables(self) -> Dict[str, Dict[str, list]]:
+    """``{stacked table name: {slot: [one shard per chip]}}``: the initial
+    values, as upstream's hook (called by ``build``; a replacement's values
+    are written into the tables)."""
+    return sharded_views.default_initial_values(self)
 
   def table_variables(self, table) -> Dict[str, tf.Variable]:
     """``{"parameters": var, <slot>: var}`` of one table, unstacked."""
     self.build()
-    return self._variables[self.table_name(table)]
+    return self._table_vars[self.table_name(table)]
 
   def _slot_names(self, stack):
     first = next(l.table for l in self._sparsecore.layouts if l.stack == stack)
-    return [s for s in self._variables[first] if s != "parameters"]
+    return [s for s in self._table_vars[first] if s != "parameters"]
 
   @property
   def embedding_layouts(self):
@@ -250,7 +231,7 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
   @_library_code
   def apply_gradients(self, gradients, preserved_outputs=None):
     """Applies this replica's gradients of the batch of ``preserved_outputs``."""
-    if self._variables is None:
+    if self._table_vars is None:
       raise RuntimeError(
           "apply_gradients called on unbuilt TPUEmbeddingV2 object. Please either "
           "call the embedding lookup method first or manually call the build "

@@ -57,10 +57,12 @@ from tensorflow.python.tpu import tpu_hardware_feature, tpu_system_metadata
 from tensorflow.python.training import server_lib
 
 from tpu_embed_ext import emulated_tpu
-from tpu_embed_ext.emulated_tpu import outer_jit, patching, xla_check
+from tpu_embed_ext.emulated_tpu import (embedding_memory, outer_jit, patching,
+                                        tpu_inputs, xla_check)
 
 __all__ = ["configure_logical_devices", "logical_devices", "EmulatedTPUClusterResolver",
            "initialize_tpu_system", "shutdown_tpu_system", "connect_to_cluster",
+           "device_assignment",
            "EmulatedTPUStrategy", "EmulatedExperimentalTPUStrategy",
            "TPUStrategyV1NotEmulated", "hardware_feature", "emulated_topology",
            "is_emulated_tpu_strategy"]
@@ -223,6 +225,7 @@ def initialize_tpu_system(cluster_resolver=None):
   """Returns the emulated ``Topology`` (serialized inside a ``tf.function``)."""
   del cluster_resolver
   topology = emulated_topology(_active("initialize_tpu_system"))
+  embedding_memory.reset()  # As a TPU's: no TPUEmbedding configured.
   if not context.executing_eagerly():
     return tf.constant(topology.serialized())
   return topology
@@ -231,6 +234,33 @@ def initialize_tpu_system(cluster_resolver=None):
 def shutdown_tpu_system(cluster_resolver=None):
   del cluster_resolver
   _active("shutdown_tpu_system")
+  embedding_memory.reset()
+
+
+def device_assignment(topology, computation_shape=None, computation_stride=None,
+                      num_replicas=1, **kwargs):
+  """``tpu.device_assignment``: TensorFlow's own.
+
+  Several cores per replica (``computation_shape`` with more than one core)
+  are model parallelism, which the emulated TPU (one CPU device per replica)
+  does not have. Where the emulated topology (one core per chip) cannot even
+  hold such an assignment, TensorFlow's ``ValueError`` about the topology
+  would hide that: it becomes the one-line ``NotEmulatedError``. An
+  assignment that fits is returned, and ``TPUStrategy`` refuses it.
+  """
+  real = patching.original("tensorflow.python.tpu.device_assignment",
+                           "device_assignment")
+  try:
+    return real(topology, computation_shape, computation_stride, num_replicas,
+                **kwargs)
+  except ValueError:
+    cores = (int(np.prod(computation_shape)) if computation_shape is not None
+             else 1)
+    if cores <= 1:
+      raise
+  raise _not_emulated(
+      f"tpu.device_assignment(computation_shape={list(computation_shape)}) "
+      f"({cores} cores per replica)")
 
 
 def connect_to_cluster(cluster_spec_or_resolver, *args, **kwargs):
@@ -272,6 +302,19 @@ class EmulatedTPUExtended(mirrored_strategy.MirroredExtended):
 
   def experimental_logical_device(self, logical_device_id):
     raise _not_emulated("TPUStrategy.extended.experimental_logical_device")
+
+  # Datasets: MirroredStrategy's, with no tf.data autotuning thread on the
+  # host side (its destructor hangs at 8 replicas: device_datasets.py).
+  def _experimental_distribute_dataset(self, dataset, options):
+    from tpu_embed_ext.emulated_tpu import device_datasets  # pylint: disable=g-import-not-at-top
+    return super()._experimental_distribute_dataset(
+        device_datasets.without_autotuning(dataset), options)
+
+  def _distribute_datasets_from_function(self, dataset_fn, options):
+    from tpu_embed_ext.emulated_tpu import device_datasets  # pylint: disable=g-import-not-at-top
+    return super()._distribute_datasets_from_function(
+        lambda context: device_datasets.without_autotuning(dataset_fn(context)),
+        options)
 
 
 class _TPUFace:
@@ -316,7 +359,9 @@ class _TPUFace:
     if tf.executing_eagerly() and outer_jit.is_jit_function(fn):
       return outer_jit.run_eagerly_in_a_graph(self, fn, args, kwargs, options)
     fn = _with_callers_embedding_state(outer_jit.replica_function(fn))
-    with outer_jit.replicas_compiled_separately(), \
+    # Recorded for TPUEmbedding.enqueue's TPU checks (tpu_inputs.py).
+    with tpu_inputs.recorded_run(self, args, kwargs), \
+        outer_jit.replicas_compiled_separately(), \
         xla_check.replica_program(self.extended._emulation):  # pylint: disable=protected-access
       return distribute_lib.StrategyBase.run(self, fn, args, kwargs, options)
 

@@ -126,7 +126,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     tables, features = tables_lib.resolve_all(feature_config, optimizer, engine)
     tables = tables_lib.bind_schedules(tables, self.step)
     _untracked(self, _feature_config=feature_config, _tables=tables,
-               _features=features, _variables=None,
+               _features=features, _table_vars=None,
                _batches=protocol.Batches(),
                _shapes=shapes.OutputShapes(features))
     _untracked(self, _sparsecore=None if topology is None else
@@ -147,27 +147,34 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     ``TPUEmbedding``, ``build()`` with neither creates the variables and
     leaves unset shapes to the first batch (docs/shapes.md).
     """
-    if self._variables is not None:
+    if self._table_vars is not None:
       return
     self._shapes.build(per_replica_input_shapes, per_replica_batch_size)
     host_memory.check_tables([(t.name, t.config.vocabulary_size, t.config.dim,
                                len(tables_lib.slot_names(t))) for t in self._tables])
     with tf.init_scope(), self._replicas.single_copy_variables():
-      _untracked(self, _variables={
+      _untracked(self, _table_vars={
           t.name: tables_lib.create_variables(self, t, self._sparsecore is not None)
           for t in self._tables})
       if self._sparsecore is not None:
-        self._sparsecore.track(self, self._variables)
+        self._sparsecore.track(self, self._table_vars)
       if self._kernels == "native":  # large tables on huge pages
-        native.use_huge_pages([v for variables in self._variables.values()
+        native.use_huge_pages([v for variables in self._table_vars.values()
                                for v in variables.values()])
+
+  @property
+  def _variables(self) -> Optional[Dict[str, Dict[str, tf.Variable]]]:
+    """``TPUEmbedding``'s private ``{table_name: {slot: var}}`` (None before
+    ``build``), which programs and TensorFlow's own tests read; the engine
+    keeps it as ``_table_vars`` (``TPUEmbeddingV2`` answers it per stack)."""
+    return self._table_vars
 
   @property
   def variables(self) -> Dict[str, Dict[str, tf.Variable]]:
     """``{table_name: {"parameters": var, <slot>: var}}``."""
     self.build()
     self.raise_if_failed()
-    return self._variables
+    return self._table_vars
 
   def table_variables(self, table) -> Dict[str, tf.Variable]:
     """``{"parameters": var, <slot>: var}`` of one of this engine's tables.
@@ -191,7 +198,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   def embedding_tables(self) -> Dict[Any, tf.Variable]:
     """``{TableConfig: parameters variable}``, keyed by the user's configs."""
     self.build()
-    return {t.config: self._variables[t.name]["parameters"] for t in self._tables}
+    return {t.config: self._table_vars[t.name]["parameters"] for t in self._tables}
 
   @property
   def feature_config(self):
@@ -375,7 +382,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
                   else lookups.activation)
     for i, (feature, occ) in enumerate(zip(self._features, pending.occurrences)):
       table = self._tables[feature.table]
-      out = activation(self._variables[table.name]["parameters"], occ,
+      out = activation(self._table_vars[table.name]["parameters"], occ,
                        table.config, gate)
       if verdict is not None and verdict.assertion is None:
         # XLA: a bad feature's activations are NaN, so the loss shows it.
@@ -425,7 +432,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
 
   def _apply_all_replicas(self, replica_payloads):
     return payloads.apply(replica_payloads, self._tables, self._features,
-                          self._variables, engine=self._engine,
+                          self._table_vars, engine=self._engine,
                           validate=self._validate, step=self.step,
                           failure=self._failure)
 

@@ -166,6 +166,8 @@ def feature_occurrences(where: str, config, x, w, check: bool,
   v2 = engine == "v2"
   if w is not None and isinstance(x, tf.Tensor) and not v2:
     raise errors.InputError(
+        f"Weight specified for dense input {validation.feature_path(where)}, "
+        "which is not allowed. Weight will always be 1 in this case. "
         f"{where}: weights were given for a dense id tensor. Fix: pass the "
         "ids as a RaggedTensor or SparseTensor to weight them.")
   if w is not None and config.max_sequence_length > 0 and not v2:
@@ -177,8 +179,11 @@ def feature_occurrences(where: str, config, x, w, check: bool,
         "does with them is not documented, so they are not emulated. Fix: "
         "drop them.")
   if w is not None and type(w) is not type(x):
+    tf_phrase = "" if v2 else (
+        f"Weight for {validation.feature_path(where)} is type {type(w)} which "
+        f"does not match type input which is {type(x).__name__}. ")
     raise errors.InputError(
-        f"{where}: weights are a {type(w).__name__} but ids a "
+        f"{tf_phrase}{where}: weights are a {type(w).__name__} but ids a "
         f"{type(x).__name__}. Fix: give weights the ids' type and layout.")
   checks: List[validation.FeatureCheck] = []
   if x.dtype == tf.uint64:

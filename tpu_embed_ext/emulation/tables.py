@@ -79,8 +79,14 @@ def resolve_all(feature_config, optimizer, engine: str
   names = [t.name for t in tables]
   duplicates = sorted({n for n in names if names.count(n) > 1})
   if duplicates:
-    raise ValueError(f"Tables must have unique names; found {duplicates} "
-                     "more than once. Fix: name each TableConfig uniquely.")
+    # TensorFlow's phrase first (tpu_embedding_v2.py __init__): users' tests
+    # match it.
+    raise errors.ConfigError(
+        f"Tables must have unique names. Multiple tables with name "
+        f"{duplicates[0]} found. Tables must have unique names; found "
+        f"{duplicates} more than once (distinct TableConfig objects). Fix: "
+        "name each TableConfig uniquely, or share one TableConfig object "
+        "between the features of one table.")
   derived_names.check_table_names({t.name: slot_names(t) for t in tables})
   return tables, features
 

@@ -20,6 +20,7 @@ three cases in one place.
 
 from __future__ import annotations
 
+import re
 from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -33,7 +34,7 @@ from tpu_embed_ext.numeric_traps import MAX_LEARNING_RATE
 
 __all__ = ["Verdict", "in_xla_context", "check_structure", "check_ids",
            "check_finite", "check_gradient", "check_output_shape",
-           "check_fully_defined", "listed", "check_same_layout",
+           "check_fully_defined", "feature_path", "listed", "check_same_layout",
            "check_same_indices", "IDS_OUT_OF_RANGE", "NOT_FINITE",
            "NOT_FINITE_UPDATE", "WEIGHTS_MISMATCH", "finite_message",
            "weights_layout_ok", "aligned_weights", "check_weights", "combine",
@@ -89,6 +90,10 @@ def check_structure(expected, what: str, value, fix: str):
     nest.assert_same_structure(expected, value)
   except (TypeError, ValueError) as e:
     cls = errors.InputTypeError if isinstance(e, TypeError) else errors.InputError
+    # nest's own first line ("The two structures don't have the same nested
+    # structure."), which users' tests written against a TPU match.
+    tf_phrase = (str(e).strip().splitlines() or [""])[0]
+    tf_phrase = f"{tf_phrase} " if tf_phrase else ""
     want = [p for p, _ in nest.flatten_with_joined_string_paths(expected)]
     paths = [p for p, _ in nest.flatten_with_joined_string_paths(value)]
     missing = sorted(set(want) - set(paths))
@@ -96,7 +101,7 @@ def check_structure(expected, what: str, value, fix: str):
     nested = [p for p in missing if any(u.startswith(f"{p}/") for u in unexpected)]
     if nested:  # A Python list (or dict) where one feature's tensor goes.
       raise cls(
-          f"{what} entry '{nested[0]}' is a Python "
+          f"{tf_phrase}{what} entry '{nested[0]}' is a Python "
           f"{type(_at(value, nested[0])).__name__}, but each feature takes one "
           "tf.Tensor, tf.SparseTensor or tf.RaggedTensor. Fix: convert it, e.g. "
           "tf.constant(ids, tf.int64) for one id per row, or "
@@ -109,7 +114,7 @@ def check_structure(expected, what: str, value, fix: str):
     else:
       detail = (f"the feature config is a {_kinds(expected)}, {what} a "
                 f"{_kinds(value)}")
-    raise cls(f"{what} do not match the feature config's structure: "
+    raise cls(f"{tf_phrase}{what} do not match the feature config's structure: "
               f"{detail}. Fix: {fix}") from e
 
 
@@ -153,10 +158,23 @@ def check_output_shape(where: str, stored: tf.TensorShape,
       a is not None and b is not None and a != b
       for a, b in zip(stored.as_list(), incoming.as_list())):
     raise errors.InputError(
-        f"{where}: the input gives activations of shape {listed(incoming)}, "
+        f"Inconsistent shape founded for input feature {feature_path(where)}, "
+        f"Output shape is set to be {stored}, But got incoming output shape "
+        f"{incoming}. {where}: the input gives activations of shape {listed(incoming)}, "
         f"but the feature's output shape is {listed(stored)} (from FeatureConfig.output_shape, "
         "build(), or the first batch). Fix: feed batches of the shape the "
         "feature was built with, or change FeatureConfig.output_shape.")
+
+
+def feature_path(where: str) -> str:
+  """The feature's joined path (TensorFlow's name for it in its messages).
+
+  ``where`` is the engine's ``feature '<path>' (table '<name>')``
+  (``tables.resolve_all``); TensorFlow's own phrases, which our messages
+  start with (users' tests match them), name the feature by its path alone.
+  """
+  match = re.match(r"feature '(.*)' \(table '.*'\)$", where, re.S)
+  return match.group(1) if match else where
 
 
 def check_fully_defined(where: str, shape: tf.TensorShape):
@@ -168,7 +186,9 @@ def check_fully_defined(where: str, shape: tf.TensorShape):
     # (input_lib._enable_get_next_as_optional), handing a worker whose data
     # ran out empty batches, so every batch's size becomes unknown.
     raise errors.InputError(
-        f"{where}: output shape {listed(shape)} is not fully defined; the TPU "
+        f"Input Feature {feature_path(where)} has output shape set as {shape} "
+        f"which is not fully defined. {where}: output shape {listed(shape)} is "
+        "not fully defined; the TPU "
         "compiles every activation shape. Fix: give static shapes: batch with "
         "drop_remainder=True, and under MultiWorkerMirroredStrategy also repeat "
         "the dataset (dataset.repeat(), bounding the loop by steps): on a finite "
@@ -291,6 +311,7 @@ def check_gradient_type(where: str, grad):
   """A gradient must be a ``tf.Tensor`` (or None), as ``apply_gradients`` says."""
   if grad is not None and not isinstance(grad, tf.Tensor):
     raise errors.InputError(
+        f"found non-tensor type: {type(grad)} at path {feature_path(where)}. "
         f"{where}: gradient is a {type(grad).__name__}, not a tf.Tensor. Fix: "
         "pass dL/d(activation) as a tensor (tf.convert_to_tensor), or None "
         "for a zero gradient.")

@@ -17,7 +17,7 @@ import tensorflow as tf
 from tpu_embed_ext import atomic, errors
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext.job.building import build_model, build_variables, restore
-from tpu_embed_ext.job.config import check_steps, in_file, load
+from tpu_embed_ext.job.config import TrainConfig, check_steps, in_file, load
 from tpu_embed_ext.job.data import first_batch, input_datasets
 from tpu_embed_ext.job.evaluation import evaluate, planted_auc
 from tpu_embed_ext.job.memory import check_memory
@@ -114,21 +114,60 @@ def train(config_path: str, *, model_dir: str, steps: Optional[int] = None,
     verbose = 1 if sys.stdout.isatty() else 2
   if log is None:
     log = (lambda line: print(line, flush=True)) if verbose else (lambda line: None)
-  # The emulated TPU first: its logical devices exist only if made before
-  # TensorFlow initialises (loading the config may run ops).
-  with emulation(tpu), in_file(config_path):
-    spec, cfg = load(config_path, overrides)
-    total = check_steps(steps, cfg.steps)
-    model_dir_lib.check_writable(model_dir)
-    check_output_paths(model_dir)
-    with model_dir_lib.lock(model_dir), _io_errors(model_dir):
+  with model_dir_lib.made_here(model_dir):
+    done = _already_done(config_path, model_dir, steps, overrides, log)
+    if done is not None:
+      return done
+    # The emulated TPU first: its logical devices exist only if made before
+    # TensorFlow initialises (loading the config may run ops).
+    with emulation(tpu), in_file(config_path):
+      return _checked_train(config_path, model_dir, steps, tpu, overrides,
+                            verbose, log)
+
+
+def _already_done(config_path, model_dir, steps, overrides, log):
+  """The metrics of a finished run asked for no more steps, or None; decided
+  from metrics.json, the config's steps and the newest checkpoint (read back
+  whole), before any dataset, model or strategy is built, and without
+  starting TensorFlow (an emulated TPU could still be made after this)."""
+  from tpu_embed_ext import config_files  # pylint: disable=g-import-not-at-top
+  metrics = _finished(os.path.join(model_dir, "metrics.json"))
+  if not isinstance(metrics, dict) or not isinstance(metrics.get("steps"), int):
+    return None
+  if not os.path.exists(os.path.join(model_dir, "learning_curve.png")):
+    return None  # The full path completes the outputs.
+  with in_file(config_path):
+    data = config_files.load(config_files.resolve(config_path, flag=None))
+    train_section = {**((data or {}).get("train") or {}), **(overrides or {})}
+    total = check_steps(steps, train_section.get("steps", TrainConfig.steps))
+  if not isinstance(total, int) or metrics["steps"] < total:
+    return None
+  newest = model_dir_lib.checkpoint_steps(os.path.join(model_dir, "checkpoints"))
+  if not newest or newest[0] != metrics["steps"]:
+    return None
+  with model_dir_lib.lock(model_dir):  # Not while another run writes it.
+    from tpu_embed_ext import checkpoint_scan  # pylint: disable=g-import-not-at-top
+    prefix = os.path.join(model_dir, "checkpoints", f"ckpt-{newest[0]}")
+    if checkpoint_scan.scan(prefix).error is not None:
+      return None  # The full path falls back to an older checkpoint.
+    log(f"Already trained to step {metrics['steps']} (asked for {total}): nothing "
+        "to do; metrics.json left as it was.")
+    return metrics
+
+
+def _checked_train(config_path, model_dir, steps, tpu, overrides, verbose, log):
+  spec, cfg = load(config_path, overrides)
+  total = check_steps(steps, cfg.steps)
+  model_dir_lib.check_writable(model_dir)
+  check_output_paths(model_dir)
+  with model_dir_lib.lock(model_dir), _io_errors(model_dir):
       # A checkpoints directory that cannot be written (a read-only mount)
       # is found before anything is trained. (An absent one is created by
       # the first save, in the model_dir found writable above.)
-      if os.path.isdir(os.path.join(model_dir, "checkpoints")):
-        model_dir_lib.check_writable(os.path.join(model_dir, "checkpoints"),
-                                     what="the checkpoints directory")
-      return _train(spec, cfg, model_dir, total, tpu, verbose, log)
+    if os.path.isdir(os.path.join(model_dir, "checkpoints")):
+      model_dir_lib.check_writable(os.path.join(model_dir, "checkpoints"),
+                                   what="the checkpoints directory")
+    return _train(spec, cfg, model_dir, total, tpu, verbose, log)
 
 
 _RESUME_NOTE = ("The checkpoints before it are intact; run the same command again "
@@ -163,6 +202,30 @@ def _run_changes(previous: Mapping[str, Any], now: Mapping[str, Any]) -> str:
   return note
 
 
+def check_tpu_inputs(spec, cfg) -> None:
+  """Refuses, before anything is built, multi-hot features on a TPU.
+
+  The job pads a multi-hot feature's ids in its input pipeline (Keras cannot
+  distribute ragged batches) and turns them into ragged ids inside the
+  model's call, i.e. inside ``strategy.run``. A TPU's ``TPUEmbedding``
+  refuses ids computed there (``tpu_embedding_v2.py``,
+  ``_raise_error_for_non_direct_inputs``), and so does the emulated TPU: the
+  run would fail at its first step, after the TPU was set up.
+  """
+  from tpu_embed_ext.job.data import feature_columns  # pylint: disable=g-import-not-at-top
+  multi_hot = [name for name, (_, layout) in feature_columns(spec, cfg).items()
+               if layout != "dense"]
+  if multi_hot:
+    raise errors.ConfigError(
+        f"features {', '.join(multi_hot)} are multi-hot: the job turns their padded "
+        "ids into ragged ids inside the training step, and a TPU's TPUEmbedding "
+        "refuses ids computed inside strategy.run (tpu_embedding_v2.py, "
+        "_raise_error_for_non_direct_inputs), so this run would fail at its first "
+        "step. Fix: train this config with --tpu none (CPU emulation), or leave "
+        "the multi-hot features out of the config's features for a TPU run.",
+        path="--tpu")
+
+
 def _finished(metrics_path: str) -> Optional[Dict[str, Any]]:
   """metrics.json of a finished run, or None (absent, or not whole JSON)."""
   try:
@@ -176,6 +239,8 @@ def _train(spec, cfg, model_dir, total, tpu, verbose, log):
   strategy, where = resolve_strategy(tpu)
   if strategy is None:
     check_memory(spec)
+  else:
+    check_tpu_inputs(spec, cfg)
   log(f"Training on {where}.")
   tf.config.experimental.enable_op_determinism()
   checkpoints = os.path.join(model_dir, "checkpoints")

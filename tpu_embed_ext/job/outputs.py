@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import functools
 import io
+import json
 import os
 from typing import Dict, Mapping, Optional
 
@@ -206,10 +207,18 @@ def purge_summaries(log_dir: str, step: int) -> int:
 
 
 def plot_learning_curve(model_dir: str):
-  """learning_curve.png: loss and AUC, training (per block) beside held-out."""
+  """learning_curve.png: loss and AUC, training (per block) beside held-out,
+  and the AUC of the model that planted the labels (metrics.json's
+  ``planted_auc``, synthetic data only), the ceiling the summary quotes."""
   rows = read_history(model_dir)
   if not rows:
     return
+  ceiling = None
+  try:
+    with open(os.path.join(model_dir, "metrics.json")) as f:
+      ceiling = float(json.load(f)["planted_auc"])
+  except (OSError, ValueError, KeyError, TypeError):
+    pass  # No metrics yet, or no planted model: no line.
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -219,6 +228,9 @@ def plot_learning_curve(model_dir: str):
     ax.plot(steps, [r[key] for r in rows], marker="o", label=f"training {key} (block mean)")
     ax.plot(steps, [r[f"eval_{key}"] for r in rows], marker="s",
             label=f"held-out {key}")
+    if key == "auc" and ceiling is not None:
+      ax.axhline(ceiling, linestyle="--", color="gray",
+                 label=f"planted model {ceiling:.4f} (the ceiling)")
     ax.set_xlabel("table step")
     ax.set_title(key.upper() if key == "auc" else key)
     ax.legend()

@@ -64,7 +64,8 @@ def resolve_strategy(tpu: str):
           f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. Fix: "
           "check the name (gcloud compute tpus list), use --tpu auto on a TPU "
           "VM, or --tpu none for CPU emulation.", path="--tpu") from None
-    return None, f"CPU emulation (CPUEmbedding): no TPU found ({type(e).__name__})"
+    # Information, not an error: --tpu auto without a TPU is the CPU run.
+    return None, "CPU emulation (CPUEmbedding), as no TPU is attached"
 
 
 def _tpu_strategy(tpu: str):

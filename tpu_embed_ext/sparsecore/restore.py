@@ -170,6 +170,22 @@ class Router:
       elif name in self._tracked:
         position.restore(self._tracked[name])
 
+  def waiting(self, deferred_names) -> set:
+    """``(table, slot)`` pairs a restore waiting for the build will load: the
+    router's own and TensorFlow's deferred ones (``deferred_names``, names of
+    this layout's stacked objects)."""
+    out = set()
+    for name, _, source in self._pending:
+      target = self._target(name, source)
+      if target is not None:
+        out.update((l.table, target[1]) for l in target[0] if l.table in self._ours)
+    stacks = sc_layout.layouts_by_stack(self._ours.values())
+    for name in deferred_names:
+      stack, _, slot = name.rpartition("/") if name not in stacks else (name, "", _PARAMETERS)
+      if stack in stacks:
+        out.update((l.table, slot) for l in stacks[stack])
+    return out
+
   # --- loading ------------------------------------------------------------
 
   def _receive(self, name: str, position) -> None:

@@ -21,7 +21,7 @@ import re
 
 from tpu_embed_ext import errors
 
-__all__ = ["PRESETS", "Topology", "parse_topology", "SPARSECORES_PER_CHIP",
+__all__ = ["PRESETS", "Topology", "parse_topology", "check_slice", "SPARSECORES_PER_CHIP",
            "MAX_CHIPS"]
 
 # generation -> (SparseCores per chip, source of the figure).
@@ -109,3 +109,37 @@ def parse_topology(text) -> Topology:
     return Topology(chips, per_chip, name=text)
   raise errors.ConfigError(
       f"cannot read topology {text!r}. Fix: write {_SPELLINGS}.")
+
+
+# The chip counts of real slices, per generation (Cloud TPU documentation):
+# v5p and tpu7x (Ironwood) slices are built from 4-chip hosts (the smallest
+# is 2x2x1), v6e slices are 1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16 and 16x16.
+_SLICE_CHIPS = {
+    "v5p": ("a multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...)",
+            lambda chips: chips % 4 == 0),
+    "tpu7x": ("a multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...)",
+              lambda chips: chips % 4 == 0),
+    "v6e": ("1, 4, 8, 16, 32, 64, 128 or 256 chips",
+            lambda chips: chips in (1, 4, 8, 16, 32, 64, 128, 256)),
+}
+
+
+def check_slice(text) -> Topology:
+  """``parse_topology``, and for ``GENERATION:CHIPS`` a slice that exists.
+
+  ``v5p:3`` is refused (no v5p slice has 3 chips); ``NxS`` names chips and
+  SparseCores directly and is not checked against slices.
+  """
+  topology = parse_topology(text)
+  generation = str(text).split(":")[0] if ":" in str(text) else None
+  if generation in _SLICE_CHIPS:
+    what, exists = _SLICE_CHIPS[generation]
+    if not exists(topology.chips):
+      nearest = next(c for c in range(max(topology.chips, 1), MAX_CHIPS)
+                     if exists(c))
+      raise errors.ConfigError(
+          f"topology {str(text)!r} is not a {generation} slice: {generation} "
+          f"slices have {what}. Fix: e.g. {generation}:{nearest}, or "
+          f"{topology.chips}x{topology.sparsecores_per_chip} for "
+          f"{topology.chips} chips of {topology.sparsecores_per_chip} SparseCores.")
+  return topology

@@ -35,12 +35,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from typing import List, Optional
 
 import tensorflow as tf
 
 __all__ = ["load", "why_not", "build", "cache_root", "library_dir",
-           "compiler", "LIBRARY"]
+           "compiler", "LIBRARY", "COMPILING", "compiled", "announce"]
 
 LIBRARY = "libtpu_embed_ext_ops.so"
 _MANIFEST = "manifest.json"
@@ -119,6 +120,38 @@ def _file_lock(path: str):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
+COMPILING = ("tpu_embed_ext: compiling the native kernels (first run after an "
+             "install or a TensorFlow upgrade, about 40 s on 2 cores)...")
+
+
+def compiled(seconds: float, ok: bool = True) -> str:
+  """The end of the ``COMPILING`` line: `` done in 41 s.``"""
+  return f" {'done' if ok else 'failed'} in {seconds:.0f} s."
+
+
+def _stdout_announcer(text: str) -> None:
+  """Writes ``COMPILING`` and its end as one line on this process's stdout
+  (a terminal, a notebook cell): the command's own progress, as the CLI's
+  other progress lines, not a library's log line (the CLI sends stderr to
+  its library log)."""
+  try:
+    sys.stdout.write(text if text == COMPILING else text + "\n")
+    sys.stdout.flush()
+  except (OSError, ValueError, AttributeError):
+    pass  # No stdout (closed, None): the build goes on without the line.
+
+
+# Where the one-line announcement of a compile goes: a callable given
+# COMPILING, then compiled(...). Said once, in build(), for every caller (the
+# CLI, `emulate`, a notebook, `make install`); None keeps it quiet.
+announce = _stdout_announcer
+
+
+def _announce(text: str) -> None:
+  if announce is not None:
+    announce(text)
+
+
 class BuildError(RuntimeError):
   """The library could not be built (the message says why and where the log is)."""
 
@@ -141,11 +174,14 @@ def build(force: bool = False) -> str:
     tmp = tempfile.mkdtemp(prefix=".build-", dir=root)
     log = os.path.join(tmp, "build.log")
     command = _command(cxx, _sources(), os.path.join(tmp, LIBRARY))
+    started = time.monotonic()
+    _announce(COMPILING)
     with open(log, "w") as f:
       f.write(" ".join(command) + "\n\n")
       f.flush()
       result = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT,
                               check=False)
+    _announce(compiled(time.monotonic() - started, result.returncode == 0))
     if result.returncode != 0:
       kept = final + ".failed.log"
       os.replace(log, kept)

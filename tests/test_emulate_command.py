@@ -1,0 +1,236 @@
+"""``python -m tpu_embed_ext emulate``: a command as dependable as ``python`` (issue 34).
+
+The exit loses nothing ``python SCRIPT`` keeps (files left open, the
+script's excepthook, the status); ``-m MODULE`` runs as ``python -m``; a bad
+command line is one line and status 2.
+"""
+
+import os
+import subprocess
+import sys
+import zipfile
+import zlib
+
+import h5py
+import numpy as np
+import pytest
+
+from tpu_embed_ext.emulated_tpu import runner
+
+PROGRAMS = os.path.join(os.path.dirname(__file__), "tpu_programs")
+LIMIT = 300  # seconds per process; they take seconds.
+
+
+def _leave_files(tmp_path, how):
+  out = tmp_path / how
+  out.mkdir()
+  script = os.path.join(PROGRAMS, "leaves_files_open.py")
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  if how == "python":
+    command = [sys.executable, script, str(out)]
+  else:
+    env["ON_EMULATED_TPU"] = "1"
+    command = [sys.executable, "-m", "tpu_embed_ext", "emulate", "--replicas",
+               "8", script, str(out)]
+  done = subprocess.run(command, capture_output=True, text=True, env=env,
+                        timeout=LIMIT, check=False, cwd=str(tmp_path))
+  return out, done
+
+
+def _outcome(out, done) -> dict:
+  """What a run left: each file as a reader finds it."""
+  found = {"status": done.returncode,
+           "traceback printed": "Traceback" in done.stderr,
+           "files": sorted(os.listdir(out)),
+           "excepthook": (out / "excepthook.txt").read_text()}
+  for name in ("text.gz", "binary.gz"):
+    reader = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    data = reader.decompress((out / name).read_bytes())
+    found[name] = (data, reader.eof)  # eof: the trailer was written.
+  try:
+    with zipfile.ZipFile(out / "data.zip") as archive:
+      found["data.zip"] = {n: archive.read(n) for n in archive.namelist()}
+  except zipfile.BadZipFile as e:
+    found["data.zip"] = f"BadZipFile: {e}"
+  try:
+    with h5py.File(out / "data.h5", "r") as h5:
+      found["data.h5"] = h5["table"][...].tolist()
+  except OSError as e:
+    found["data.h5"] = f"OSError: {type(e).__name__}"
+  return found
+
+
+def test_files_left_open_end_as_under_python(tmp_path):
+  """gzip, zip and HDF5 files left open, a NamedTemporaryFile, an excepthook,
+  the status: under emulate --replicas 8, each as python SCRIPT leaves it."""
+  python = _outcome(*_leave_files(tmp_path, "python"))
+  emulate = _outcome(*_leave_files(tmp_path, "emulate"))
+  for key in python:
+    assert emulate[key] == python[key], key
+  # What Python's exit does for these, which the runner must not lose:
+  assert python["status"] == 1 and not python["traceback printed"]
+  assert python["excepthook"] == (
+      "RuntimeError: the end, 16 examples in the first batch\n")
+  assert not [f for f in python["files"] if f.startswith("temporary-")]
+  assert python["data.h5"] == np.arange(12.0).reshape(3, 4).tolist()
+  # The script's reference cycles, in the run and at exit (the runner freezes
+  # only the objects alive before the script starts: start_up_objects.py).
+  assert {"cycle-collected-during-the-run.txt", "cycle-freed-by-gc.collect.txt",
+          "cycle-finalized-at-exit.txt"} <= set(python["files"])
+
+
+# --- -m MODULE, in this process -------------------------------------------------
+
+_MODULE = """
+import sys
+from tpu_embed_ext import emulated_tpu
+print("name", __name__)
+print("argv", sys.argv)
+print("path0", sys.path[0])
+print("replicas", emulated_tpu.current().replicas)
+"""
+
+
+def test_dash_m_runs_a_module_as_python_m(tmp_path, monkeypatch, capsys):
+  package = tmp_path / "trainers"
+  package.mkdir()
+  (package / "__init__.py").write_text("")
+  (package / "ranking.py").write_text(_MODULE)
+  monkeypatch.chdir(tmp_path)
+  argv, path0 = list(sys.argv), sys.path[0]
+  assert runner.main(["--replicas", "2", "-m", "trainers.ranking", "--steps",
+                      "3"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out == ["name __main__",
+                 f"argv ['{package / 'ranking.py'}', '--steps', '3']",
+                 f"path0 {tmp_path}", "replicas 2"]
+  assert (sys.argv, sys.path[0]) == (argv, path0)
+
+
+def test_the_scripts_excepthook_reports_its_exception(tmp_path, capsys):
+  script = tmp_path / "hooked.py"
+  script.write_text("import sys\n"
+                    "sys.excepthook = lambda t, v, tb: print('hook', t.__name__, v,"
+                    " tb.tb_frame.f_code.co_filename == __file__)\n"
+                    "raise ValueError('mine')\n")
+  hook = sys.excepthook
+  try:
+    assert runner.main(["--replicas", "1", str(script)]) == 1
+  finally:
+    sys.excepthook = hook
+  captured = capsys.readouterr()
+  assert captured.out == "hook ValueError mine True\n"
+  assert captured.err == ""
+
+
+# --- usage errors: one line, status 2 (pinned messages) -------------------------
+
+_USAGE = (" Usage: python -m tpu_embed_ext emulate [--replicas N] [--sparsecore] "
+          "[--topology T] [--no-xla] (SCRIPT | -m MODULE) [ARGS...]\n")
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "give the program to run: SCRIPT or -m MODULE."),
+    (["--replica", "2", "prog.py"],
+     "unknown option '--replica'. Did you mean \"--replicas\"? Options come "
+     "before SCRIPT; the script's own go after it."),
+    (["--replicas"], "--replicas needs a value (N)."),
+    (["--replicas", "eight", "prog.py"],
+     "--replicas takes a whole number of TPU cores, got 'eight'. Fix: e.g. "
+     "--replicas 8."),
+    (["--sparsecore=yes", "prog.py"], "--sparsecore takes no value, got "
+     "'--sparsecore=yes'."),
+    (["-m"], "-m needs a MODULE, as python -m does."),
+    (["-m", "no_such_module_here"], "no module named 'no_such_module_here' "
+     "(looked in the current directory and sys.path, as python -m does)."),
+    (["missing.py"], "no script 'missing.py'."),
+    (["--replicas", "3", "--topology", "v5p:3", "prog.py"],
+     "--topology: topology 'v5p:3' is not a v5p slice: v5p slices have a "
+     "multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...). Fix: e.g. v5p:4, or "
+     "3x4 for 3 chips of 4 SparseCores."),
+    (["--replicas", "3", "--topology", "v6e:3", "prog.py"],
+     "--topology: topology 'v6e:3' is not a v6e slice: v6e slices have 1, 4, "
+     "8, 16, 32, 64, 128 or 256 chips. Fix: e.g. v6e:4, or 3x2 for 3 chips of "
+     "2 SparseCores."),
+], ids=["no_program", "unknown_option", "option_without_value",
+        "replicas_not_a_number", "switch_with_value", "dash_m_without_module",
+        "no_such_module", "no_such_script", "v5p_slice_of_3_chips",
+        "v6e_slice_of_3_chips"])
+def test_bad_command_lines_are_one_line_and_status_2(argv, message, tmp_path,
+                                                      monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "prog.py").write_text("raise SystemExit(7)\n")
+  assert runner.main(argv) == 2
+  err = capsys.readouterr().err
+  assert err == f"error: emulate: {message}{_USAGE}"
+
+
+def test_topology_implies_sparsecore():
+  command = runner.parse(["--replicas", "4", "--topology", "v5p:4", "prog.py",
+                          "--topology", "x"])
+  assert runner._shape(command)[:2] == (4, True)  # pylint: disable=protected-access
+  assert (command.script, command.args) == ("prog.py", ["--topology", "x"])
+
+
+def test_help_lists_every_option(capsys):
+  assert runner.main(["--help"]) == 0
+  out = capsys.readouterr().out
+  assert all(name in out for name in runner.OPTIONS)
+  assert "-m MODULE" in out
+
+
+def test_stderr_is_the_scripts_and_tensorflows_start_up_lines_go_to_the_log(tmp_path):
+  """TensorFlow's start-up lines (oneDNN, CPU features: written to fd 2 as it
+  loads, whatever TF_CPP_MIN_LOG_LEVEL says) go to the library log, as in
+  the other commands; what the script writes to stderr reaches the terminal."""
+  script = tmp_path / "talks.py"
+  script.write_text("import sys, tensorflow as tf\n"
+                    "print('script stderr', file=sys.stderr)\n"
+                    "print(int(tf.constant(2) * 3))\n")
+  env = dict(os.environ)
+  env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+  done = subprocess.run([sys.executable, "-m", "tpu_embed_ext", "emulate",
+                         "--replicas", "2", str(script)], capture_output=True,
+                        text=True, env=env, timeout=LIMIT, check=False)
+  assert (done.returncode, done.stdout) == (0, "6\n"), done.stderr[-2000:]
+  assert done.stderr == "script stderr\n"
+
+
+# --- the XLA switch (issue 33): --no-xla runs what a TPU could not compile ------
+
+_NO_KERNEL_STEP = """
+import tensorflow as tf
+tf.config.set_soft_device_placement(False)  # A TPU then refuses ops with no XLA kernel.
+resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="")
+tf.tpu.experimental.initialize_tpu_system(resolver)
+strategy = tf.distribute.TPUStrategy(resolver)
+
+@tf.function
+def step(x):
+  def replica(v):
+    return tf.py_function(lambda t: t * 2.0, [v], tf.float32)
+  return strategy.run(replica, args=(x,))
+
+print("result", strategy.experimental_local_results(step(tf.constant(1.5)))[0].numpy())
+"""
+
+
+@pytest.mark.parametrize("flags, status", [([], 1), (["--no-xla"], 0)],
+                         ids=["xla_check_refuses", "no_xla_runs"])
+def test_no_xla_switches_the_check_off(flags, status, tmp_path):
+  script = tmp_path / "step.py"
+  script.write_text(_NO_KERNEL_STEP)
+  done = subprocess.run(
+      [sys.executable, "-m", "tpu_embed_ext", "emulate", "--replicas", "2", *flags,
+       str(script)], capture_output=True, text=True, timeout=LIMIT, check=False,
+      cwd=str(tmp_path), env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  assert done.returncode == status, done.stdout + done.stderr
+  if status:
+    assert "NotCompilableError" in done.stderr and "EagerPyFunc" in done.stderr
+  else:
+    assert "result 3.0" in done.stdout
+
+
+def test_no_xla_is_parsed_into_the_shape():
+  assert runner._shape(runner.parse(["--no-xla", "s.py"]))[3] is False  # pylint: disable=protected-access
+  assert runner._shape(runner.parse(["s.py"]))[3] is True  # pylint: disable=protected-access
