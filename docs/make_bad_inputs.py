@@ -347,6 +347,9 @@ rows += [
   ("emulated TPUEmbeddingV2: a dense id tensor whose size is not prod(output_shape) (Keras model.fit on SparseTensor inputs)", "SparseCoreInputError (a tf.errors.InvalidArgumentError and an InputError)",
    "Dense tensor input should have values elements number the same as the sample count. But got 12 elements for values and sample count as 4. (emulated TPUEmbeddingV2: feature 'item' (table 'item'): ... Fix: ...)",
    X + "test_a_dense_id_tensor_of_the_wrong_size_gets_sparsecores_error"),
+  ("emulated TPU, XLA on: a size computed from the data's values (tf.one_hot's depth, tf.zeros([n]), tf.range(n)) in strategy.run's function", "NotCompilableError (a tf.errors.InvalidArgumentError), at first trace, whatever the soft placement; runs with XLA off",
+   "Input 1 to node `one_hot` with op OneHot must be a compile-time constant: emulated TPU: made at <your file>:<line> in the function given to strategy.run (replica 0's TensorCore program, compiled with XLA on CPU at first trace). Fix: compute it from static values (Python numbers, tensor.shape), or pad to a fixed size: a TPU compiles the step before it sees the data" + _OFF,
+   X + "test_a_size_from_the_data_is_refused_by_xla_when_first_traced"),
   ("emulate_tpu(xla='no')", "ConfigTypeError", "emulate_tpu xla must be True or False, got xla='no'.", X + "test_xla_must_be_a_bool"),
 ]
 esc = lambda t: str(t).replace("|", "\\|").replace("\n", " ")

@@ -10,7 +10,11 @@ in a ``tf.function`` whose replica function holds an op no TPU compiles
 (``tf.py_function``, a string op, complex128) is refused when first traced, in
 one line naming the op and the line that made it; with XLA off it runs.
 Shapes that depend on the data are accepted: XLA compiles them (bounded
-dynamic shapes), as shown here on one device. A step that compiles trains as before: its tables equal a
+dynamic shapes). When every op passes, replica 0's TensorCore program
+(activations in, gradients out, the engine and the optimizer's cross-replica
+sum cut out) is compiled with XLA on CPU, not run: a size computed from the
+data's values, which XLA needs as a compile-time constant, is refused then
+(soft placement on or off), and runs with XLA off. A step that compiles trains as before: its tables equal a
 numpy reference of the TPU's math (a dense layer too, through a Keras
 optimizer's cross-replica sum).
 """
@@ -374,3 +378,95 @@ def test_a_dense_id_tensor_of_the_wrong_size_gets_sparsecores_error():
                        r"\(table 'item'\).*Fix: ") as caught:
       embedding.embedding_lookup(features)
     assert isinstance(caught.value, tee.errors.InputError)
+
+
+def _size_from_the_data(a):
+  depth = tf.cast(tf.reduce_max(a), tf.int32) * 0 + 3
+  return tf.reduce_sum(tf.one_hot(tf.constant([0, 1]), depth)) * 0.0  # LINE:constant
+
+
+def test_xla_itself_refuses_a_size_from_the_data_when_compiling_for_unknown_values():
+  """What a TPU compiles: the step's inputs are values it does not know yet
+  (jit_compile on CPU, given a value, would compile once per value)."""
+  compiled = tf.function(_size_from_the_data, jit_compile=True)
+  with pytest.raises(ValueError, match=r"OneHot must be a compile-time constant"):
+    compiled.experimental_get_compiler_ir(tf.TensorSpec([4, 3], tf.float32))(stage="hlo")
+
+
+def test_a_size_from_the_data_is_refused_by_xla_when_first_traced():
+  """Replica 0's TensorCore program is compiled (soft placement on, the
+  default: an XLA compile error is refused all the same)."""
+  with pytest.raises(xla_check.NotCompilableError) as caught:
+    _program(2, _size_from_the_data)
+  message = str(caught.value)
+  assert "\n" not in message
+  assert isinstance(caught.value, tf.errors.InvalidArgumentError)
+  assert message == (
+      "Input 1 to node `one_hot` with op OneHot must be a compile-time constant: "
+      f"emulated TPU: made at {__file__.rsplit('/', 1)[0]}/{_line('constant')} in the "
+      "function given to strategy.run (replica 0's TensorCore program, compiled "
+      "with XLA on CPU at first trace). Fix: compute it from static values "
+      "(Python numbers, tensor.shape), or pad to a fixed size: a TPU compiles the "
+      "step before it sees the data; or run with XLA off (emulate_tpu(xla=False), "
+      "emulate --no-xla, pytest --emulate-tpu-no-xla).")
+
+
+def test_a_size_from_the_data_runs_with_xla_off():
+  table, weight = _program(2, _size_from_the_data, xla=False)
+  want_table, want_weight = _reference(2)
+  np.testing.assert_allclose(table, want_table, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(weight, want_weight, rtol=1e-5, atol=1e-5)
+
+
+def test_replica_zeros_program_is_built_from_activations_to_gradients(monkeypatch):
+  """The compiled program: the activations come in (the engine's lookup is
+  not in it), the embedding gradient goes out, the Keras optimizer's
+  cross-replica sum is cut out (its result comes in), and XLA compiles it."""
+  from tpu_embed_ext.emulated_tpu import xla_compile  # pylint: disable=g-import-not-at-top
+  built, results = [], []
+  build, compile_ = xla_compile._program_graph_def, xla_compile.compile_replica_program  # pylint: disable=protected-access
+
+  def recording_build(program_ops, graph):
+    out = build(program_ops, graph)
+    built.append((program_ops, out[1], out[2]))
+    return out
+
+  def recording_compile(*args):
+    results.append(compile_(*args))
+    return results[-1]
+
+  monkeypatch.setattr(xla_compile, "_program_graph_def", recording_build)
+  monkeypatch.setattr(xla_compile, "compile_replica_program", recording_compile)
+  _program(2)
+  assert results == [None] and len(built) == 1
+  program_ops, feeds, fetches = built[0]
+  assert not {op.type for op in program_ops} & {"TpuEmbedExtLookup", "AddN"}
+  assert all("replica_1" not in op.name for op in program_ops)
+  feed_ops = {t.op.type for t in feeds.values()}
+  assert "Reshape" in feed_ops  # the activations, shaped by the engine
+  assert "AddN" not in feed_ops and "Identity" in feed_ops  # the all-reduced gradient
+  assert any(t.shape.as_list() == [PER_REPLICA, DIM] and
+             any(c.type == "Reshape" for c in t.consumers()) for t in fetches)
+
+
+def test_an_input_of_unknown_shape_is_not_compiled_and_says_so(caplog):
+  """What the compile cannot stand for (an input whose shape is not fully
+  known) is logged, not refused: only the op check has run for that step."""
+  from tpu_embed_ext.emulated_tpu import xla_compile  # pylint: disable=g-import-not-at-top
+  xla_compile._logged.clear()  # pylint: disable=protected-access
+  with tee.emulate_tpu(replicas=2):
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="")
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+    strategy = tf.distribute.TPUStrategy(resolver)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+    def step(x):
+      return strategy.run(lambda v: v * 2.0 + 1.0, args=(x,))
+
+    out = step(tf.constant([1.0, 2.0, 3.0]))
+    assert [v.numpy().tolist() for v in out.values] == [[3.0, 5.0, 7.0]] * 2
+  warned = [r.getMessage() for r in caplog.records
+            if r.name == "tpu_embed_ext.emulated_tpu.xla_compile"]
+  assert len(warned) == 1 and warned[0].startswith(
+      "Replica 0's TensorCore program was not compiled with XLA (its input ")
+  assert "has shape (None,), not fully known); only its ops were checked" in warned[0]

@@ -43,9 +43,11 @@ as a difference):
   ``strategy.run``, ``enqueue`` in a nested ``tf.function`` or control flow
   inside ``strategy.run``, gradients other than float32;
 * differences that raise nothing: one host (``extended.num_hosts`` 1);
-  steps run as TensorFlow ops on CPU devices, not compiled by XLA (with
-  ``xla=True``, the default, each replica's program is checked when first
-  traced against the rules XLA and the TPU apply: ``xla_check.py``; a
+  steps run as TensorFlow ops on CPU devices (with ``xla=True``, the
+  default, each replica's program is checked when first traced against the
+  rules XLA and the TPU apply, and replica 0's TensorCore program, without
+  the engine's work and ``merge_call``'s cross-replica sums, is compiled
+  with XLA on CPU but not run: ``xla_check.py``, ``xla_compile.py``; a
   ``jit_compile=True`` function around ``strategy.run`` runs as ops:
   ``outer_jit.py``); variables
   made under ``strategy.scope()`` are ``MirroredVariable``s and the strategy
@@ -169,7 +171,11 @@ def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None,
       compiles with XLA as a TPU's must: an op with no XLA kernel or a type a
       TPU does not have raises ``xla_check.NotCompilableError`` (a
       ``tf.errors.InvalidArgumentError``) with soft device placement off,
-      and is run with a warning with it on (a TPU then runs it on its host). ``False`` skips the check.
+      and is run with a warning with it on (a TPU then runs it on its host).
+      If every op passes, replica 0's program is compiled with XLA on CPU
+      (not run); what XLA's compiler refuses (a compile-time constant
+      computed from the data) raises ``NotCompilableError``. ``False``
+      skips both.
 
   Yields the ``Emulation``. Raises ``EmulationError`` if another emulation is
   active (patched names are process-wide) or TensorFlow already runs with

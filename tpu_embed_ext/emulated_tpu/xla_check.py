@@ -29,19 +29,20 @@ too, logging one warning per op and line:
   ``TpuOpFilter`` allows strings in ``Const`` and ``Assert`` only). It holds
   ``DT_DOUBLE``: float64 compiles on a TPU (slowly) and is not refused. It
   lacks ``complex128``, which XLA on CPU compiles: refused, as on a TPU;
-* shapes that depend on the data are not refused: XLA compiles them, on
-  CPU as on a TPU, with bounded dynamic dimensions (``tf.boolean_mask``,
-  ``tf.unique``, ``tf.where(x)``, ``RaggedTensor.from_tensor``, a
-  ``tf.range`` / ``tf.zeros`` / ``tf.reshape`` sized from a tensor all
-  compile under ``jit_compile=True`` on CPU; tf2xla registers its kernels
-  for every XLA device, and ``tpu.py`` turns the TPU's dynamic padder on by
-  default). A shape XLA cannot bound is refused by XLA's compiler, which
-  this check does not run.
+* shapes that depend on the data are not refused here: XLA compiles them,
+  on CPU as on a TPU, with bounded dynamic dimensions (``tf.boolean_mask``,
+  ``tf.unique``, ``tf.where(x)``, ``RaggedTensor.from_tensor``; tf2xla
+  registers its kernels for every XLA device, and ``tpu.py`` turns the TPU's
+  dynamic padder on by default).
 
-The check reads the ops of the traced step; it does not compile them (the
-steps run as TensorFlow ops on CPU devices). What only XLA's compiler
-finds (a shape it cannot bound, a compile-time constant it cannot
-evaluate) is not caught here.
+When every op passes (with soft placement on: when none was warned about),
+replica 0's TensorCore program is compiled with XLA on CPU, not run
+(``xla_compile.py``: the engine's ops and ``merge_call``'s cross-replica
+sums are cut out, their values the program's inputs and outputs). What only
+XLA's compiler finds (an argument that must be a compile-time constant but
+is computed from the data's values, as in ``tf.zeros([tf.reduce_max(x)])``)
+is refused then, whatever the soft placement, with XLA's words first
+(``compile_program``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import tensorflow as tf
 from tensorflow.python.framework import kernels, ops
 
 from tpu_embed_ext import emulated_tpu
+from tpu_embed_ext.emulated_tpu import xla_compile
 
 __all__ = ["NotCompilableError", "replica_program", "check_ops", "first_problem"]
 
@@ -286,7 +288,7 @@ def check_ops(op_list, graph):
   _ensure_xla_kernels()
   found = first_problem(op_list, graph)
   if found is None:
-    return
+    return True
   if not tf.config.get_soft_device_placement():
     raise NotCompilableError(_message(*found))
   op, problem, frames = found
@@ -299,6 +301,34 @@ def check_ops(op_list, graph):
         "placement is on), a host round trip per step; with "
         "tf.config.set_soft_device_placement(False) it refuses the step.",
         problem, op.name, key[1])
+  return False
+
+
+_FIX_CONSTANT = ("compute it from static values (Python numbers, tensor.shape), "
+                 "or pad to a fixed size: a TPU compiles the step before it "
+                 "sees the data")
+_FIX_COMPILE = "change the op or its arguments so that XLA compiles it, or move it outside strategy.run"
+
+
+def compile_message(error: str, op) -> str:
+  """XLA's refusal, its words first, with the user's line and the fix."""
+  head = error.strip().splitlines()[0].strip() if error.strip() else "XLA compilation failed"
+  head = head.removeprefix("Failed getting HLO text: ").strip("'\" ")
+  line = _user_line(_frames(op)) if op is not None else "(op not found)"
+  fix = _FIX_CONSTANT if "compile-time constant" in error else _FIX_COMPILE
+  return (f"{head.rstrip('.')}: emulated TPU: made at {line} in the function given to "
+          f"strategy.run (replica 0's TensorCore program, compiled with XLA "
+          f"on CPU at first trace). Fix: {fix}{_OFF}.")
+
+
+def compile_program(op_list, graph):
+  """Compiles replica 0's TensorCore program; raises what XLA refuses."""
+  error = xla_compile.compile_replica_program(op_list, graph, _is_engine)
+  if error is None:
+    return
+  op = xla_compile.failing_op(
+      error, xla_compile.replica_zero_ops(op_list, _is_engine), graph)
+  raise NotCompilableError(compile_message(error, op))
 
 
 @contextlib.contextmanager
@@ -310,4 +340,6 @@ def replica_program(emulation):
   graph = ops.get_default_graph()
   start = len(graph.get_operations())
   yield
-  check_ops(graph.get_operations()[start:], graph)
+  new_ops = graph.get_operations()[start:]
+  if check_ops(new_ops, graph):
+    compile_program(new_ops, graph)

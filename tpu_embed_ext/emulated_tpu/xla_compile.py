@@ -1,0 +1,271 @@
+"""Replica 0's TensorCore program, compiled with XLA (not run) when first traced.
+
+``xla_check.py`` reads each op of a traced ``strategy.run``; what only XLA's
+compiler finds (an argument that must be a compile-time constant but comes
+from the data, a shape it cannot bound) needs a real compilation. A TPU
+compiles the TensorCore program of a replica with the embedding engine
+outside it: activations are its inputs (``RecvTPUEmbeddingActivations``),
+gradients its outputs (``SendTPUEmbeddingGradients``). This module builds
+that program from the traced graph and compiles it with XLA on CPU without
+running it, with every input an unknown value of its static shape (as
+TPUCompile sees it), so a shape computed from the data is refused as on a
+TPU (``jit_compile=True`` on CPU would instead compile once per value).
+
+The program is replica 0's ops (replicas are identical), minus:
+
+* the embedding engine's ops (made in ``emulation/``, ``sparsecore/``,
+  ``emulated_tpu/sparsecore.py`` / ``mid_level.py``): their outputs, the
+  activations, are the program's inputs; what the program hands them, the
+  gradients, are its outputs;
+* cross-replica reductions made in ``merge_call`` (a Keras optimizer's
+  all-reduce, ``cross_device_ops.py``): the reduced value is an input, the
+  per-replica value an output. A TPU compiles them as an all-reduce in the
+  program; here the reduction itself is not compiled (it is a sum);
+* ops not placed on a replica's device (the reads of variables the strategy
+  makes outside the replica): their values are inputs.
+
+The replica's inputs and variables enter as parameters (variables as
+variables of the same dtype and shape); ops of nested functions,
+``tf.cond`` and ``tf.while_loop`` bodies are compiled with the op calling them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Dict, List, Optional
+
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+from tensorflow.python.eager import wrap_function
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import handle_data_util, resource_variable_ops
+
+
+__all__ = ["replica_zero_ops", "compile_replica_program", "failing_op"]
+
+_MERGE_FILES = ("cross_device_ops.py", "cross_device_utils.py")
+_SKIPPED_DTYPES = (tf.resource, tf.variant)
+
+
+def _is_merge(frames) -> bool:
+  return any(f.filename.endswith(_MERGE_FILES) for f in frames)
+
+
+def _on_replica_zero(op) -> bool:
+  if not op.device:
+    return False
+  spec = tf.DeviceSpec.from_string(op.device)
+  return spec.device_index in (0, None) and (spec.device_type or "CPU") == "CPU"
+
+
+def _frames(op):
+  try:
+    return list(op.traceback)
+  except Exception:  # pylint: disable=broad-except
+    return []
+
+
+def replica_zero_ops(op_list, is_engine) -> List:
+  """Replica 0's TensorCore ops among those ``strategy.run`` made.
+
+  ``is_engine(frames)``: whether an op made there is the engine's
+  (``xla_check``'s rule, passed in: that module calls this one).
+  """
+  kept = []
+  for op in op_list:
+    if op.type == "Placeholder" or not _on_replica_zero(op):
+      continue
+    frames = _frames(op)
+    if is_engine(frames) or _is_merge(frames):
+      continue
+    kept.append(op)
+  # Constants the program uses, wherever placed (colocated with a variable,
+  # made by the engine): constants in the program, not inputs, so that a
+  # shape argument they give stays a compile-time constant.
+  names = {op.name for op in kept}
+  for op in list(kept):
+    for t in op.inputs:
+      if t.op.type == "Const" and t.op.name not in names:
+        names.add(t.op.name)
+        kept.append(t.op)
+  order = {op.name: i for i, op in enumerate(op_list)}
+  return sorted(kept, key=lambda op: order.get(op.name, -1))
+
+
+def _tensor_name(t) -> str:
+  return t.op.name if t.value_index == 0 else f"{t.op.name}:{t.value_index}"
+
+
+def _program_graph_def(program_ops, graph):
+  """(GraphDef, feeds, fetches): the ops, outside inputs as placeholders."""
+  inside = {op.name for op in program_ops}
+  gdef = graph_pb2.GraphDef()
+  feeds: Dict[str, tf.Tensor] = {}
+  feed_of: Dict[str, str] = {}
+  fetches = []
+  for op in program_ops:
+    node = gdef.node.add()
+    node.CopyFrom(op.node_def)
+    node.device = ""
+    if "_class" in node.attr:  # colocation with ops left out
+      del node.attr["_class"]
+    del node.input[:]
+    for t in op.inputs:
+      if t.op.name in inside:
+        node.input.append(_tensor_name(t))
+      else:
+        if t.name not in feed_of:  # one input per outside tensor
+          feed_of[t.name] = f"tee_feed_{len(feeds)}"
+          feeds[feed_of[t.name]] = t
+        node.input.append(feed_of[t.name])
+    for c in op.control_inputs:
+      if c.name in inside:
+        node.input.append("^" + c.name)
+    for t in op.outputs:
+      if t.dtype in _SKIPPED_DTYPES or t.dtype == tf.string:
+        continue  # handles and strings are not a TPU program's outputs
+      if not all(c.name in inside for c in t.consumers()) or not t.consumers():
+        fetches.append(t)
+  for name, t in feeds.items():
+    node = gdef.node.add()
+    node.name, node.op = name, "Placeholder"
+    node.attr["dtype"].type = t.dtype.as_datatype_enum
+    if t.dtype != tf.resource:
+      node.attr["shape"].shape.CopyFrom(t.shape.as_proto())
+  gdef.library.CopyFrom(graph.as_graph_def().library)
+  gdef.versions.CopyFrom(graph.graph_def_versions)
+  return gdef, feeds, fetches
+
+
+_variables = {}
+
+
+def _stand_in_variable(t):
+  """A variable of the dtype and shape of resource tensor ``t`` (or None)."""
+  dtype = shape = None
+  try:
+    handle_data = handle_data_util.get_resource_handle_data(t)
+    if handle_data is not None and handle_data.shape_and_type:
+      dtype = tf.as_dtype(handle_data.shape_and_type[0].dtype)
+      shape = tf.TensorShape(handle_data.shape_and_type[0].shape)
+  except Exception:  # pylint: disable=broad-except
+    pass
+  if dtype is None:  # what the variable's reads say
+    reads = [c for c in t.consumers() if c.type == "ReadVariableOp"]
+    if not reads:
+      return None
+    dtype, shape = reads[0].outputs[0].dtype, reads[0].outputs[0].shape
+  if not shape.is_fully_defined() or dtype in _SKIPPED_DTYPES:
+    return None
+  key = (dtype, tuple(shape.as_list()))
+  if key not in _variables:
+    with ops.init_scope():
+      _variables[key] = resource_variable_ops.ResourceVariable(
+          tf.zeros(shape, dtype), trainable=False)
+  return _variables[key]
+
+
+class _NotCompiled(Exception):
+  """Why replica 0's program cannot be built for XLA here (not the user's error)."""
+
+
+_logged = set()
+
+
+def compile_replica_program(op_list, graph, is_engine) -> Optional[str]:
+  """Compiles replica 0's program; returns XLA's error text, or None.
+
+  Where the program cannot be built (an input of unknown shape, a resource
+  of unknown type), it is not compiled: one warning says so, and only the
+  op check (``xla_check.py``) has run.
+  """
+  try:
+    return _compile(op_list, graph, is_engine)
+  except _NotCompiled as reason:
+    if str(reason) not in _logged:
+      _logged.add(str(reason))
+      logging.getLogger(__name__).warning(
+          "Replica 0's TensorCore program was not compiled with XLA (%s); "
+          "only its ops were checked for XLA kernels.", reason)
+    return None
+
+
+def _compile(op_list, graph, is_engine) -> Optional[str]:
+  program_ops = replica_zero_ops(op_list, is_engine)
+  if not program_ops:
+    return None
+  gdef, feeds, fetches = _program_graph_def(program_ops, graph)
+  if not fetches:
+    return None
+  args, variables = [], {}
+  for name, t in feeds.items():
+    if t.dtype == tf.resource:
+      variable = _stand_in_variable(t)
+      if variable is None:
+        raise _NotCompiled(f"the variable of {t.name} has no known dtype and shape")
+      variables[name] = variable
+    elif t.dtype in (tf.variant, tf.string):
+      raise _NotCompiled(f"its input {t.name} is a {t.dtype.name}")
+    elif not t.shape.is_fully_defined():
+      raise _NotCompiled(f"its input {t.name} has shape {t.shape}, not fully known")
+    else:
+      args.append((name, tf.TensorSpec(t.shape, t.dtype)))
+  fetch_names = [t.name for t in fetches]
+  # Ops with no outputs (variable updates): kept as the program's effects.
+  effect_names = [op.name for op in program_ops
+                  if not op.outputs and op.type != "NoOp"]
+  feed_names = [name for name, _ in args] + list(variables)
+
+  with ops.init_scope():
+    try:
+      imported = wrap_function.wrap_function(
+          lambda: tf.graph_util.import_graph_def(gdef, name=""), [])
+      pruned = imported.prune(
+          feeds=[imported.graph.get_tensor_by_name(n + ":0") for n in feed_names],
+          fetches=([imported.graph.get_tensor_by_name(n) for n in fetch_names] +
+                   [imported.graph.get_operation_by_name(n) for n in effect_names]))
+    except Exception as error:  # pylint: disable=broad-except
+      raise _NotCompiled(f"its graph could not be rebuilt: "
+                         f"{type(error).__name__}: {str(error).splitlines()[0]}") from error
+
+  def program(*values):
+    graph_now = ops.get_default_graph()  # the variables, captured as such
+    return pruned(*values, *[graph_now.capture(v.handle) for v in variables.values()])
+
+  with ops.init_scope():
+    compiled = tf.function(program, jit_compile=True, autograph=False)
+    specs = [s for _, s in args]
+    try:  # tracing the rebuilt program is ours; only XLA's refusal is the user's
+      compiled.get_concrete_function(*specs)
+    except Exception as error:  # pylint: disable=broad-except
+      raise _NotCompiled(f"its rebuilt program could not be traced: "
+                         f"{type(error).__name__}: {str(error).splitlines()[0]}") from error
+    try:
+      compiled.experimental_get_compiler_ir(*specs)(
+          stage="hlo", platform_name="CPU")
+    except (ValueError, tf.errors.OpError) as error:
+      # The program runs as one call: its node names carry the call's scope.
+      return str(getattr(error, "message", error)).replace(
+          "StatefulPartitionedCall/", "")
+  return None
+
+
+_NODE = re.compile(r"node `?\{?\{?(?:node )?([^`}\s]+)")
+
+
+def failing_op(error: str, program_ops, graph):
+  """The op XLA's error names (searched in nested functions too), or None."""
+  by_name = {op.name: op for op in program_ops}
+  for name in _NODE.findall(error):
+    if name in by_name:
+      return by_name[name]
+  for name in _NODE.findall(error):
+    for function in graph._functions.values():  # pylint: disable=protected-access
+      inner = getattr(function, "graph", None)
+      if inner is not None:
+        try:
+          return inner.get_operation_by_name(name)
+        except (KeyError, ValueError):
+          continue
+  return None
