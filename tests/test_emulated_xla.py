@@ -470,3 +470,20 @@ def test_an_input_of_unknown_shape_is_not_compiled_and_says_so(caplog):
   assert len(warned) == 1 and warned[0].startswith(
       "Replica 0's TensorCore program was not compiled with XLA (its input ")
   assert "has shape (None,), not fully known); only its ops were checked" in warned[0]
+
+
+def _cond(activations):
+  """A tf.cond under the step's GradientTape: outside an XLA context cond_v2
+  keeps its intermediates for the gradient in Optional ops, which a TPU's
+  program (traced in an XLA context) never holds. Adds zero to the loss."""
+  return tf.cond(tf.reduce_sum(activations) > 0, lambda: tf.reduce_max(activations),
+                 lambda: tf.reduce_min(activations)) * 0.0
+
+
+def test_a_cond_under_the_gradient_tape_compiles_and_trains(no_soft_placement):
+  """Not refused (as it was: OptionalFromValue has no XLA kernel), even with
+  soft placement off; the tables are the TPU's math."""
+  table, weight = _program(2, _cond)
+  want_table, want_weight = _reference(2)
+  np.testing.assert_allclose(table, want_table, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(weight, want_weight, rtol=1e-5, atol=1e-6)

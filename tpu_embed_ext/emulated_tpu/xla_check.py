@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from typing import Iterable, List, Optional, Set
 
 import tensorflow as tf
@@ -235,6 +236,20 @@ def _function_graphs(op, graph) -> Iterable:
         yield inner
 
 
+# cond_v2 / while_v2 keep a branch's intermediates for the gradient in
+# Optional variants only outside an XLA context
+# (control_flow_util.GraphOrParentsInXlaContext); a TPU traces the replica
+# function inside one, so these ops are never in its program.
+_CONTROL_FLOW_FILES = ("cond_v2.py", "while_v2.py", "control_flow_util_v2.py")
+
+
+def _control_flow_plumbing(op, frames) -> bool:
+  return op.type.startswith("Optional") and any(
+      f.filename.replace("\\", "/").endswith(
+          tuple(f"tensorflow/python/ops/{n}" for n in _CONTROL_FLOW_FILES))
+      for f in frames)
+
+
 def first_problem(op_list, graph, seen=None):
   """(op, problem, frames) of the first op no TPU compiles, or None."""
   seen = set() if seen is None else seen
@@ -242,7 +257,7 @@ def first_problem(op_list, graph, seen=None):
     if op.type in _PROGRAM_INPUTS:
       continue
     frames = _frames(op)
-    if _is_engine(frames):
+    if _is_engine(frames) or _control_flow_plumbing(op, frames):
       continue
     problem = _kernel_problem(op)
     if problem is not None:
@@ -328,6 +343,14 @@ def compile_program(op_list, graph):
     return
   op = xla_compile.failing_op(
       error, xla_compile.replica_zero_ops(op_list, _is_engine), graph)
+  if (op is not None and _control_flow_plumbing(op, _frames(op))) or (
+      op is None and re.search(r"No registered 'Optional\w+' OpKernel", error)):
+    # Traced outside an XLA context, cond_v2 / while_v2 kept intermediates
+    # in Optionals that a TPU's program never holds: not the user's error.
+    xla_compile.not_compiled(f"{op.type if op is not None else 'an Optional op'} "
+                             "of tf.cond / tf.while_loop's gradient plumbing, "
+                             "which a TPU's XLA context does not make")
+    return
   raise NotCompilableError(compile_message(error, op))
 
 

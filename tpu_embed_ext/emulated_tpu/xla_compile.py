@@ -42,7 +42,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import handle_data_util, resource_variable_ops
 
 
-__all__ = ["replica_zero_ops", "compile_replica_program", "failing_op"]
+__all__ = ["replica_zero_ops", "compile_replica_program", "failing_op", "not_compiled"]
 
 _MERGE_FILES = ("cross_device_ops.py", "cross_device_utils.py")
 _SKIPPED_DTYPES = (tf.resource, tf.variant)
@@ -183,12 +183,17 @@ def compile_replica_program(op_list, graph, is_engine) -> Optional[str]:
   try:
     return _compile(op_list, graph, is_engine)
   except _NotCompiled as reason:
-    if str(reason) not in _logged:
-      _logged.add(str(reason))
-      logging.getLogger(__name__).warning(
-          "Replica 0's TensorCore program was not compiled with XLA (%s); "
-          "only its ops were checked for XLA kernels.", reason)
+    not_compiled(str(reason))
     return None
+
+
+def not_compiled(reason: str) -> None:
+  """One warning per reason: the program was not compiled, only checked."""
+  if reason not in _logged:
+    _logged.add(reason)
+    logging.getLogger(__name__).warning(
+        "Replica 0's TensorCore program was not compiled with XLA (%s); "
+        "only its ops were checked for XLA kernels.", reason)
 
 
 def _compile(op_list, graph, is_engine) -> Optional[str]:
