@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import google.protobuf
+
 import pytest
 import tensorflow as tf
 from tensorflow.core.protobuf.tpu import optimization_parameters_pb2 as pb
@@ -56,9 +58,16 @@ def test_every_field_reaches_the_tf_optimizer(name):
 
 
 def test_upstream_packing_flag_bug_is_real_and_fixed():
+  """Upstream writes a bool into an enum field: protobuf 7 raises TypeError
+  (setup.py pins protobuf < 7 for that reason); protobuf 6 stores the bool's
+  number (True: ENABLED)."""
   params = pb.OptimizationParameters()
-  with pytest.raises(TypeError):  # Upstream writes a bool into an enum field.
+  if int(google.protobuf.__version__.split(".")[0]) >= 7:
+    with pytest.raises(TypeError, match="Expected an int, got a boolean"):
+      api.SGD(0.1, low_dimensional_packing_status=True)._set_optimization_parameters(params)
+  else:
     api.SGD(0.1, low_dimensional_packing_status=True)._set_optimization_parameters(params)
+    assert params.low_dimensional_packing_status == pb.LowDimensionalPackingStatus.ENABLED
   tf_optimizers.to_tf(optimizers.SGD(low_dimensional_packing_status=False)
                    )._set_optimization_parameters(params)
   assert params.low_dimensional_packing_status == pb.LowDimensionalPackingStatus.UNSPECIFIED

@@ -31,7 +31,7 @@ EXTRAS = {
     "matplotlib": ("matplotlib (the learning curve)", "data"),
 }
 # Each extra's requirements when the package's metadata cannot be read.
-_REQUIREMENTS = {"cpu": ["tensorflow-cpu"],
+_REQUIREMENTS = {"cpu": ["tensorflow-cpu", "protobuf<7"],
                  "data": ["tensorflow-datasets", "importlib-resources",
                           "matplotlib", "tensorboard"]}
 _OTHER_TF = {"clone": " (or [tf], or [tpu] on a Cloud TPU VM)",
@@ -56,9 +56,13 @@ def _requirements(extra: str) -> List[str]:
     found = []
     for line in metadata.requires("tpu_embed_ext") or []:
       if re.search(rf"""extra\s*==\s*['"]{extra}['"]""", line):
-        name = re.match(r"[A-Za-z0-9_.\-]+", line).group(0)
-        if name not in found:
-          found.append(name)
+        # The name, and the bound where it excludes releases that break
+        # (protobuf<7); a plain lower bound is what pip picks anyway.
+        requirement = line.split(";")[0].strip().replace(" ", "")
+        if ">" in requirement or "<" not in requirement:
+          requirement = re.match(r"[A-Za-z0-9_.\-]+", requirement).group(0)
+        if requirement not in found:
+          found.append(requirement)
     return found or _REQUIREMENTS[extra]
   except Exception:  # pylint: disable=broad-except
     return _REQUIREMENTS[extra]
