@@ -57,6 +57,8 @@ bench: $(VENV)/.bench-installed
 	$(PY) -m benchmarks.replicas
 	$(PY) -m benchmarks.convert_checkpoint
 	$(PY) -m benchmarks.emulation
+	$(PY) -m benchmarks.emulation --xla-costs
+	$(PY) -m benchmarks.replica_suite
 
 # The documentation site, built offline into site/ (fails on a broken link or
 # a missing API symbol; tests/test_docs.py runs the same build in `make test`).
