@@ -47,11 +47,16 @@ def _batches():
           for _ in range(STEPS)]
 
 
-def _numpy_reference(batches, pipelined):
-  """Tables after the steps; a pipelined step looks up the tables before the
-  previous step's update."""
+def _fresh_state():
   params = {n: _initial(n).astype(np.float64) for n in VOCAB}
   acc = {n: np.full((VOCAB[n], DIM), INITIAL_ACCUMULATOR) for n in VOCAB}
+  return params, acc
+
+
+def _numpy_loop(params, acc, batches, pipelined):
+  """One loop of steps, updating ``params`` / ``acc`` in place; a pipelined
+  step looks up the tables before the previous step's update (a loop's first
+  step sees the tables as the loop starts)."""
   before_previous = None
   for batch in batches:
     seen = before_previous if pipelined and before_previous is not None else params
@@ -65,6 +70,12 @@ def _numpy_reference(batches, pipelined):
       else:
         acc[n] += grad ** 2
         params[n] -= ADAGRAD_LR * grad / np.sqrt(acc[n])
+
+
+def _numpy_reference(batches, pipelined):
+  """Tables after the steps, in one loop."""
+  params, acc = _fresh_state()
+  _numpy_loop(params, acc, batches, pipelined)
   return params
 
 
@@ -161,22 +172,9 @@ def test_a_second_loop_starts_from_every_update():
 
 def _two_loop_reference(batches, split):
   """Pipelined within each loop, the second loop starting fresh."""
-  params = {n: _initial(n).astype(np.float64) for n in VOCAB}
-  acc = {n: np.full((VOCAB[n], DIM), INITIAL_ACCUMULATOR) for n in VOCAB}
+  params, acc = _fresh_state()
   for part in (batches[:split], batches[split:]):
-    before_previous = None
-    for batch in part:
-      seen = before_previous if before_previous is not None else params
-      before_previous = {n: p.copy() for n, p in params.items()}
-      for n in VOCAB:
-        grad = np.zeros_like(params[n])
-        for i in batch[n]:
-          grad[i] += seen[n][i] - 1.0
-        if n == "a":
-          params[n] -= SGD_LR * grad
-        else:
-          acc[n] += grad ** 2
-          params[n] -= ADAGRAD_LR * grad / np.sqrt(acc[n])
+    _numpy_loop(params, acc, part, pipelined=True)
   return params
 
 
