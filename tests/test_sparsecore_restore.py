@@ -342,15 +342,20 @@ def test_stacked_checkpoint_restores_before_build_over_another_initializer(tmp_p
                                   np.arange(64 * 8, dtype=np.float32).reshape(64, 8))
 
 
+def _single_table_checkpoint(tmp_path, rows) -> str:
+  """A per-table checkpoint (CPUEmbedding's) of ``_single_table`` holding ``rows``."""
+  cpu = tee.CPUEmbedding(_single_table(0.0), api.SGD(1.0))
+  cpu.build()
+  cpu.variables["video"]["parameters"].assign(rows)
+  return tf.train.Checkpoint(embedding=cpu).write(str(tmp_path / "per_table"))
+
+
 @pytest.mark.parametrize("when", ["before_build", "after_build"])
 def test_per_table_checkpoint_of_a_table_named_like_its_stack(tmp_path, when):
   # One table: its stack has its name, so the per-table key "video" names
   # the stacked variable too; the checkpoint's missing layouts tell them apart.
   rows = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
-  cpu = tee.CPUEmbedding(_single_table(0.0), api.SGD(1.0))
-  cpu.build()
-  cpu.variables["video"]["parameters"].assign(rows)
-  path = tf.train.Checkpoint(embedding=cpu).write(str(tmp_path / "per_table"))
+  path = _single_table_checkpoint(tmp_path, rows)
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
     strategy = _strategy()
     with strategy.scope():
@@ -369,10 +374,7 @@ def test_two_restores_before_build_apply_in_order(tmp_path, last):
   # (TensorFlow's own deferral) restored before build: the later one wins,
   # as between any two restores.
   per_table_rows = np.full((64, 8), 3.0, np.float32)
-  cpu = tee.CPUEmbedding(_single_table(0.0), api.SGD(1.0))
-  cpu.build()
-  cpu.variables["video"]["parameters"].assign(per_table_rows)
-  per_table = tf.train.Checkpoint(embedding=cpu).write(str(tmp_path / "per_table"))
+  per_table = _single_table_checkpoint(tmp_path, per_table_rows)
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
     strategy = _strategy()
     with strategy.scope():
