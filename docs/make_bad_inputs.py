@@ -70,26 +70,26 @@ extra = [
   ("`kernels=\"native\"` forced where the native kernels cannot load", "ConfigError", "kernels=\"native\" was asked for, but the native kernels cannot be loaded: <why>. Fix: install a C++ compiler (g++), or use kernels=\"auto\" / \"tf\" to run the TensorFlow-op path.", "tests/test_native_kernels.py::test_library_of_another_tensorflow_is_refused_with_one_log_line"),
   ("no compiler, failed build, library of another TensorFlow (`auto`)", "(falls back, saying so)", "tpu_embed_ext: native kernels unavailable (<why>); using the TensorFlow-op path (same results, slower).", "tests/test_native_kernels.py::test_no_compiler_falls_back_with_one_line_and_identical_results"),
   ("schedule without a step variable", "ConfigError", "... needs a step variable. Fix: pass step=", "tests/test_spec.py::test_schedules_need_a_step"),
-  ("id >= vocabulary", "InputError", "feature 'f' (table 't'): id 9 is out of range [0, 6). Fix: ...", "tests/test_engine.py::test_rejected_step_changes_nothing[too_large]"),
-  ("negative id", "InputError", "feature 'f' (table 't'): id -1 is out of range [0, 6).", "tests/test_engine.py::test_rejected_step_changes_nothing[negative]"),
-  ("NaN / Inf gradient", "InputError", "table 't': gradient has NaN or Inf values; no table, slot or step was changed.", "tests/test_engine.py::test_rejected_step_changes_nothing[nan_gradient]"),
-  ("gradient of the wrong shape", "InputError", "feature 'f' (table 't'): gradient shape [2, 2] does not match its activation shape [1, 2].", "tests/test_engine.py::test_rejected_step_changes_nothing[gradient_shape]"),
-  ("out-of-range id inside tf.function", "InvalidArgumentError", "[feature 'f' (table 't'): ids must be in [0, 6). Fix: map ids into the vocabulary or enlarge vocabulary_size.] [Smallest and largest ids:] [1] [6]", "tests/test_engine.py::test_out_of_range_ids_fail_inside_tf_function_before_any_write"),
-  ("NaN / Inf gradient (or a per-id sum that overflows) inside tf.function", "InvalidArgumentError", "[gradient has NaN or Inf values; no table, slot or step was changed. Fix: ... Tables:] [table 'b']", "tests/test_engine.py::test_non_finite_gradient_fails_inside_tf_function_naming_the_table"),
-  ("unknown / missing feature key", "InputError", "features do not match the feature config's structure: missing [...], unexpected [...]", "tests/test_engine.py::test_bad_features_are_named[unknown_key]"),
-  ("float ids", "InputError", "feature 'f' (table 't'): ids must be integers, got dtype float32.", "tests/test_engine.py::test_bad_features_are_named[float_ids]"),
-  ("ragged ids of rank 3", "InputError", "feature 'f' (table 't'): ragged ids must have rank 2", "tests/test_engine.py::test_bad_features_are_named[ragged_rank_3]"),
-  ("weights for dense ids; weights with other row lengths", "InputError", "weights were given for a dense id tensor / weights have row lengths [1, 1] but ids [2]", "tests/test_engine.py::test_weights_on_dense_ids_and_mismatched_layout"),
-  ("dense [1, 3] ids for a sequence feature; gradients of the wrong structure", "InputError", "feature 's' (table 't'): dense ids of shape [1, 3] have a last dimension of 3, but TPUEmbedding needs dense ids of rank >= 2 to end in a dimension of 1", "tests/test_engine.py::test_dense_ids_for_a_sequence_feature_and_gradient_structure"),
-  ("empty batch / empty rows", "(valid)", "zero activations; no table or slot changes", "tests/test_engine.py::test_empty_batch_is_a_valid_no_op"),
-  ("checkpoint with another shape / other slots", "ConfigError", "table 't': checkpoint ... holds shape [6, 2], this spec has [12, 2].", "tests/test_engine.py::test_checkpoint_of_another_spec_is_refused_naming_the_table"),
-  ("an update that would write NaN or Inf (huge learning rate x gradient, an overflowing accumulator)", "InputError", "table 't': the update would write NaN or Inf into its parameters; no table, slot or step was changed. Fix: lower the learning rate, or clip gradients (clipvalue) or weights (clip_weight_min / clip_weight_max).", "tests/test_engine.py::test_update_that_would_write_inf_changes_nothing[sgd_parameters-eager]"),
-  ("the same inside tf.function", "InvalidArgumentError", "[the update would write NaN or Inf; no table, slot or step was changed. Fix: ... Where:] [table 't' accumulators]", "tests/test_engine.py::test_update_that_would_write_inf_changes_nothing[adagrad_accumulators-tf_function]"),
+  ("id >= vocabulary", "InputError", "feature 'f' (table 't'): id 9 is out of range [0, 6). Fix: ...", "tests/test_engine_input_checks.py::test_out_of_range_ids_change_nothing[too_large]"),
+  ("negative id", "InputError", "feature 'f' (table 't'): id -1 is out of range [0, 6).", "tests/test_engine_input_checks.py::test_out_of_range_ids_change_nothing[negative]"),
+  ("NaN / Inf gradient", "InputError", "table 't': gradient has NaN or Inf values; no table, slot or step was changed.", "tests/test_engine_gradient_checks.py::test_rejected_gradient_changes_nothing[nan_gradient]"),
+  ("gradient of the wrong shape", "InputError", "feature 'f' (table 't'): gradient shape [2, 2] does not match its activation shape [1, 2].", "tests/test_engine_gradient_checks.py::test_rejected_gradient_changes_nothing[gradient_shape]"),
+  ("out-of-range id inside tf.function", "InvalidArgumentError", "[feature 'f' (table 't'): ids must be in [0, 6). Fix: map ids into the vocabulary or enlarge vocabulary_size.] [Smallest and largest ids:] [1] [6]", "tests/test_engine_input_checks.py::test_out_of_range_ids_fail_inside_tf_function_before_any_write"),
+  ("NaN / Inf gradient (or a per-id sum that overflows) inside tf.function", "InvalidArgumentError", "[gradient has NaN or Inf values; no table, slot or step was changed. Fix: ... Tables:] [table 'b']", "tests/test_engine_gradient_checks.py::test_non_finite_gradient_fails_inside_tf_function_naming_the_table"),
+  ("unknown / missing feature key", "InputError", "features do not match the feature config's structure: missing [...], unexpected [...]", "tests/test_engine_input_checks.py::test_bad_features_are_named[unknown_key]"),
+  ("float ids", "InputError", "feature 'f' (table 't'): ids must be integers, got dtype float32.", "tests/test_engine_input_checks.py::test_bad_features_are_named[float_ids]"),
+  ("ragged ids of rank 3", "InputError", "feature 'f' (table 't'): ragged ids must have rank 2", "tests/test_engine_input_checks.py::test_bad_features_are_named[ragged_rank_3]"),
+  ("weights for dense ids; weights with other row lengths", "InputError", "weights were given for a dense id tensor / weights have row lengths [1, 1] but ids [2]", "tests/test_engine_weight_checks.py::test_weights_on_dense_ids_and_mismatched_layout"),
+  ("dense [1, 3] ids for a sequence feature; gradients of the wrong structure", "InputError", "feature 's' (table 't'): dense ids of shape [1, 3] have a last dimension of 3, but TPUEmbedding needs dense ids of rank >= 2 to end in a dimension of 1", "tests/test_engine_input_checks.py::test_dense_ids_for_a_sequence_feature_and_gradient_structure"),
+  ("empty batch / empty rows", "(valid)", "zero activations; no table or slot changes", "tests/test_engine_updates.py::test_empty_batch_is_a_valid_no_op"),
+  ("checkpoint with another shape / other slots", "ConfigError", "table 't': checkpoint ... holds shape [6, 2], this spec has [12, 2].", "tests/test_engine_checkpoints.py::test_checkpoint_of_another_spec_is_refused_naming_the_table"),
+  ("an update that would write NaN or Inf (huge learning rate x gradient, an overflowing accumulator)", "InputError", "table 't': the update would write NaN or Inf into its parameters; no table, slot or step was changed. Fix: lower the learning rate, or clip gradients (clipvalue) or weights (clip_weight_min / clip_weight_max).", "tests/test_engine_gradient_checks.py::test_update_that_would_write_inf_changes_nothing[sgd_parameters-eager]"),
+  ("the same inside tf.function", "InvalidArgumentError", "[the update would write NaN or Inf; no table, slot or step was changed. Fix: ... Where:] [table 't' accumulators]", "tests/test_engine_gradient_checks.py::test_update_that_would_write_inf_changes_nothing[adagrad_accumulators-tf_function]"),
   ("a bad id, a non-finite gradient or an overflowing update under XLA (jit_compile=True)", "InputError at the next eager call (the step writes nothing; the feature's activations are NaN)", "a step compiled with XLA was rejected and changed nothing: feature 'f' (table 't'): id 9 is out of range [0, 6). ...", "tests/test_xla.py::test_xla_rejected_step_changes_nothing_and_raises_at_next_eager_call[too_large]"),
   ("use_gradient_accumulation=False under XLA", "ConfigError", "table 't': use_gradient_accumulation=False cannot be compiled with XLA by the emulator (its rounds of updates have data-dependent sizes). Fix: use jit_compile=False, or enable gradient accumulation (the default).", "tests/test_xla.py::test_xla_refuses_what_it_cannot_emulate_exactly"),
   ("XLA around several MirroredStrategy replicas", "ConfigError", "XLA (jit_compile=True) around 2 MirroredStrategy replicas cannot run on CPU: XLA compiles one device, ... Fix: emulate the replicas with jit_compile=False, or compile one device with jit_compile=True; ...", "tests/test_keras_replicas.py::test_xla_around_several_replicas_is_refused_with_the_fix"),
   ("a strategy the emulator cannot run (e.g. CentralStorageStrategy)", "ConfigError", "CPUEmbedding cannot emulate the TPU engine under CentralStorageStrategy: its variables are not kept on the replicas that look them up. Supported: the default strategy, OneDeviceStrategy, MirroredStrategy or MultiWorkerMirroredStrategy over CPU devices. ...", "tests/test_replicas.py::test_a_strategy_that_cannot_be_emulated_is_named"),
-  ("weight decay on the SparseCore engine", "ConfigError", "table 't': weight_decay_factor=0.1 is rejected by TPUEmbeddingV2 (SparseCore).", "tests/test_engine.py::test_sparsecore_engine_ignores_clipping_and_rejects_weight_decay"),
+  ("weight decay on the SparseCore engine", "ConfigError", "table 't': weight_decay_factor=0.1 is rejected by TPUEmbeddingV2 (SparseCore).", "tests/test_engine_updates.py::test_sparsecore_engine_ignores_clipping_and_rejects_weight_decay"),
   ("dynamic learning-rate tag rules (4 cases)", "ConfigError", "dynamic learning-rate tags must be 0..n-1 with none skipped, got [0, 2].", "tests/test_learning_rates.py::test_tag_rule_violations_are_pinned"),
   ("unknown input layout", "ValueError", "feature 'x': layout must be one of ...", "tests/test_data.py::test_unknown_layout_is_rejected"),
   ("bad config at the command line", "exit 2", "error: <file>: tables.a.vocabulary_size: vocabulary_size must be a positive ...", "tests/test_plan.py::test_plan_command_reports_config_errors"),
@@ -208,25 +208,26 @@ rows += [
   ("initializer value beyond float32", "ConfigError", "tables.t.initializer.value: value=1e+39 is beyond float32's range (+-3.403e+38): the TPU would store Inf.", T + "test_initializer_beyond_float32"),
 ]
 # The engine's protocol, weights and optimizer=None (issues 21 and 22).
-import tests.test_engine as te
-for name in sorted(te.PROTOCOL_MISUSE):
+import tests.test_engine_protocol as te_protocol, tests.test_engine_weight_checks as te_weights
+import tests.test_engine_input_checks as te_inputs
+for name in sorted(te_protocol.PROTOCOL_MISUSE):
   rows.append((f"protocol: {name.replace('_', ' ')}", "InputError (nothing changed)",
-               te.PROTOCOL_MISUSE[name][1],
-               f"tests/test_engine.py::test_protocol_misuse_is_named_and_changes_nothing[{name}-eager/tf_function]"))
-for name in sorted(te.WEIGHT_MISMATCHES):
+               te_protocol.PROTOCOL_MISUSE[name][1],
+               f"tests/test_engine_protocol.py::test_protocol_misuse_is_named_and_changes_nothing[{name}-eager/tf_function]"))
+for name in sorted(te_weights.WEIGHT_MISMATCHES):
   rows.append((f"weights: {name.replace('_', ' ')}",
                "InputError eagerly; InvalidArgumentError in tf.function; under XLA NaN activations, nothing written, InputError at the next eager call",
-               "eagerly: " + te.WEIGHT_MISMATCHES[name][2].replace("\\", "") +
+               "eagerly: " + te_weights.WEIGHT_MISMATCHES[name][2].replace("\\", "") +
                "; otherwise: feature 'f' (table 't'): weights do not match the ids (other row lengths, other indices, or another number of weights). Fix: ...",
-               f"tests/test_engine.py::test_weights_that_do_not_match_their_ids_raise_in_every_mode[{name}-eager/tf_function/xla]"))
+               f"tests/test_engine_weight_checks.py::test_weights_that_do_not_match_their_ids_raise_in_every_mode[{name}-eager/tf_function/xla]"))
 for name in sorted(tp.STRUCTURE_FIRST):
   _, cls, msg = tp.STRUCTURE_FIRST[name]
   error = "InputTypeError (TypeError)" if cls is TypeError else "InputError (ValueError)"
   rows.append((f"apply_gradients before any enqueue: {name.replace('_', ' ')}", error, msg,
                f"tests/test_parity.py::test_apply_gradients_checks_the_structure_before_the_batch[{name}-eager/tf_function]"))
 rows += [
-  ("a rejected apply_gradients (wrong shape, structure, non-tensor, NaN), then a corrected retry", "(the batch stays pending; the retry applies it)", "feature 'f' (table 't'): gradient shape [3, 2] does not match its activation shape [2, 2]. ...", "tests/test_engine.py::test_rejected_apply_gradients_keeps_the_batch_for_a_corrected_retry"),
-  ("dequeue() in a tf.function of a batch enqueued eagerly", "InputError", "dequeue() called before enqueue() in this tf.function (a batch enqueued eagerly or in another tf.function cannot be used here).", "tests/test_engine.py::test_a_batch_enqueued_eagerly_is_not_used_by_a_tf_function"),
+  ("a rejected apply_gradients (wrong shape, structure, non-tensor, NaN), then a corrected retry", "(the batch stays pending; the retry applies it)", "feature 'f' (table 't'): gradient shape [3, 2] does not match its activation shape [2, 2]. ...", "tests/test_engine_protocol.py::test_rejected_apply_gradients_keeps_the_batch_for_a_corrected_retry"),
+  ("dequeue() in a tf.function of a batch enqueued eagerly", "InputError", "dequeue() called before enqueue() in this tf.function (a batch enqueued eagerly or in another tf.function cannot be used here).", "tests/test_engine_protocol.py::test_a_batch_enqueued_eagerly_is_not_used_by_a_tf_function"),
   ("training with optimizer=None (a table without an optimizer)", "InputError (ValueError)", tp.LOOKUP_ONLY.format(call="enqueue(training=True)", tables="['user']"), "tests/test_parity.py::test_optimizer_none_with_per_table_optimizers"),
   ("enqueue(device=...) naming no replica's device", "InputError", "enqueue(device='/cpu:5') names no replica of MirroredStrategy: its replicas' devices are [...]. Fix: pass strategy.extended.worker_devices[i] for replica i's batch, or distributed values without device=.", "tests/test_replicas.py::test_per_device_enqueue_errors_name_the_device"),
   ("enqueue(device=...) with distributed values", "InputError", "enqueue(device='/cpu:1') was given distributed values. Fix: pass one replica's values with device= (strategy.experimental_local_results(x)[i]), or distributed values without device=.", "tests/test_replicas.py::test_per_device_enqueue_errors_name_the_device"),
@@ -273,18 +274,20 @@ rows += [
   ("generated specs: names over `.`, `/`, `%`, unicode, spaces, control characters, names colliding under escaping; dims, vocabularies, optimizers", "(valid: trains, saves, restores, exports with names and values intact) or ConfigError", "hypothesis, 30 derandomized examples per make test", N + "test_generated_specs_round_trip_or_are_refused_with_our_error"),
 ]
 # Issue 28: silent wrong results, hangs and tracebacks found by an adversarial probe.
-E28 = "tests/test_engine.py::"
-for name in sorted(te.BAD_SPARSE):
-  _, _, value, detail = te.BAD_SPARSE[name]
+E28 = "tests/test_engine_input_checks.py::"
+U = "tests/test_engine_updates.py::"
+C = "tests/test_engine_creation.py::"
+for name in sorted(te_inputs.BAD_SPARSE):
+  _, _, value, detail = te_inputs.BAD_SPARSE[name]
   rows.append((f"SparseTensor index outside dense_shape: {name.replace('_', ' ')}",
                "InputError eagerly; InvalidArgumentError in tf.function; under XLA NaN activations, nothing written, InputError at the next eager call",
-               f"feature 'f' (table 't'): SparseTensor index {value} is outside the dense_shape of the ids {detail}" + te._SPARSE_REST + " ...",
+               f"feature 'f' (table 't'): SparseTensor index {value} is outside the dense_shape of the ids {detail}" + te_inputs._SPARSE_REST + " ...",
                E28 + f"test_sparse_indices_outside_dense_shape_are_named_in_every_mode[{name}-sum/mean-eager/tf_function/xla]"))
-for name in sorted(te.INPUT_CASES):
+for name in sorted(te_inputs.INPUT_CASES):
   rows.append((f"feature input: {name.replace('_', ' ')}",
                "InputError eagerly; InvalidArgumentError in tf.function; under XLA NaN activations, nothing written, InputError at the next eager call",
-               te.INPUT_CASES[name][2], E28 + f"test_bad_inputs_are_named_as_inputs_in_every_mode[{name}-eager/tf_function/xla]"))
-for p in te.test_inputs_of_the_wrong_kind_say_what_was_given.pytestmark:
+               te_inputs.INPUT_CASES[name][2], E28 + f"test_bad_inputs_are_named_as_inputs_in_every_mode[{name}-eager/tf_function/xla]"))
+for p in te_inputs.test_inputs_of_the_wrong_kind_say_what_was_given.pytestmark:
   if p.name == "parametrize":
     for i, (_, _, msg) in zip(p.kwargs["ids"], p.args[1]):
       rows.append((f"enqueue: {i.replace('_', ' ')}", "InputError", msg,
@@ -293,14 +296,14 @@ rows += [
   ("a callable learning rate that returns < 0, > 1e6 or NaN at some step (native and TF-op kernels, MirroredStrategy)",
    "InputError eagerly; InvalidArgumentError in tf.function; under XLA nothing written, InputError at the next eager call",
    "table 'a': its learning-rate callable gave -1 this step; a rate must be a finite number in [0, 1e+06] (below 0 the step climbs the loss; ...). No table, slot or step was changed.",
-   E28 + "test_a_callable_learning_rate_out_of_range_changes_nothing, tests/test_replicas.py::test_a_callable_learning_rate_out_of_range_under_two_replicas"),
+   U + "test_a_callable_learning_rate_out_of_range_changes_nothing, tests/test_replicas.py::test_a_callable_learning_rate_out_of_range_under_two_replicas"),
   ("a Keras LearningRateSchedule object as a TF embedding optimizer's (or our spec's) learning_rate", "(valid: follows the engine's step)",
-   "rate at table step t = schedule(t), as an EmbeddingSpec's schedules", E28 + "test_a_keras_schedule_as_learning_rate_follows_the_engine_step"),
+   "rate at table step t = schedule(t), as an EmbeddingSpec's schedules", U + "test_a_keras_schedule_as_learning_rate_follows_the_engine_step"),
   ("the same schedule with a rate out of range", "ConfigError (at construction)",
-   "table 't'.learning_rate: InverseTimeDecay gives the learning rate inf at step 20; ...", E28 + "test_a_keras_schedule_out_of_range_is_refused_naming_the_table"),
+   "table 't'.learning_rate: InverseTimeDecay gives the learning rate inf at step 20; ...", U + "test_a_keras_schedule_out_of_range_is_refused_naming_the_table"),
   ("tables larger than the machine's memory given to CPUEmbedding / EmbeddingLayer (a 2^40-row table)", "MemoryLimitError (at build, nothing allocated)",
    "table 'huge' (1,099,511,627,776 x 8, 1 slot(s)) needs 65,536.0 GiB (float32), and all tables and slots 65,536.0 GiB, but this machine has ... available; nothing was allocated. Fix: lower its vocabulary_size for CPU emulation, or run on a TPU.",
-   E28 + "test_tables_larger_than_memory_are_refused_by_build_naming_the_table"),
+   C + "test_tables_larger_than_memory_are_refused_by_build_naming_the_table"),
   ("a config dict or a config file path given to CPUEmbedding, EmbeddingLayer or plan", "(valid: the spec is built from it)", "", "tests/test_spec.py::test_a_config_dict_or_path_is_taken_where_a_spec_is"),
   ("PiecewiseConstantDecay with 10,000 boundaries", "(valid: built in linear work)", "evaluated by bisection; Keras's schedule is not called while the spec is checked",
    "tests/test_learning_rates.py::test_piecewise_with_10000_boundaries_is_built_in_linear_work"),

@@ -43,15 +43,20 @@ os.environ.setdefault(
     "TPU_EMBED_EXT_CACHE_DIR",
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                  ".cache"))
-# The engine's test modules run twice: kernels forced native, then forced to
-# TensorFlow ops ("[native]" / "[tf]" in test ids). Without the library (no
-# compiler) the native runs are skipped, saying why.
-KERNEL_PATH_MODULES = {"test_engine", "test_engine_contract", "test_replicas",
-                       "test_parity", "test_layer", "test_sparsecore_engine"}
+# The engine's test modules (test_engine_*.py and these) run twice: kernels
+# forced native, then forced to TensorFlow ops ("[native]" / "[tf]" in test
+# ids). Without the library (no compiler) the native runs are skipped, saying why.
+KERNEL_PATH_MODULES = {"test_replicas", "test_parity", "test_layer",
+                       "test_sparsecore_engine"}
+
+
+def _runs_on_both_kernel_paths(module_name):
+  name = module_name.rsplit(".", 1)[-1]
+  return name.startswith("test_engine_") or name in KERNEL_PATH_MODULES
 
 
 def pytest_generate_tests(metafunc):
-  if metafunc.module.__name__.rsplit(".", 1)[-1] in KERNEL_PATH_MODULES:
+  if _runs_on_both_kernel_paths(metafunc.module.__name__):
     metafunc.fixturenames.append("kernel_path")
     metafunc.parametrize("kernel_path", ["native", "tf"])
 

@@ -506,7 +506,8 @@ def test_make_test_with_the_compiler_hidden_falls_back_and_passes(tmp_path):
   env.pop(native.ENV, None)
   done = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-       "tests/test_engine.py", "-k", "goldens or quantization or checkpoint"],
+       "tests/test_engine_tensorflow_goldens.py", "tests/test_engine_lookups.py",
+       "tests/test_engine_checkpoints.py"],
       env=env, cwd=REPO, text=True, capture_output=True, timeout=600)
   assert done.returncode == 0, done.stdout[-3000:]
   assert " passed" in done.stdout and "failed" not in done.stdout

@@ -15,7 +15,8 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tests import test_engine, test_engine_contract as contract
+from tests import test_engine_contract as contract
+from tests import test_engine_tensorflow_goldens as goldens
 
 api = tf.tpu.experimental.embedding
 
@@ -42,13 +43,13 @@ def distribute(strategy, per_replica):
 def _scenario(optimizer, replicas):
   strategy = mirrored(replicas)
   with strategy.scope():
-    emb = tee.CPUEmbedding(*test_engine._scenario_config(optimizer))
+    emb = tee.CPUEmbedding(*goldens._scenario_config(optimizer))
   # Upstream's data: 2 samples per replica, the 4-sample block repeated.
   per_replica = []
   for r in range(replicas):
     rows = slice(2 * (r % 2), 2 * (r % 2) + 2)
     per_replica.append({k: tf.ragged.constant(v[rows], tf.int64)
-                        for k, v in test_engine.DATA.items()})
+                        for k, v in goldens.DATA.items()})
   features = distribute(strategy, per_replica)
 
   @tf.function
@@ -69,11 +70,11 @@ def _scenario(optimizer, replicas):
 
 
 @pytest.mark.parametrize("replicas", [2, 8])
-@pytest.mark.parametrize("name", sorted(test_engine.GOLDENS))
+@pytest.mark.parametrize("name", sorted(goldens.GOLDENS))
 def test_tensorflow_tpu_goldens_per_replica(name, replicas):
-  optimizer, update = test_engine.GOLDENS[name]
+  optimizer, update = goldens.GOLDENS[name]
   emb, strategy, acts = _scenario(optimizer, replicas)
-  video, user = test_engine._expected(update)
+  video, user = goldens._expected(update)
   np.testing.assert_allclose(emb.variables["video"]["parameters"].numpy(), video,
                              rtol=1e-5)
   np.testing.assert_allclose(emb.variables["user"]["parameters"].numpy(), user,

@@ -107,13 +107,13 @@ def _state(engine):
   return {k: v.numpy().copy() for k, v in engine._variables["t"].items()}
 
 
+# Ids out of range under XLA: tests/test_engine_input_checks.py (which owns
+# that message).
 @pytest.mark.parametrize("ids,scale,message", [
-    ([[1, 9], [2]], 1.0, "feature 'f' (table 't'): id 9 is out of range [0, 6)."),
-    ([[-1], [2]], 1.0, "feature 'f' (table 't'): id -1 is out of range [0, 6)."),
     ([[1, 2], [3]], np.inf, "table 't': gradient has NaN or Inf values"),
     ([[1, 2], [3]], 3e38, "table 't': the update would write NaN or Inf into "
      "its velocities"),
-], ids=["too_large", "negative", "inf_gradient", "overflowing_update"])
+], ids=["inf_gradient", "overflowing_update"])
 def test_xla_rejected_step_changes_nothing_and_raises_at_next_eager_call(
     ids, scale, message):
   engine = _one_table_engine()
@@ -121,10 +121,7 @@ def test_xla_rejected_step_changes_nothing_and_raises_at_next_eager_call(
   step(tf.ragged.constant([[1, 2], [3]], tf.int64))  # a good step first
   before, step_before = _state(engine), int(engine.step.numpy())
   acts = step(tf.ragged.constant(ids, tf.int64), tf.constant(scale, tf.float32))
-  if scale == 1.0:  # bad ids: the feature's activations are NaN at once
-    assert np.isnan(acts.numpy()).all()
-  else:
-    assert np.isfinite(acts.numpy()).all()
+  assert np.isfinite(acts.numpy()).all()  # the lookup was good
   after = {k: v.numpy() for k, v in engine._variables["t"].items()}
   for name in before:
     np.testing.assert_array_equal(after[name], before[name], err_msg=name)

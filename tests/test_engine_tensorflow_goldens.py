@@ -1,0 +1,103 @@
+"""CPUEmbedding against TensorFlow's one-step TPU test scenario (docs/semantics.md):
+the forward activations of core 0 and each optimizer's table after one step."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tpu_embed_ext as tee
+
+api = tf.tpu.experimental.embedding
+
+def _scenario_config(optimizer):
+  video = api.TableConfig(8, 4, initializer=tf.constant_initializer(
+      np.arange(32).reshape(8, 4)), combiner="sum", name="video")
+  user = api.TableConfig(16, 2, initializer=tf.constant_initializer(
+      np.arange(32).reshape(16, 2)), combiner="mean", name="user")
+  config = {"watched": api.FeatureConfig(video, name="watched"),
+            "favorited": api.FeatureConfig(video, name="favorited"),
+            "friends": api.FeatureConfig(user, name="friends")}
+  return config, optimizer
+
+
+REPLICAS = 2
+DATA = {"watched": [[0], [0, 1], [0, 1], [1]],
+        "favorited": [[0, 1], [1], [0], [0, 1]],
+        "friends": [[3], [0, 1, 2], [3], [0, 1, 2]]}
+
+
+def _scenario_step(optimizer):
+  """The global batch (2 samples x R replicas) in one step; loss / R as TF does."""
+  emb = tee.CPUEmbedding(*_scenario_config(optimizer))
+  features = {k: tf.ragged.constant(v * (REPLICAS // 2), tf.int64)
+              for k, v in DATA.items()}
+  emb.enqueue(features, training=True)
+  with tf.GradientTape() as tape:
+    acts = emb.dequeue()
+    tape.watch(acts)
+    # Per replica: sum over features of mean_b sum_d act^2, divided by R.
+    loss = tf.add_n([tf.reduce_sum(a * a) / 2 for a in acts.values()]) / REPLICAS
+  emb.apply_gradients(tape.gradient(loss, acts))
+  return emb, acts
+
+
+def test_forward_goldens_of_core_0():
+  _, acts = _scenario_step(api.SGD(0.1))
+  np.testing.assert_array_equal(acts["watched"][:2], [[0, 1, 2, 3], [4, 6, 8, 10]])
+  np.testing.assert_array_equal(acts["favorited"][:2], [[4, 6, 8, 10], [4, 5, 6, 7]])
+  np.testing.assert_array_equal(acts["friends"][:2], [[6, 7], [2, 3]])
+
+
+VIDEO_GRAD = {0: np.array([8, 13, 18, 23.]), 1: np.array([12, 17, 22, 27.])}
+USER_GRAD = {0: np.array([2 / 3, 1]), 1: np.array([2 / 3, 1]), 2: np.array([2 / 3, 1]),
+             3: np.array([6, 7.])}
+LR = 0.1
+
+
+def _expected(update):
+  video, user = np.arange(32.).reshape(8, 4), np.arange(32.).reshape(16, 2)
+  for table, grads in ((video, VIDEO_GRAD), (user, USER_GRAD)):
+    for i, g in grads.items():
+      table[i] = update(table[i], g)
+  return video, user
+
+
+def _adam(w, g, b1=0.9, b2=0.999, eps=1e-7):
+  m, v = (1 - b1) * g, (1 - b2) * g * g
+  return w - LR * m / np.sqrt(v + eps * eps)
+
+
+def _ftrl(w, g, acc0=0.1):  # BT golden: l1 = l2 = beta = 0, lr_power -0.5.
+  acc = acc0 + g * g
+  sigma = (np.sqrt(acc) - np.sqrt(acc0)) / LR
+  lin = g - sigma * w
+  return -lin / (np.sqrt(acc) / LR)
+
+
+def _adagrad_momentum(w, g):  # momentum .9, nesterov, exponent 3, eps .1, beta2 .9
+  acc = 0.1 * g * g
+  sg = (acc + 0.1) ** (-1 / 3) * g
+  mom = sg
+  return w - LR * (0.9 * mom + sg)
+
+
+GOLDENS = {
+    "sgd": (api.SGD(LR), lambda w, g: w - LR * g),
+    "adagrad": (api.Adagrad(LR), lambda w, g: w - LR * g / np.sqrt(0.1 + g * g)),
+    "adam": (api.Adam(LR), _adam),
+    "ftrl": (api.FTRL(LR), _ftrl),
+    "adagrad_momentum": (api.AdagradMomentum(
+        LR, momentum=0.9, use_nesterov=True, exponent=3, epsilon=0.1, beta2=0.9),
+                         _adagrad_momentum),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDENS))
+def test_tensorflow_one_step_tpu_goldens(name):
+  optimizer, update = GOLDENS[name]
+  emb, _ = _scenario_step(optimizer)
+  video, user = _expected(update)
+  np.testing.assert_allclose(emb.variables["video"]["parameters"].numpy(), video,
+                             rtol=1e-5)
+  np.testing.assert_allclose(emb.variables["user"]["parameters"].numpy(), user,
+                             rtol=1e-5)
