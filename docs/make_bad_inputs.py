@@ -104,22 +104,22 @@ rows += extra
 
 # TPUEmbedding's input contract (issue 13): each case raises upstream's class
 # (InputTypeError is a TypeError, the others ValueErrors), eagerly and in
-# tf.function; the tables come from tests/test_parity.py.
-import tests.test_parity as tp
+# tf.function; the tables come from tests/test_engine_matches_tpu_embedding.py.
+import tests.test_engine_matches_tpu_embedding as tp
 for name in sorted(tp.REJECTED_ENQUEUES):
   _, _, _, cls, msg = tp.REJECTED_ENQUEUES[name]
   error = "InputTypeError (TypeError)" if cls is TypeError else "InputError (ValueError)"
   rows.append((f"enqueue: {name.replace('_', ' ')}", error, msg,
-               f"tests/test_parity.py::test_rejected_enqueue[{name}-eager/tf_function]"))
+               f"tests/test_engine_matches_tpu_embedding.py::test_rejected_enqueue[{name}-eager/tf_function]"))
 for name in sorted(tp.REJECTED_BUILDS):
   rows.append((f"build(per_replica_input_shapes): {name.replace('_', ' ')}",
                "InputError (ValueError)", tp.REJECTED_BUILDS[name][2],
-               f"tests/test_parity.py::test_rejected_build[{name}]"))
+               f"tests/test_engine_matches_tpu_embedding.py::test_rejected_build[{name}]"))
 for name in sorted(tp.GRADIENT_CASES):
   _, cls, msg = tp.GRADIENT_CASES[name]
   error = "InputTypeError (TypeError)" if cls is TypeError else "InputError (ValueError)"
   rows.append((f"apply_gradients: {name.replace('_', ' ')}", error, msg,
-               f"tests/test_parity.py::test_rejected_gradients[{name}-eager/tf_function]"))
+               f"tests/test_engine_matches_tpu_embedding.py::test_rejected_gradients[{name}-eager/tf_function]"))
 # What a TPU refuses of TPUEmbedding, refused by the emulated TPU (issue 32).
 R = "tests/test_emulated_tpu_refusals.py::"
 rows += [
@@ -133,18 +133,18 @@ rows += [
   ("emulated TPU: a device assignment of several cores per replica", "NotEmulatedError", "tpu.device_assignment(computation_shape=[1, 1, 1, 2]) (2 cores per replica) is not emulated: the emulated TPU runs each replica on one CPU device ...", R + "test_model_parallel_device_assignment_is_not_emulated"),
 ]
 rows += [
-  ("zero-padded multi-hot ids as a dense [B, L] tensor", "InputError (ValueError)", "feature 'history' (table 'video'): dense ids of shape [2, 3] have a last dimension of 3, ... Fix: for zero-padded multi-hot ids pass a RaggedTensor or SparseTensor (tf.RaggedTensor.from_tensor(ids, padding=0) or tf.sparse.from_dense(ids)); ...", "tests/test_parity.py::test_zero_padded_dense_multi_hot_ids_are_rejected_with_the_fix"),
-  ("ids that cannot fill the recorded activation shape ([B, 1] after [B, 4, 1])", "InputError (ValueError)", "4 ids cannot fill the activation shape [4, 4] (16 rows).", "tests/test_parity.py::test_dense_values_drop_the_trailing_dimension"),
-  ("a batch of another size than the first one", "InputError (ValueError)", "Inconsistent shape founded for input feature 0, Output shape is set to be (4,), But got incoming output shape (2,). feature '0' (table 'video'): the input gives activations of shape [2], but the feature's output shape is [4]", "tests/test_parity.py::test_batch_shape_must_stay_the_one_the_feature_was_built_with"),
-  ("enqueue of a batch dimension unknown when traced (also: a finite dataset under MultiWorkerMirroredStrategy)", "InputError (ValueError)", "Input Feature 0 has output shape set as (None,) which is not fully defined. feature '0' (table 'video'): output shape [None] is not fully defined; the TPU compiles every activation shape. Fix: give static shapes: batch with drop_remainder=True, and under MultiWorkerMirroredStrategy also repeat the dataset (dataset.repeat(), bounding the loop by steps) ...", "tests/test_parity.py::test_unknown_batch_dimension_is_rejected_by_enqueue_but_not_by_lookups"),
-  ("FeatureConfig.output_shape not fully defined", "InputError (ValueError)", "Input Feature 0 has output shape set as (None, 4) which is not fully defined. feature '0' (table 'video'): output shape [None, 4] is not fully defined", "tests/test_parity.py::test_partial_output_shape_in_feature_config_is_rejected_at_build"),
-  ("an optimizer that is not a TPU embedding optimizer (v1 parameters, a string, a Keras optimizer)", "ConfigError (ValueError)", "table 'video': AdagradParameters is an unsupported optimizer class. Fix: pass one of tf.tpu.experimental.embedding's SGD, ...", "tests/test_parity.py::test_unsupported_optimizer_class_is_a_value_error"),
-  ("a TableConfig of another engine to table_variables()", "InputTypeError (TypeError)", "TableConfig(...) is not a TableConfig of this engine's feature config.", "tests/test_parity.py::test_variables_of_an_unnamed_table_config"),
-  ("clipvalue and clip_gradient_min/max together", "ConfigError", "clip_gradient_max: clipvalue=1.0 and clip_gradient_min=None / clip_gradient_max=2.0 both set gradient clipping.", "tests/test_parity.py::test_v1_gradient_clipping_fields"),
-  ("clip_gradient_min that is not a number", "ConfigTypeError", "clip_gradient_min: clip_gradient_min must be a number or None, got str 'low'.", "tests/test_parity.py::test_v1_gradient_clipping_fields"),
-  ('engine="v2" without a fully defined FeatureConfig.output_shape', "ConfigError (ValueError)", "feature 'f' (table 'video'): TPUEmbeddingV2 (SparseCore) needs a fully defined FeatureConfig.output_shape", "tests/test_parity.py::test_v2_needs_output_shape_at_construction"),
-  ('engine="v2": ragged rows that cannot fill output_shape', "InputError (ValueError)", "feature 'f' (table 'video'): 2 rows of ragged ids cannot fill the activation shape [4] (4 rows).", "tests/test_parity.py::test_v2_shapes_come_from_output_shape"),
-  ("serving signature whose lookups change the model's output shapes", "ConfigError", "serving output 'outputs' has shape [None, 1, 2], but the model computes [None, 2]", "tests/test_parity.py::test_serving_export_keeps_training_shapes"),
+  ("zero-padded multi-hot ids as a dense [B, L] tensor", "InputError (ValueError)", "feature 'history' (table 'video'): dense ids of shape [2, 3] have a last dimension of 3, ... Fix: for zero-padded multi-hot ids pass a RaggedTensor or SparseTensor (tf.RaggedTensor.from_tensor(ids, padding=0) or tf.sparse.from_dense(ids)); ...", "tests/test_engine_matches_tpu_embedding.py::test_zero_padded_dense_multi_hot_ids_are_rejected_with_the_fix"),
+  ("ids that cannot fill the recorded activation shape ([B, 1] after [B, 4, 1])", "InputError (ValueError)", "4 ids cannot fill the activation shape [4, 4] (16 rows).", "tests/test_engine_matches_tpu_embedding.py::test_dense_values_drop_the_trailing_dimension"),
+  ("a batch of another size than the first one", "InputError (ValueError)", "Inconsistent shape founded for input feature 0, Output shape is set to be (4,), But got incoming output shape (2,). feature '0' (table 'video'): the input gives activations of shape [2], but the feature's output shape is [4]", "tests/test_engine_matches_tpu_embedding.py::test_batch_shape_must_stay_the_one_the_feature_was_built_with"),
+  ("enqueue of a batch dimension unknown when traced (also: a finite dataset under MultiWorkerMirroredStrategy)", "InputError (ValueError)", "Input Feature 0 has output shape set as (None,) which is not fully defined. feature '0' (table 'video'): output shape [None] is not fully defined; the TPU compiles every activation shape. Fix: give static shapes: batch with drop_remainder=True, and under MultiWorkerMirroredStrategy also repeat the dataset (dataset.repeat(), bounding the loop by steps) ...", "tests/test_engine_matches_tpu_embedding.py::test_unknown_batch_dimension_is_rejected_by_enqueue_but_not_by_lookups"),
+  ("FeatureConfig.output_shape not fully defined", "InputError (ValueError)", "Input Feature 0 has output shape set as (None, 4) which is not fully defined. feature '0' (table 'video'): output shape [None, 4] is not fully defined", "tests/test_engine_matches_tpu_embedding.py::test_partial_output_shape_in_feature_config_is_rejected_at_build"),
+  ("an optimizer that is not a TPU embedding optimizer (v1 parameters, a string, a Keras optimizer)", "ConfigError (ValueError)", "table 'video': AdagradParameters is an unsupported optimizer class. Fix: pass one of tf.tpu.experimental.embedding's SGD, ...", "tests/test_engine_matches_tpu_embedding.py::test_unsupported_optimizer_class_is_a_value_error"),
+  ("a TableConfig of another engine to table_variables()", "InputTypeError (TypeError)", "TableConfig(...) is not a TableConfig of this engine's feature config.", "tests/test_engine_matches_tpu_embedding.py::test_variables_of_an_unnamed_table_config"),
+  ("clipvalue and clip_gradient_min/max together", "ConfigError", "clip_gradient_max: clipvalue=1.0 and clip_gradient_min=None / clip_gradient_max=2.0 both set gradient clipping.", "tests/test_engine_matches_tpu_embedding.py::test_v1_gradient_clipping_fields"),
+  ("clip_gradient_min that is not a number", "ConfigTypeError", "clip_gradient_min: clip_gradient_min must be a number or None, got str 'low'.", "tests/test_engine_matches_tpu_embedding.py::test_v1_gradient_clipping_fields"),
+  ('engine="v2" without a fully defined FeatureConfig.output_shape', "ConfigError (ValueError)", "feature 'f' (table 'video'): TPUEmbeddingV2 (SparseCore) needs a fully defined FeatureConfig.output_shape", "tests/test_engine_matches_tpu_embedding.py::test_v2_needs_output_shape_at_construction"),
+  ('engine="v2": ragged rows that cannot fill output_shape', "InputError (ValueError)", "feature 'f' (table 'video'): 2 rows of ragged ids cannot fill the activation shape [4] (4 rows).", "tests/test_engine_matches_tpu_embedding.py::test_v2_shapes_come_from_output_shape"),
+  ("serving signature whose lookups change the model's output shapes", "ConfigError", "serving output 'outputs' has shape [None, 1, 2], but the model computes [None, 2]", "tests/test_engine_matches_tpu_embedding.py::test_serving_export_keeps_training_shapes"),
 ]
 # Faults and outputs (issue 22): kills, damaged checkpoints, full and
 # read-only disks, outputs over inputs, the exported model's inputs.
@@ -224,11 +224,11 @@ for name in sorted(tp.STRUCTURE_FIRST):
   _, cls, msg = tp.STRUCTURE_FIRST[name]
   error = "InputTypeError (TypeError)" if cls is TypeError else "InputError (ValueError)"
   rows.append((f"apply_gradients before any enqueue: {name.replace('_', ' ')}", error, msg,
-               f"tests/test_parity.py::test_apply_gradients_checks_the_structure_before_the_batch[{name}-eager/tf_function]"))
+               f"tests/test_engine_matches_tpu_embedding.py::test_apply_gradients_checks_the_structure_before_the_batch[{name}-eager/tf_function]"))
 rows += [
   ("a rejected apply_gradients (wrong shape, structure, non-tensor, NaN), then a corrected retry", "(the batch stays pending; the retry applies it)", "feature 'f' (table 't'): gradient shape [3, 2] does not match its activation shape [2, 2]. ...", "tests/test_engine_protocol.py::test_rejected_apply_gradients_keeps_the_batch_for_a_corrected_retry"),
   ("dequeue() in a tf.function of a batch enqueued eagerly", "InputError", "dequeue() called before enqueue() in this tf.function (a batch enqueued eagerly or in another tf.function cannot be used here).", "tests/test_engine_protocol.py::test_a_batch_enqueued_eagerly_is_not_used_by_a_tf_function"),
-  ("training with optimizer=None (a table without an optimizer)", "InputError (ValueError)", tp.LOOKUP_ONLY.format(call="enqueue(training=True)", tables="['user']"), "tests/test_parity.py::test_optimizer_none_with_per_table_optimizers"),
+  ("training with optimizer=None (a table without an optimizer)", "InputError (ValueError)", tp.LOOKUP_ONLY.format(call="enqueue(training=True)", tables="['user']"), "tests/test_engine_matches_tpu_embedding.py::test_optimizer_none_with_per_table_optimizers"),
   ("enqueue(device=...) naming no replica's device", "InputError", "enqueue(device='/cpu:5') names no replica of MirroredStrategy: its replicas' devices are [...]. Fix: pass strategy.extended.worker_devices[i] for replica i's batch, or distributed values without device=.", "tests/test_replicas.py::test_per_device_enqueue_errors_name_the_device"),
   ("enqueue(device=...) with distributed values", "InputError", "enqueue(device='/cpu:1') was given distributed values. Fix: pass one replica's values with device= (strategy.experimental_local_results(x)[i]), or distributed values without device=.", "tests/test_replicas.py::test_per_device_enqueue_errors_name_the_device"),
   ("enqueue twice under MirroredStrategy(2); a rejected apply_gradients on both replicas", "InputError (the retry applies the pending batch)", "enqueue() was called again (replica 0) before the batch enqueued before it was dequeued ...", "tests/test_replicas.py::test_protocol_misuse_and_retry_under_two_replicas"),

@@ -83,7 +83,7 @@ def three_combiner_inputs():
   ragged = tf.ragged.constant([[1, 2, 2], [], [5], [7, 8, 9, 10]], tf.int64)
   weights = tf.ragged.constant([[0.5, 1.0, 2.0], [], [3.0], [1.0, 1.0, 0.5, 0.25]])
   # Dense ids of rank 1: the one dense shape on which TPUEmbedding and
-  # TPUEmbeddingForServing agree (tests/test_parity.py covers the others).
+  # TPUEmbeddingForServing agree (tests/test_engine_matches_tpu_embedding.py covers the others).
   features = {"dense": tf.constant([1, 3, 0, 19], tf.int64),
               "ragged_sum": ragged, "ragged_mean": ragged,
               "sparse_sqrtn": ragged.to_sparse(), "sequence": ragged,

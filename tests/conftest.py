@@ -46,7 +46,7 @@ os.environ.setdefault(
 # The engine's test modules (test_engine_*.py and these) run twice: kernels
 # forced native, then forced to TensorFlow ops ("[native]" / "[tf]" in test
 # ids). Without the library (no compiler) the native runs are skipped, saying why.
-KERNEL_PATH_MODULES = {"test_replicas", "test_parity", "test_layer",
+KERNEL_PATH_MODULES = {"test_replicas", "test_layer",
                        "test_sparsecore_engine"}
 
 

@@ -423,7 +423,7 @@ def test_the_printed_command_runs_as_printed(monkeypatch, tmp_path):
   assert os.sep in console.program()  # A path, not a PATH lookup.
 
 
-# --- first-hour polish (issue 36) ------------------------------------------------
+# --- --version, help per command, plan notes, a failed train leaves nothing ------
 
 def test_version(capsys):
   import tpu_embed_ext

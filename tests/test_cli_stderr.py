@@ -218,7 +218,7 @@ def test_the_private_log_is_created_exclusively(monkeypatch, tmp_path):
 
 
 def test_convert_checkpoint_errors_are_its_only_stderr(tmp_path):
-  """Issue 28: the stderr and one-line rules hold for every command; this one
+  """The stderr and one-line rules hold for every command; this one
   loads TensorFlow before it finds the missing flags."""
   status, out, err = _run(tmp_path, "convert-checkpoint", "--config", "tiny")
   assert (status, out) == (2, "")

@@ -1,5 +1,5 @@
 """Config and spec inputs: each bad one is a clear error, on the CLI one line
-with exit status 2 (issue 22's config items), found before anything is built.
+with exit status 2, found before anything is built.
 
 Config files are read in bounded time and memory whatever they contain
 (nested YAML aliases, recursion, depth, size); names derived from user names
@@ -175,7 +175,7 @@ def test_json_has_the_yaml_limit_on_values(tmp_path):
   assert len(config_files.load(str(path))["a"]) == 10_000
 
 
-# --- the train: section's dense optimizer (issue 28) ------------------------------
+# --- the train: section's dense optimizer -----------------------------------------
 
 DENSE_OPTIMIZERS = {
     # Before: KeyError: 'class_name' from Keras.

@@ -1,4 +1,4 @@
-"""``python -m tpu_embed_ext emulate``: a command as dependable as ``python`` (issue 34).
+"""``python -m tpu_embed_ext emulate``: a command as dependable as ``python``.
 
 The exit loses nothing ``python SCRIPT`` keeps (files left open, the
 script's excepthook, the status); ``-m MODULE`` runs as ``python -m``; a bad
@@ -196,7 +196,7 @@ def test_stderr_is_the_scripts_and_tensorflows_start_up_lines_go_to_the_log(tmp_
   assert done.stderr == "script stderr\n"
 
 
-# --- the XLA switch (issue 33): --no-xla runs what a TPU could not compile ------
+# --- the XLA switch: --no-xla runs what a TPU could not compile -----------------
 
 _NO_KERNEL_STEP = """
 import tensorflow as tf

@@ -1,4 +1,4 @@
-"""The pytest plugin as a CI tool (issue 34): misuse is a usage error, and
+"""The pytest plugin as a CI tool: misuse is a usage error, and
 the ``emulated_tpu`` fixture does not depend on test order.
 
 Each case runs ``python -m pytest`` on a small test file in its own

@@ -46,7 +46,7 @@ def test_train_on_the_emulated_tpu_equals_cpu_emulation(capsys, tmp_path, tiny_d
     assert status == 0, out
     runs[tpu] = (out, jobs.variables(jobs.checkpoint(model_dir, STEPS)))
   out, emulated = runs["emulate:2"]
-  # The device line once (issue 36), true.
+  # The device line once, true.
   assert "Training on emulated TPU, 2 replicas (TPUEmbedding)." in out
   assert out.count("emulated TPU") == 1 and f"at step {STEPS}, " in out
   # Again on the finished model_dir: nothing to do, and where it trained.

@@ -1,7 +1,7 @@
 """What a TPU refuses of ``TPUEmbedding`` (TensorFlow 2.21), refused on the emulated TPU.
 
 Found by running TensorFlow's own ``tpu_embedding_v2_*_test.py`` files under
-``emulate --replicas 8`` (issue 32). Each refusal starts with TensorFlow's
+``emulate --replicas 8``. Each refusal starts with TensorFlow's
 own words (users' tests written against a TPU match them), then ours; every
 refused call leaves the tables as they were. Values are checked against
 numpy.

@@ -409,7 +409,7 @@ def test_checks_before_a_restore_read_each_tensor_once(tmp_path, data_dir, strai
   assert len(tables) > 26 and set(reads.values()) == {1}, reads
 
 
-# --- paths a run writes that are of the wrong kind (issue 28) ---------------------
+# --- paths a run writes that are of the wrong kind --------------------------------
 
 WRONG_KIND = ["metrics.json", "history.csv", "learning_curve.png", "run.json", ".lock",
               "logs", "checkpoints"]

@@ -216,7 +216,7 @@ def test_python_schedules_are_checked_over_their_whole_range(schedule, message):
       "features": {"f": {"table": "t"}}})
 
 
-# --- schedule arguments checked before Keras sees them (issue 28) -----------------
+# --- schedule arguments checked before Keras sees them ----------------------------
 
 def _spec_with_rate(rate, optimizer="sgd"):
   return tee.EmbeddingSpec.from_dict({

@@ -342,7 +342,7 @@ def test_one_device_strategy():
   assert int(engine.step.numpy()) == 2
 
 
-# --- per-device enqueue (issue 21) ---------------------------------------------
+# --- per-device enqueue --------------------------------------------------------
 
 def _per_device_batches(replicas, step):
   """Replica r's ragged batch of step ``step`` (2 samples, ids 0-7)."""
@@ -450,7 +450,7 @@ def test_per_device_enqueue_errors_name_the_device():
         [table[row].mean(0) for row in batches[r]["watched"].to_list()], rtol=1e-6)
 
 
-# --- the protocol under MirroredStrategy(2) (issue 22) ----------------------------
+# --- the protocol under MirroredStrategy(2) ---------------------------------------
 
 def test_protocol_misuse_and_retry_under_two_replicas():
   strategy = mirrored(2)
@@ -501,7 +501,7 @@ def test_protocol_misuse_and_retry_under_two_replicas():
     strategy.run(retry)
 
 
-# --- a SparseTensor index outside dense_shape on one replica (issue 28) ----------
+# --- a SparseTensor index outside dense_shape on one replica ---------------------
 
 def _ones_step(engine, strategy, use_function):
   """``step(batches)``: one step of dL/dact = 1 on every replica's batch."""

@@ -1,4 +1,5 @@
-"""SparseCore input limits against batches counted by hand (sparse_core_preprocess_ops.cc).
+"""SparseCore input limits against batches counted by hand (sparse_core_preprocess_ops.cc),
+and the masks SparseCoreState applies for them.
 
 TensorFlow's CPU wheel registers no kernel for the preprocessing ops
 (ConvertToListOfSparseCoreCooTensors, SortListOfSparseCoreCooTensors,
@@ -13,7 +14,10 @@ import tensorflow as tf
 from tpu_embed_ext import errors
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.limits import FeatureIds, Limits, check_limits, count_ids
+from tpu_embed_ext.sparsecore.state import SparseCoreState
 from tpu_embed_ext.sparsecore.topology import Topology
+
+api = tf.tpu.experimental.embedding
 
 TOPOLOGY = Topology(2, 2)  # 4 SparseCores
 LAYOUTS = sc_layout.compute_layouts([sc_layout.StackingInput("a", 64, 8, "g"),
@@ -168,3 +172,45 @@ def test_more_input_errors():
   assert str(e.value) == (
       "feature 0 (table 'z'): the table has no SparseCore layout. Fix: compute the "
       "layouts for every table (['a', 'b']).")
+
+
+# --- SparseCoreState: the masks an engine applies, eagerly and in tf.function ---
+
+def _sparsecore_state(**config):
+  sgd = api.SGD(0.1)
+  tables = {n: api.TableConfig(vocabulary_size=r, dim=8, name=n, optimizer=sgd)
+            for n, r in (("a", 64), ("b", 32))}
+  features = {"fa": api.FeatureConfig(table=tables["a"]),
+              "fb": api.FeatureConfig(table=tables["b"])}
+  return SparseCoreState(features, None, "2x2",
+                         api.SparseCoreEmbeddingConfig(**config))
+
+
+def test_masks_equal_the_hand_counted_drops_eagerly_and_in_a_graph():
+  state = _sparsecore_state(max_ids_per_chip_per_sample=2, allow_id_dropping=True)
+  args = ([FA.samples, FB.samples], [FA.ids, FB.ids], [8, 8])
+  eager = state.keep_masks(*args)
+  graph = tf.function(lambda s, i, c: state.keep_masks(s, i, c))(
+      *[[tf.constant(x) for x in a] for a in args])
+  for masks in (eager, graph):
+    np.testing.assert_array_equal(masks[0], [1, 1, 1, 1, 0, 0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(masks[1], [0, 0, 1, 1])
+  assert state.padding == {"a": {"parameters": 0.0}, "b": {"parameters": 0.0}}
+
+
+def test_limit_error_eagerly_and_in_a_graph():
+  state = _sparsecore_state(max_ids_per_table={"a_b": 1})
+  args = ([FA.samples, FB.samples], [FA.ids, FB.ids], [8, 8])
+  with pytest.raises(errors.InputError, match=r"max_ids_per_table\['a_b'\]=1"):
+    state.keep_masks(*args)
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=r"max_ids_per_table\['a_b'\]=1"):
+    tf.function(lambda s, i, c: state.keep_masks(s, i, c))(
+        *[[tf.constant(x) for x in a] for a in args])
+
+
+def test_wrong_number_of_features():
+  with pytest.raises(errors.InputError) as e:
+    _sparsecore_state().keep([FA.samples], [FA.ids], [8])
+  assert str(e.value) == ("expected ids for 2 features (fa, fb), got 1. Fix: pass one "
+                          "entry per feature, in flat order.")

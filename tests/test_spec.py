@@ -281,7 +281,7 @@ def test_shipped_configs_load_and_round_trip(path):
   assert len(spec.tables) == 26
 
 
-# --- a config dict or path where a spec is taken (issue 28) ----------------------
+# --- a config dict or path where a spec is taken ---------------------------------
 
 _DICT = {"optimizer": {"type": "sgd", "learning_rate": 0.5},
          "tables": {"t": {"vocabulary_size": 6, "dim": 2,

@@ -102,7 +102,7 @@ def test_a_missing_extra_is_named_and_nothing_is_made(env, tmp_path, without, co
   assert os.listdir(tmp_path) == []
 
 
-# --- every command the CLI prints runs as printed (issue 36) ---------------------
+# --- every command the CLI prints runs as printed --------------------------------
 
 def _printed(stdout):
   """The commands a finished ``train`` prints: export, and TensorBoard's."""

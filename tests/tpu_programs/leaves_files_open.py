@@ -1,4 +1,4 @@
-"""Leaves files open and ends with an uncaught exception (issue 34).
+"""Leaves files open and ends with an uncaught exception.
 
 Run as ``python leaves_files_open.py OUT`` and under ``emulate --replicas 8``:
 both must leave the same files (Python's own exit does not finish every one

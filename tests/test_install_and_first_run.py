@@ -1,4 +1,4 @@
-"""A new user's first hour (issue 36): what the install and the first run
+"""A new user's first hour: what the install and the first run
 say while they work, what they build, and what the docs point to.
 
 The notebooks (test_notebooks.py), the printed commands (test_wheel.py) and

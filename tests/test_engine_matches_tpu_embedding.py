@@ -1,4 +1,4 @@
-"""CPUEmbedding against TPUEmbedding's contract (issue 13).
+"""CPUEmbedding against TPUEmbedding's contract.
 
 The scenarios come from TensorFlow's own input tests of the TPU embedding
 mid-level API (tensorflow/python/tpu/tests/tpu_embedding_v2_*_test.py:
@@ -706,7 +706,7 @@ def test_v2_shapes_come_from_output_shape(mode):
       "shape [4] (4 rows).")
 
 
-# --- issue 21: structure before the batch, optimizer=None --------------------------
+# --- structure before the batch, optimizer=None ------------------------------------
 
 STRUCTURE_FIRST = {
     # invalid_input_test.test_pass_different_structure_to_apply_gradients:
