@@ -1,12 +1,40 @@
-"""What the job tests share: the CLI in-process, its one-line errors, checkpoints."""
+"""What the job tests share: the tiny config and its training run, the CLI
+in-process, its one-line errors, checkpoints."""
 
 import os
 
 import numpy as np
 import tensorflow as tf
+import yaml
 
 from tpu_embed_ext import __main__ as cli
 from tpu_embed_ext import atomic
+from tpu_embed_ext import train as train_lib
+
+TINY_CONFIG = "configs/tiny.yaml"
+
+
+def train_tiny(model_dir, data_dir, steps, config=TINY_CONFIG, verbose=2, **overrides):
+  """(metrics, log text) of the job trained in-process to ``steps`` on the
+  session's tiny dataset; ``overrides``: the config's train: fields."""
+  lines = []
+  metrics = train_lib.train(config, model_dir=str(model_dir), steps=steps, tpu="none",
+                            verbose=verbose, log=lines.append,
+                            overrides={"data_dir": data_dir, **overrides})
+  return metrics, "\n".join(lines)
+
+
+def write_tiny_config(tmp_path, data_dir, edit=None, name="c.yaml", **train):
+  """tiny.yaml on ``data_dir``, checkpointing every 5 steps, its train: section
+  updated by ``train`` and the whole config by ``edit(config)``; its path."""
+  with open(TINY_CONFIG) as f:
+    config = yaml.safe_load(f)
+  config["train"].update({"data_dir": data_dir, "steps_per_checkpoint": 5, **train})
+  if edit:
+    edit(config)
+  path = tmp_path / name
+  path.write_text(yaml.safe_dump(config))
+  return str(path)
 
 _SUFFIX = " (--verbose shows the traceback)"
 

@@ -19,7 +19,7 @@ from tests import jobs
 from tpu_embed_ext import console
 from tpu_embed_ext import model_dir as model_dir_lib
 
-TINY = "configs/tiny.yaml"
+TINY = jobs.TINY_CONFIG
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -32,17 +32,6 @@ def data_dir(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("tfds"))
   tfds.builder("synthetic_clicks/tiny", data_dir=path).download_and_prepare()
   return path
-
-
-def _config(tmp_path, data_dir, edit=None, name="c.yaml"):
-  with open(TINY) as f:
-    config = yaml.safe_load(f)
-  config["train"].update(data_dir=data_dir, steps_per_checkpoint=5)
-  if edit:
-    edit(config)
-  path = tmp_path / name
-  path.write_text(yaml.safe_dump(config))
-  return str(path)
 
 
 _cli = jobs.run_cli
@@ -88,7 +77,7 @@ def _set(path, value):
         "interaction", "dataset", "feature_format", "empty_eval_split"])
 def test_train_section_errors_are_one_line(capsys, tmp_path, data_dir, path, value,
                                            message):
-  config = _config(tmp_path, data_dir, _set(path, value))
+  config = jobs.write_tiny_config(tmp_path, data_dir, _set(path, value))
   line = _one_line_error(capsys, "train", "--config", config, "--tpu", "none",
                          "--model_dir", str(tmp_path / "run"))
   assert line.startswith(f"{config}: {message}"), line
@@ -96,7 +85,7 @@ def test_train_section_errors_are_one_line(capsys, tmp_path, data_dir, path, val
 
 
 def test_dense_optimizer_typo_suggests_the_class(capsys, tmp_path, data_dir):
-  config = _config(tmp_path, data_dir,
+  config = jobs.write_tiny_config(tmp_path, data_dir,
                    _set(("train", "dense_optimizer"), {"class": "Adamm"}))
   line = _one_line_error(capsys, "train", "--config", config, "--tpu", "none",
                          "--model_dir", str(tmp_path / "run"))
@@ -105,7 +94,7 @@ def test_dense_optimizer_typo_suggests_the_class(capsys, tmp_path, data_dir):
 
 @pytest.mark.parametrize("steps", ["0", "-20"])
 def test_steps_must_be_positive(capsys, tmp_path, data_dir, steps):
-  line = _one_line_error(capsys, "train", "--config", _config(tmp_path, data_dir),
+  line = _one_line_error(capsys, "train", "--config", jobs.write_tiny_config(tmp_path, data_dir),
                          "--steps", steps, "--model_dir", str(tmp_path / "run"))
   assert line == (
       f"--steps: --steps must be a positive integer (the table step to train to), got "
@@ -137,7 +126,7 @@ def test_read_only_model_dir_is_found_before_training(capsys, tmp_path, data_dir
   model_dir = tmp_path / "ro"
   _make_read_only(model_dir)
   try:
-    line = _one_line_error(capsys, "train", "--config", _config(tmp_path, data_dir),
+    line = _one_line_error(capsys, "train", "--config", jobs.write_tiny_config(tmp_path, data_dir),
                            "--tpu", "none", "--model_dir", str(model_dir))
   finally:
     if os.geteuid() == 0:
@@ -148,7 +137,7 @@ def test_read_only_model_dir_is_found_before_training(capsys, tmp_path, data_dir
 
 
 def test_tpu_name_that_does_not_resolve(capsys, tmp_path, data_dir):
-  line = _one_line_error(capsys, "train", "--config", _config(tmp_path, data_dir),
+  line = _one_line_error(capsys, "train", "--config", jobs.write_tiny_config(tmp_path, data_dir),
                          "--tpu", "no-such-tpu-name", "--model_dir", str(tmp_path / "r"))
   assert line.startswith("--tpu: TPU 'no-such-tpu-name' cannot be reached: ")
   assert line.endswith("Fix: check the name (gcloud compute tpus list), use --tpu auto "
@@ -157,7 +146,7 @@ def test_tpu_name_that_does_not_resolve(capsys, tmp_path, data_dir):
 
 def test_model_dir_in_use(capsys, tmp_path, data_dir):
   with model_dir_lib.lock(str(tmp_path)):
-    line = _one_line_error(capsys, "train", "--config", _config(tmp_path, data_dir),
+    line = _one_line_error(capsys, "train", "--config", jobs.write_tiny_config(tmp_path, data_dir),
                            "--tpu", "none", "--model_dir", str(tmp_path))
   assert line == (f"model_dir {tmp_path} is in use by another run (pid {os.getpid()}). "
                   "Fix: wait for it to finish, or pass another --model_dir.")
@@ -165,7 +154,7 @@ def test_model_dir_in_use(capsys, tmp_path, data_dir):
 
 def test_tables_larger_than_memory_are_named_before_allocating(capsys, tmp_path,
                                                                data_dir):
-  config = _config(tmp_path, data_dir,
+  config = jobs.write_tiny_config(tmp_path, data_dir,
                    _set(("tables", "t_c7", "vocabulary_size"), 10 ** 11))
   line = _one_line_error(capsys, "train", "--config", config, "--tpu", "none",
                          "--model_dir", str(tmp_path / "run"))
@@ -214,7 +203,7 @@ def test_real_process_prints_one_line_and_exits_2(tmp_path):
 
 def test_train_ends_with_where_everything_went_and_the_export_command_works(
     capsys, tmp_path, data_dir):
-  config = _config(tmp_path, data_dir)
+  config = jobs.write_tiny_config(tmp_path, data_dir)
   model_dir = str(tmp_path / "run")
   status, out, err = _cli(capsys, "train", "--config", config, "--steps", "10",
                           "--tpu", "none", "--model_dir", model_dir)
@@ -457,7 +446,7 @@ def test_a_failed_train_leaves_nothing_it_created(capsys, monkeypatch, tmp_path,
                                                  data_dir):
   """A run refused after its model_dir was made (a TPU that cannot be
   reached): no empty runs/<name>/, no .lock; a model_dir that was there stays."""
-  config = _config(tmp_path, data_dir, name="bad.yaml")
+  config = jobs.write_tiny_config(tmp_path, data_dir, name="bad.yaml")
   work = tmp_path / "work"
   work.mkdir()
   monkeypatch.chdir(work)
@@ -513,7 +502,7 @@ def test_a_finished_train_decides_nothing_to_do_before_any_work(
     capsys, monkeypatch, tmp_path, data_dir):
   """No dataset, model, strategy or emulated TPU for a finished run, and one
   device line, true: where the run trained (not the --tpu of this call)."""
-  config = _config(tmp_path, data_dir)
+  config = jobs.write_tiny_config(tmp_path, data_dir)
   model_dir = str(tmp_path / "run")
   status, out, err = _cli(capsys, "train", "--config", config, "--steps", "5",
                           "--tpu", "none", "--model_dir", model_dir)

@@ -35,7 +35,7 @@ def _logs(tmp_path):
   return tmp_path / "cache" / "logs"
 
 
-def _run(tmp_path, *args, script=None, cwd=None):
+def _cli_process(tmp_path, *args, script=None, cwd=None):
   """(status, stdout, stderr) of the CLI, or of ``script`` then ``run()``."""
   work = cwd or tmp_path / "work"
   os.makedirs(work, exist_ok=True)
@@ -62,7 +62,7 @@ def _private_log(path, tmp_path):
 
 
 def test_plan_writes_nothing_to_stderr_with_tensorflow_logging_on(tmp_path):
-  status, out, err = _run(tmp_path, "plan", "--config", "tiny")
+  status, out, err = _cli_process(tmp_path, "plan", "--config", "tiny")
   assert (status, err) == (0, "")
   assert "t_c25" in out and "libraries" not in out
   _private_log(_logs(tmp_path) / "plan.log", tmp_path)
@@ -91,7 +91,7 @@ def command(f, config, progress):
 
 
 def test_every_library_line_goes_to_the_log_and_ours_to_stderr(tmp_path):
-  status, out, err = _run(tmp_path, "plan", "--config", "tiny", script=_EVERY_KIND)
+  status, out, err = _cli_process(tmp_path, "plan", "--config", "tiny", script=_EVERY_KIND)
   assert status == 0, err
   assert err == "warning: momentum=1.0: ours\n"
   assert out == "the command's output\n"
@@ -104,7 +104,7 @@ def test_every_library_line_goes_to_the_log_and_ours_to_stderr(tmp_path):
 
 
 def test_verbose_shows_the_library_lines(tmp_path):
-  status, out, err = _run(tmp_path, "plan", "--config", "tiny", "--verbose",
+  status, out, err = _cli_process(tmp_path, "plan", "--config", "tiny", "--verbose",
                           script=_EVERY_KIND)
   assert status == 0, err
   assert "a C++ line on fd 2" in err and "an absl line" in err
@@ -129,7 +129,7 @@ def test_a_crash_in_a_library_reaches_the_terminal_with_the_log(tmp_path, kind):
     os.write(2, b"F0000 fake.cc:1] Check failed: what the library said\\n")
     {_CRASHES[kind]}
   """
-  status, _, err = _run(tmp_path, "plan", "--config", "tiny", script=script)
+  status, _, err = _cli_process(tmp_path, "plan", "--config", "tiny", script=script)
   assert status < 0, (status, err)  # Killed by the signal.
   if kind != "kill":  # faulthandler: the Python stack of the fatal signal.
     assert "Fatal Python error: " in err and "in command" in err, err
@@ -147,7 +147,7 @@ def test_a_bug_prints_its_traceback_and_the_log(tmp_path):
     tf.constant(1.0)
     raise RuntimeError("a bug")
   """
-  status, _, err = _run(tmp_path, "plan", "--config", "tiny", script=script)
+  status, _, err = _cli_process(tmp_path, "plan", "--config", "tiny", script=script)
   assert status == 1
   lines = err.splitlines()
   assert lines[0] == "Traceback (most recent call last):"
@@ -159,7 +159,7 @@ def test_a_bug_prints_its_traceback_and_the_log(tmp_path):
 
 def test_a_run_that_fails_on_its_config_leaves_nothing(tmp_path):
   work = tmp_path / "work"
-  status, out, err = _run(tmp_path, "train", "--config", "configs/rankin.yaml")
+  status, out, err = _cli_process(tmp_path, "train", "--config", "configs/rankin.yaml")
   assert (status, out) == (2, "")
   assert err == (
       "error: configs/rankin.yaml: config file not found. Did you mean the shipped "
@@ -170,7 +170,7 @@ def test_a_run_that_fails_on_its_config_leaves_nothing(tmp_path):
 
 
 def test_unknown_command_in_a_real_process(tmp_path):
-  status, out, err = _run(tmp_path, "trian")
+  status, out, err = _cli_process(tmp_path, "trian")
   assert (status, out) == (2, "")
   assert err == ("error: unknown command 'trian'. Did you mean \"train\"? Commands: "
                  "plan, train, export, convert-checkpoint, emulate (tpu-embed --help)."
@@ -188,7 +188,7 @@ def test_a_planted_symlink_cannot_redirect_the_log(tmp_path):
   _logs(tmp_path).mkdir(parents=True, mode=0o700)
   os.symlink(victim, tmp_path / "tmpdir" / f"tpu_embed_ext-{os.getuid()}.log")
   os.symlink(victim, _logs(tmp_path) / "plan.log")
-  status, _, err = _run(tmp_path, "plan", "--config", "tiny", script=_EVERY_KIND)
+  status, _, err = _cli_process(tmp_path, "plan", "--config", "tiny", script=_EVERY_KIND)
   assert status == 0, err
   assert victim.read_text() == "precious\n"
   assert "a C++ line on fd 2" in _private_log(_logs(tmp_path) / "plan.log", tmp_path)
@@ -220,7 +220,7 @@ def test_the_private_log_is_created_exclusively(monkeypatch, tmp_path):
 def test_convert_checkpoint_errors_are_its_only_stderr(tmp_path):
   """The stderr and one-line rules hold for every command; this one
   loads TensorFlow before it finds the missing flags."""
-  status, out, err = _run(tmp_path, "convert-checkpoint", "--config", "tiny")
+  status, out, err = _cli_process(tmp_path, "convert-checkpoint", "--config", "tiny")
   assert (status, out) == (2, "")
   assert err == ("error: convert-checkpoint needs --checkpoint PREFIX|DIR --out PREFIX "
                  "--topology T (a SparseCore topology, or none for per-table). Fix: "
@@ -242,7 +242,7 @@ def test_the_log_moves_into_the_model_dir_and_a_crash_names_it_there(tmp_path):
     os.kill(os.getpid(), 9)
   """
   model_dir = tmp_path / "run"
-  status, out, err = _run(tmp_path, "train", "--config", "tiny", "--model_dir",
+  status, out, err = _cli_process(tmp_path, "train", "--config", "tiny", "--model_dir",
                           str(model_dir), script=script)
   log = model_dir / "logs" / "libraries.log"
   assert status < 0 and out == "Training on the test's command.\n"

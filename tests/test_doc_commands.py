@@ -69,7 +69,7 @@ def doc_commands():
 COMMANDS = doc_commands()
 
 
-def _run(argv, cwd, **kwargs):
+def _run_with_tf_logging_on(argv, cwd, **kwargs):
   """Runs with TensorFlow's C++ logging on (TF_CPP_MIN_LOG_LEVEL=0): it logs at
   start-up on any CPU, and a command's stderr must still be its own lines."""
   env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0"}
@@ -111,17 +111,17 @@ def test_command_runs_as_written(where, command, workdir):
     if command in _NOT_RUN:
       pytest.skip(f"{command}: {_NOT_RUN[command]}")
     assert target == "run", f"{where}: no rule for {command!r} in this test"
-    plan = _run(["make", "-n", "run"], ROOT)
+    plan = _run_with_tf_logging_on(["make", "-n", "run"], ROOT)
     assert "-m tpu_embed_ext train --config configs/ranking.yaml" in plan.stdout
     command = "python -m tpu_embed_ext train --config configs/ranking.yaml"
-  out = _run(_argv(command), workdir)
+  out = _run_with_tf_logging_on(_argv(command), workdir)
   assert out.returncode == 0, f"{where}: {command}\n{out.stdout}\n{out.stderr}"
   assert not out.stderr.strip(), f"{where}: {command} wrote to stderr:\n{out.stderr}"
 
 
 def test_help_is_the_same_for_both_entry_points(tmp_path):
-  module = _run([sys.executable, "-m", "tpu_embed_ext", "--help"], tmp_path)
-  script = _run(_argv("tpu-embed --help"), tmp_path)
+  module = _run_with_tf_logging_on([sys.executable, "-m", "tpu_embed_ext", "--help"], tmp_path)
+  script = _run_with_tf_logging_on(_argv("tpu-embed --help"), tmp_path)
   assert module.returncode == script.returncode == 0
   assert module.stdout == script.stdout
   for command in ("plan", "train", "export", "convert-checkpoint", "emulate"):
@@ -130,8 +130,8 @@ def test_help_is_the_same_for_both_entry_points(tmp_path):
                          ("train", ("--config", "--steps", "--model_dir")),
                          ("export", ("--out",)),
                          ("convert-checkpoint", ("--prefix", "--checkpoint"))):
-    module = _run([sys.executable, "-m", "tpu_embed_ext", command, "--help"], tmp_path)
-    script = _run(_argv(f"tpu-embed {command} --help"), tmp_path)
+    module = _run_with_tf_logging_on([sys.executable, "-m", "tpu_embed_ext", command, "--help"], tmp_path)
+    script = _run_with_tf_logging_on(_argv(f"tpu-embed {command} --help"), tmp_path)
     assert module.returncode == script.returncode == 0
     assert module.stdout == script.stdout
     for flag in flags:
@@ -163,7 +163,7 @@ def test_plan_data_works_for_every_shipped_config(config, tmp_path):
     path = tmp_path / config
     path.write_text((ROOT / "configs" / config).read_text().replace(
         "synthetic_clicks/default", "synthetic_clicks/tiny"))
-  out = _run([sys.executable, "-m", "tpu_embed_ext", "plan", "--config",
+  out = _run_with_tf_logging_on([sys.executable, "-m", "tpu_embed_ext", "plan", "--config",
               str(path), "--engine", "v2", "--topology", "v5p:4",
               "--data", "2"], tmp_path)
   assert out.returncode == 0, out.stdout + out.stderr

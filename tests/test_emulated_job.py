@@ -10,34 +10,27 @@ in another order than one device sums them).
 
 import numpy as np
 import pytest
-import yaml
 
 from tests import jobs
 
-TINY = "configs/tiny.yaml"
 STEPS = 10
 
 
 MULTI_HOT = ("c20", "c21", "c22", "c23", "c24", "c25")  # tiny's multi-hot columns
 
 
-def _config(tmp_path, data_dir, multi_hot=False):  # the session's tiny dataset (conftest)
+def _write_config(tmp_path, data_dir, multi_hot=False):  # the session's tiny dataset (conftest)
   """tiny.yaml on the session's data; without its multi-hot features unless
   asked (the job cannot feed those to a TPU: test_multi_hot_features_...)."""
-  with open(TINY) as f:
-    config = yaml.safe_load(f)
-  if not multi_hot:
+  def drop_multi_hot(config):
     for name in MULTI_HOT:
       del config["features"][name], config["tables"][f"t_{name}"]
     config["overrides"] = [o for o in config["overrides"] if o["match"] != "t_c2[0-5]"]
-  config["train"].update(data_dir=data_dir, steps_per_checkpoint=5)
-  path = tmp_path / "c.yaml"
-  path.write_text(yaml.safe_dump(config))
-  return str(path)
+  return jobs.write_tiny_config(tmp_path, data_dir, None if multi_hot else drop_multi_hot)
 
 
 def test_train_on_the_emulated_tpu_equals_cpu_emulation(capsys, tmp_path, tiny_data_dir):
-  config = _config(tmp_path, tiny_data_dir)
+  config = _write_config(tmp_path, tiny_data_dir)
   runs = {}
   for tpu in ("emulate:2", "none"):
     model_dir = tmp_path / tpu.replace(":", "_")
@@ -67,7 +60,7 @@ def test_train_on_the_emulated_tpu_equals_cpu_emulation(capsys, tmp_path, tiny_d
 
 
 def test_a_bad_emulated_tpu_is_one_line(capsys, tmp_path, tiny_data_dir):
-  line = jobs.one_line_error(capsys, "train", "--config", _config(tmp_path, tiny_data_dir),
+  line = jobs.one_line_error(capsys, "train", "--config", _write_config(tmp_path, tiny_data_dir),
                              "--tpu", "emulate:0", "--model_dir", str(tmp_path / "r"))
   assert line == (
       "--tpu: 'emulate:0' is not an emulated TPU. Fix: write emulate (the "
@@ -82,7 +75,7 @@ def test_multi_hot_features_on_a_tpu_are_refused_before_anything_is_built(
   run says so in one line before it builds a model or writes a checkpoint."""
   model_dir = tmp_path / "run"
   line = jobs.one_line_error(
-      capsys, "train", "--config", _config(tmp_path, tiny_data_dir, multi_hot=True),
+      capsys, "train", "--config", _write_config(tmp_path, tiny_data_dir, multi_hot=True),
       "--model_dir", str(model_dir), "--steps", str(STEPS), "--tpu", "emulate:2")
   assert line == (
       "--tpu: features c20, c21, c22, c23, c24, c25 are multi-hot: the job turns "

@@ -17,7 +17,7 @@ import pytest
 
 from tests import test_emulated_sparsecore as sc
 from tests.jobs import variables as checkpoint_values
-from tests.test_emulated_tpu_programs import PROGRAMS, _run
+from tests.test_emulated_tpu_programs import PROGRAMS, _python
 from tpu_embed_ext.sparsecore import convert_checkpoint
 
 # The program's global batch: at 8 replicas, 4 examples per replica, one per
@@ -47,7 +47,7 @@ def test_the_references_agree_and_train(references):
 @pytest.mark.parametrize("replicas", [2, 8])
 def test_sparsecore_program_trains_under_the_runner(replicas, tmp_path, references):
   model_dir = tmp_path / "model"
-  out = _run(["-m", "tpu_embed_ext", "emulate", "--sparsecore",
+  out = _python(["-m", "tpu_embed_ext", "emulate", "--sparsecore",
               "--replicas", str(replicas),
               os.path.join(PROGRAMS, "sparsecore_mid_level.py"), "--tpu", "my-tpu",
               "--model_dir", str(model_dir), f"--steps={sc.STEPS}"])

@@ -163,7 +163,7 @@ def _check_tables(model_dir, cpu_embedding_tables):
       accumulator, rtol=1e-5)
 
 
-def _run(args, env=None):
+def _python(args, env=None):
   out = subprocess.run([sys.executable] + args, cwd=ROOT, capture_output=True,
                        text=True, timeout=SUBPROCESS_LIMIT, check=False,
                        env=dict(os.environ, **(env or {})))
@@ -172,7 +172,7 @@ def _run(args, env=None):
 
 @pytest.mark.parametrize("replicas", [1, 2, 8])
 def test_program_trains_under_the_runner(replicas, tmp_path, cpu_embedding_tables):
-  out = _run(["-m", "tpu_embed_ext", "emulate", "--replicas", str(replicas),
+  out = _python(["-m", "tpu_embed_ext", "emulate", "--replicas", str(replicas),
               os.path.join(PROGRAMS, "mid_level.py"), "--tpu", "my-tpu",
               "--model_dir", str(tmp_path), f"--steps={STEPS}"])
   assert out.returncode == 0, out.stderr[-3000:]
@@ -181,7 +181,7 @@ def test_program_trains_under_the_runner(replicas, tmp_path, cpu_embedding_table
 
 
 def test_program_trains_under_the_pytest_plugin(tmp_path, cpu_embedding_tables):
-  out = _run(["-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+  out = _python(["-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
               "--emulate-tpu=2", os.path.join(PROGRAMS, "check_under_plugin.py")],
              env={"TPU_PROGRAM_OUT": str(tmp_path)})
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]

@@ -19,14 +19,13 @@ import shutil
 import numpy as np
 import pytest
 import tensorflow as tf
-import yaml
 
 from tests import jobs, mounts
 from tpu_embed_ext import atomic
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext import train as train_lib
 
-CONFIG = "configs/tiny.yaml"
+CONFIG = jobs.TINY_CONFIG
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +37,8 @@ def _overrides(data_dir):
   return {"data_dir": data_dir, "steps_per_checkpoint": 5, "eval_batches": 1}
 
 
-def _run(model_dir, data_dir, steps, config=CONFIG):
-  lines = []
-  metrics = train_lib.train(config, model_dir=str(model_dir), steps=steps, tpu="none",
-                            verbose=2, log=lines.append, overrides=_overrides(data_dir))
-  return metrics, "\n".join(lines)
+def _train(model_dir, data_dir, steps, config=CONFIG):
+  return jobs.train_tiny(model_dir, data_dir, steps, config, **_overrides(data_dir))
 
 
 _variables, _ckpt = jobs.variables, jobs.checkpoint
@@ -52,7 +48,7 @@ _variables, _ckpt = jobs.variables, jobs.checkpoint
 def straight_dir(tmp_path_factory, data_dir):
   """The uninterrupted run: checkpoints at 5 and 10; tests work on copies."""
   model_dir = tmp_path_factory.mktemp("straight")
-  _run(model_dir, data_dir, 10)
+  _train(model_dir, data_dir, 10)
   return model_dir
 
 
@@ -90,7 +86,7 @@ def test_truncated_data_file_falls_back_in_train_and_export(tmp_path, data_dir,
   assert lines[0] == (f"Checkpoint {_ckpt(model_dir, 10)}.index is damaged and cannot "
                       "be restored: Read less bytes than requested")
   assert lines[-1] == f"Exporting {_ckpt(model_dir, 5)} (table step 5)."
-  _, log = _run(model_dir, data_dir, 10)
+  _, log = _train(model_dir, data_dir, 10)
   assert f"Falling back to {_ckpt(model_dir, 5)} (step 5)" in log
   _assert_equal_to_straight(model_dir, straight_dir)
   assert _history_steps(model_dir) == [5, 10]
@@ -99,7 +95,7 @@ def test_truncated_data_file_falls_back_in_train_and_export(tmp_path, data_dir,
 def test_checkpoints_keep_max_to_keep_across_resumes(tmp_path, data_dir, straight_dir):
   model_dir = _copy(straight_dir, tmp_path)
   for steps in (15, 20, 25):  # three resumes, one block each
-    _run(model_dir, data_dir, steps)
+    _train(model_dir, data_dir, steps)
   assert model_dir_lib.checkpoint_steps(str(model_dir / "checkpoints")) == [25, 20, 15]
   state = tf.train.get_checkpoint_state(str(model_dir / "checkpoints"))
   assert [os.path.basename(p) for p in state.all_model_checkpoint_paths] == [
@@ -114,7 +110,7 @@ def test_torn_last_history_row_does_not_block_resume(tmp_path, data_dir, straigh
   history.write_text("".join(lines[:2]) + lines[2][:len(lines[2]) // 2])
   from tpu_embed_ext.job import outputs
   assert outputs.read_history(str(model_dir))[-1]["step"] == 5
-  _run(model_dir, data_dir, 10)
+  _train(model_dir, data_dir, 10)
   assert _history_steps(model_dir) == [5, 10]
   assert history.read_text() == (straight_dir / "history.csv").read_text()
   _assert_equal_to_straight(model_dir, straight_dir)
@@ -123,7 +119,7 @@ def test_torn_last_history_row_does_not_block_resume(tmp_path, data_dir, straigh
 def test_finished_job_completes_missing_outputs(tmp_path, data_dir, straight_dir):
   model_dir = _copy(straight_dir, tmp_path)
   os.remove(model_dir / "learning_curve.png")  # killed after metrics.json
-  metrics, log = _run(model_dir, data_dir, 10)
+  metrics, log = _train(model_dir, data_dir, 10)
   assert "nothing to do" in log
   assert "learning_curve.png was missing: drawn from history.csv." in log
   assert (model_dir / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -145,7 +141,7 @@ def test_no_duplicate_tensorboard_points_after_a_kill_mid_block(tmp_path, data_d
                                                                straight_dir):
   # Killed after the summaries of block 10, before its checkpoint.
   model_dir = _copy(straight_dir, tmp_path, keep_until=5)
-  _run(model_dir, data_dir, 10)
+  _train(model_dir, data_dir, 10)
   steps = _scalar_steps(model_dir / "logs")
   assert sorted(steps["train/loss"]) == [5, 10]
   assert sorted(steps["learning_rate/dense"]) == list(range(1, 11))
@@ -167,7 +163,7 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoints(
         "-00001.tempstate1; No space left on device")
   monkeypatch.setattr(tf.train.CheckpointManager, "save", full)
   with pytest.raises(atomic.OutputError) as info:
-    _run(model_dir, data_dir, 10)
+    _train(model_dir, data_dir, 10)
   assert str(info.value) == (
       f"cannot write checkpoint {model_dir}/checkpoints/ckpt-10: {model_dir}/checkpoints/"
       "ckpt-10_temp/part-00000-of-00001.data-00000-of-00001.tempstate1; No space left on "
@@ -176,7 +172,7 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoints(
   after = _variables(_ckpt(model_dir, 5))
   assert all(np.array_equal(before[k], after[k]) for k in before)
   monkeypatch.undo()
-  _run(model_dir, data_dir, 10)  # the same command again resumes
+  _train(model_dir, data_dir, 10)  # the same command again resumes
   _assert_equal_to_straight(model_dir, straight_dir)
 
 
@@ -184,19 +180,12 @@ _cli = jobs.run_cli
 _one_line = jobs.one_line_error
 
 
-def _config(tmp_path, data_dir, edit=None):
-  with open(CONFIG) as f:
-    config = yaml.safe_load(f)
-  config["train"].update(_overrides(data_dir))
-  if edit:
-    edit(config)
-  path = tmp_path / "c.yaml"
-  path.write_text(yaml.safe_dump(config))
-  return str(path)
+def _write_config(tmp_path, data_dir, edit=None):
+  return jobs.write_tiny_config(tmp_path, data_dir, edit, **_overrides(data_dir))
 
 
 def test_real_full_disk_during_training_is_one_line(tmp_path, data_dir, capsys):
-  config = _config(tmp_path, data_dir)
+  config = _write_config(tmp_path, data_dir)
   with mounts.tmpfs(tmp_path / "small", size="300k") as small:
     line = _one_line(capsys, "train", "--config", config, "--tpu", "none", "--steps",
                      "5", "--model_dir", str(small))
@@ -209,7 +198,7 @@ def test_real_full_disk_during_training_is_one_line(tmp_path, data_dir, capsys):
 
 def test_read_only_checkpoints_directory_is_found_before_training(tmp_path, data_dir,
                                                                   capsys):
-  config = _config(tmp_path, data_dir)
+  config = _write_config(tmp_path, data_dir)
   model_dir = tmp_path / "run"
   with mounts.tmpfs(model_dir / "checkpoints", read_only=True):
     line = _one_line(capsys, "train", "--config", config, "--tpu", "none",
@@ -220,7 +209,7 @@ def test_read_only_checkpoints_directory_is_found_before_training(tmp_path, data
 
 
 def test_feature_without_a_dataset_column_is_one_line(tmp_path, data_dir, capsys):
-  config = _config(tmp_path, data_dir, lambda c: c["train"].update(
+  config = _write_config(tmp_path, data_dir, lambda c: c["train"].update(
       features={"c3": {"column": "c33"}}))
   line = _one_line(capsys, "train", "--config", config, "--tpu", "none",
                    "--model_dir", str(tmp_path / "run"))
@@ -234,7 +223,7 @@ def test_feature_without_a_dataset_column_is_one_line(tmp_path, data_dir, capsys
 def test_export_refuses_an_out_that_overlaps_or_cannot_be_written(
     tmp_path, data_dir, straight_dir, capsys):
   model_dir = _copy(straight_dir, tmp_path)
-  config = _config(tmp_path, data_dir)
+  config = _write_config(tmp_path, data_dir)
   before = sorted(os.listdir(model_dir / "checkpoints"))
   for out, what in ((model_dir, "the checkpoints of --model_dir"),
                     (model_dir / "checkpoints", "the checkpoints of --model_dir"),
@@ -337,7 +326,7 @@ def test_non_finite_checkpoint_is_refused_by_train_and_export(
   model_dir = _copy(straight_dir, tmp_path)
   ckpt = _ckpt(model_dir, 10)
   _rewrite(ckpt, key, fill)
-  config = _config(tmp_path, data_dir)
+  config = _write_config(tmp_path, data_dir)
   message = (f"{what}: checkpoint {ckpt} holds {count:,} non-finite values (NaN or "
              f"Inf) of {count:,}; training diverged before it was saved, and restoring "
              "it would train or serve garbage. Nothing was restored. Fix: resume from "
@@ -421,7 +410,7 @@ def test_an_output_path_of_the_wrong_kind_is_one_line_before_any_work(
   """Before: IsADirectoryError or FailedPreconditionError with a traceback,
   for metrics.json and learning_curve.png after all the training; a
   checkpoints file trained, failed, and said to run again."""
-  config = _config(tmp_path, data_dir)
+  config = _write_config(tmp_path, data_dir)
   model_dir = tmp_path / "run"
   model_dir.mkdir()
   is_dir = name in ("logs", "checkpoints")
@@ -434,7 +423,7 @@ def test_an_output_path_of_the_wrong_kind_is_one_line_before_any_work(
              f"{other} there. Fix: move it away, or pass another --model_dir; "
              "nothing was written.")
   with pytest.raises(model_dir_lib.ModelDirError) as info:
-    _run(model_dir, data_dir, 5, config=config)
+    _train(model_dir, data_dir, 5, config=config)
   assert str(info.value) == message
   assert sorted(os.listdir(model_dir)) == [name]
   assert _one_line(capsys, "train", "--config", config, "--tpu", "none",

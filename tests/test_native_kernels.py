@@ -310,7 +310,7 @@ def test_exported_savedmodel_needs_no_custom_op(tmp_path, monkeypatch):
              TPU_EMBED_EXT_CACHE_DIR=str(tmp_path / "c"))
   features, _ = batches[0]
   ids = features["item"].to_tensor(default_value=serving.PAD_ID).numpy().tolist()
-  done = _run(f"""
+  done = _run_python_code(f"""
       import tensorflow as tf
       m = tf.saved_model.load({str(tmp_path / "m")!r})
       out = m.signatures["serving_default"](
@@ -390,7 +390,7 @@ def test_corrupt_library_is_refused_and_results_are_the_tf_paths(broken_library,
 
 # --- the build ---------------------------------------------------------------
 
-def _run(code, env, timeout=600):
+def _run_python_code(code, env, timeout=600):
   done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
                         cwd=REPO, text=True, capture_output=True, timeout=timeout)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -403,7 +403,7 @@ def test_no_compiler_falls_back_with_one_line_and_identical_results(tmp_path):
              TPU_EMBED_EXT_CACHE_DIR=str(tmp_path / "cache"),
              TF_CPP_MIN_LOG_LEVEL="3")
   env.pop(native.ENV, None)
-  done = _run("""
+  done = _run_python_code("""
       import numpy as np
       from tests import test_native_kernels as t
       emb = t._engine("auto")
@@ -486,7 +486,7 @@ def test_failed_build_keeps_its_log_and_falls_back(tmp_path):
   env = dict(os.environ, CXX=str(cxx), TPU_EMBED_EXT_CACHE_DIR=str(tmp_path / "c"),
              TF_CPP_MIN_LOG_LEVEL="3")
   env.pop(native.ENV, None)
-  done = _run("""
+  done = _run_python_code("""
       from tpu_embed_ext.emulation import native
       print("KERNELS", native.choose("auto"))
       """, env)

@@ -19,7 +19,7 @@ from tests import jobs
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext import train as train_lib
 
-CONFIG = "configs/tiny.yaml"
+CONFIG = jobs.TINY_CONFIG
 STEPS = 30
 BLOCK = 10
 
@@ -29,13 +29,9 @@ def data_dir(tiny_data_dir):
   return tiny_data_dir  # the session's: the tiny dataset is built once per process
 
 
-def _run(model_dir, data_dir, steps, config=CONFIG, **overrides):
-  lines = []
-  metrics = train_lib.train(
-      config, model_dir=str(model_dir), steps=steps, tpu="none", verbose=2,
-      log=lines.append,
-      overrides={"data_dir": data_dir, "steps_per_checkpoint": BLOCK, **overrides})
-  return metrics, "\n".join(lines)
+def _train(model_dir, data_dir, steps, config=CONFIG, **overrides):
+  return jobs.train_tiny(model_dir, data_dir, steps, config,
+                         **{"steps_per_checkpoint": BLOCK, **overrides})
 
 
 _variables, _ckpt = jobs.variables, jobs.checkpoint
@@ -45,7 +41,7 @@ _variables, _ckpt = jobs.variables, jobs.checkpoint
 def straight_dir(tmp_path_factory, data_dir):
   """The uninterrupted run (checkpoints at 10, 20, 30); tests work on copies."""
   model_dir = tmp_path_factory.mktemp("straight")
-  _run(model_dir, data_dir, STEPS)
+  _train(model_dir, data_dir, STEPS)
   return model_dir
 
 
@@ -90,7 +86,7 @@ def test_damaged_state_file_resumes_from_the_newest_whole_checkpoint(
   tmp_path = _copy(straight_dir, tmp_path, keep_until=20)  # Stopped at step 20...
   (tmp_path / "checkpoints" / "checkpoint").write_text("model_checkpoint_path: \x00garbage{")
   kept = (tmp_path / "checkpoints" / "ckpt-10.index").read_bytes()
-  metrics, log = _run(tmp_path, data_dir, STEPS)
+  metrics, log = _train(tmp_path, data_dir, STEPS)
   assert f"Resumed from {_ckpt(tmp_path, 20)} (step 20)." in log
   assert metrics["resumed_from_step"] == 20 and metrics["steps"] == STEPS
   assert (tmp_path / "checkpoints" / "ckpt-10.index").read_bytes() == kept
@@ -111,7 +107,7 @@ def test_truncated_and_corrupted_checkpoints_fall_back_to_the_previous_good_one(
   raw = bytearray(data.read_bytes())
   raw[len(raw) // 2] ^= 0xFF                            # One flipped byte.
   data.write_bytes(bytes(raw))
-  metrics, log = _run(tmp_path, data_dir, STEPS)
+  metrics, log = _train(tmp_path, data_dir, STEPS)
   assert f"Checkpoint {_ckpt(tmp_path, 30)}.index is damaged and cannot be restored:" in log
   assert f"Checkpoint {_ckpt(tmp_path, 20)}.index is damaged and cannot be restored:" in log
   assert (f"Falling back to {_ckpt(tmp_path, 10)} (step 10): the newer checkpoints "
@@ -129,7 +125,7 @@ def test_no_readable_checkpoint_is_an_error_that_overwrites_nothing(
   index.write_bytes(b"")
   before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()}
   with pytest.raises(model_dir_lib.CheckpointError) as info:
-    _run(tmp_path, data_dir, STEPS)
+    _train(tmp_path, data_dir, STEPS)
   assert str(info.value).startswith(
       f"no checkpoint in {tmp_path / 'checkpoints'} can be read ({index}). Fix: move "
       "them away to train from step 0, or restore a copy; nothing was overwritten.")
@@ -140,9 +136,9 @@ def test_no_readable_checkpoint_is_an_error_that_overwrites_nothing(
 def test_steps_then_resume_names_checkpoints_by_the_table_step(
     tmp_path, data_dir, straight):
   # `train --steps 5` then `train`: the second run continues from step 5.
-  first, _ = _run(tmp_path, data_dir, 5, steps_per_checkpoint=20)
+  first, _ = _train(tmp_path, data_dir, 5, steps_per_checkpoint=20)
   assert first["steps"] == first["table_step"] == 5
-  metrics, log = _run(tmp_path, data_dir, STEPS, steps_per_checkpoint=20)
+  metrics, log = _train(tmp_path, data_dir, STEPS, steps_per_checkpoint=20)
   assert "Resumed from" in log and "(step 5)." in log
   assert metrics["steps"] == metrics["table_step"] == STEPS
   assert metrics["trained_steps"] == STEPS - 5 and metrics["resumed_from_step"] == 5
@@ -158,7 +154,7 @@ def test_steps_then_resume_names_checkpoints_by_the_table_step(
 
 def test_resume_with_other_settings_says_what_changed(tmp_path, data_dir, straight_dir):
   tmp_path = _copy(straight_dir, tmp_path, keep_until=BLOCK)
-  _, log = _run(tmp_path, data_dir, 12, steps_per_checkpoint=2, batch_size=64)
+  _, log = _train(tmp_path, data_dir, 12, steps_per_checkpoint=2, batch_size=64)
   assert ("This run changed batch_size 128 -> 64, steps_per_checkpoint 10 -> 2 since "
           "the checkpoint. From here the input order differs from an uninterrupted "
           "run") in log
@@ -193,7 +189,7 @@ def test_restore_checks_the_checkpoint_first_and_changes_nothing(
   before = {p.name: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()
             and "logs" not in p.parts}
   config = _changed_config(tmp_path, edit)
-  for call in (lambda: _run(tmp_path / "run", data_dir, STEPS, config=config),
+  for call in (lambda: _train(tmp_path / "run", data_dir, STEPS, config=config),
                lambda: train_lib.export(config, model_dir=str(tmp_path / "run"),
                                         out=str(tmp_path / "serving"),
                                         overrides={"data_dir": data_dir})):
@@ -228,13 +224,13 @@ def test_one_run_per_model_dir_and_a_stale_lock_does_not_block(
   tmp_path = _copy(straight_dir, tmp_path)
   with model_dir_lib.lock(str(tmp_path)):
     with pytest.raises(model_dir_lib.ModelDirError) as info:
-      _run(tmp_path, data_dir, BLOCK)
+      _train(tmp_path, data_dir, BLOCK)
     assert str(info.value) == (
         f"model_dir {tmp_path} is in use by another run (pid {os.getpid()}). Fix: "
         "wait for it to finish, or pass another --model_dir.")
   # A lock file left by a dead process (no lock held on it) is not in the way.
   (tmp_path / ".lock").write_text("999999999")
-  _, log = _run(tmp_path, data_dir, STEPS)
+  _, log = _train(tmp_path, data_dir, STEPS)
   assert "Already trained to step 30" in log
 
 
@@ -242,7 +238,7 @@ def test_rerunning_a_finished_job_keeps_its_metrics(tmp_path, data_dir, straight
   tmp_path = _copy(straight_dir, tmp_path)
   saved = (tmp_path / "metrics.json").read_bytes()
   for steps in (STEPS, BLOCK):  # Asked for as many steps, or fewer.
-    again, log = _run(tmp_path, data_dir, steps)
+    again, log = _train(tmp_path, data_dir, steps)
     assert f"Already trained to step 30 (asked for {steps}): nothing to do" in log
     assert (tmp_path / "metrics.json").read_bytes() == saved
     assert again == json.loads(saved) and again["examples_per_second"] > 0

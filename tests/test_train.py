@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import jobs
 from tpu_embed_ext import train as train_lib
 from tpu_embed_ext.data import pipeline
 from tpu_embed_ext.spec import EmbeddingSpec
 
-CONFIG = "configs/tiny.yaml"
+CONFIG = jobs.TINY_CONFIG
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +23,9 @@ def data_dir(tiny_data_dir):
   return tiny_data_dir  # the session's: the tiny dataset is built once per process
 
 
-def _run(model_dir, data_dir, steps):
-  return train_lib.train(CONFIG, model_dir=str(model_dir), steps=steps, tpu="none",
-                         overrides={"data_dir": data_dir}, verbose=0)
+def _train(model_dir, data_dir, steps):
+  """The job's metrics (quiet: verbose=0)."""
+  return jobs.train_tiny(model_dir, data_dir, steps, verbose=0)[0]
 
 
 def _tables(model_dir, data_dir):
@@ -53,7 +54,7 @@ def _scalars(log_dir):
 
 
 def test_train_writes_metrics_curve_history_and_tensorboard(tmp_path, data_dir):
-  metrics = _run(tmp_path, data_dir, 60)
+  metrics = _train(tmp_path, data_dir, 60)
   saved = json.loads((tmp_path / "metrics.json").read_text())
   assert saved == pytest.approx(metrics)
   assert metrics["steps"] == 60 and metrics["table_step"] == 60
@@ -123,7 +124,7 @@ def test_train_writes_metrics_curve_history_and_tensorboard(tmp_path, data_dir):
 
 
 def test_export_serves_the_trained_model(tmp_path, data_dir):
-  _run(tmp_path, data_dir, 20)
+  _train(tmp_path, data_dir, 20)
   # export reads no data: its signature comes from the spec and the train:
   # section, so an empty data_dir stays empty (no dataset is built).
   no_data = tmp_path / "no_data"

@@ -48,7 +48,7 @@ def env(tmp_path_factory):
 _borrow = wheel_build.borrow
 
 
-def _run(env, work, command, active=True):
+def _run_in_venv(env, work, command, active=True):
   """``command`` in ``work``; ``active``: the env's bin on PATH, else not
   (a leading ``tpu-embed`` is then the env's script by its path)."""
   path = f"{env / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin" if active else (
@@ -64,13 +64,13 @@ def _run(env, work, command, active=True):
 
 def test_the_installed_wheel_works_from_an_empty_directory(env, tmp_path):
   _borrow(env)
-  where = _run(env, tmp_path, "python -c 'import tpu_embed_ext; "
+  where = _run_in_venv(env, tmp_path, "python -c 'import tpu_embed_ext; "
                               "print(tpu_embed_ext.__file__)'")
   assert where.stdout.startswith(str(env)), where.stdout + where.stderr
-  out = _run(env, tmp_path, "tpu-embed plan --config tiny")
+  out = _run_in_venv(env, tmp_path, "tpu-embed plan --config tiny")
   assert (out.returncode, out.stderr) == (0, ""), out.stdout + out.stderr
   assert "t_c25" in out.stdout
-  out = _run(env, tmp_path, "tpu-embed train --config tiny --steps 10 --tpu none")
+  out = _run_in_venv(env, tmp_path, "tpu-embed train --config tiny --steps 10 --tpu none")
   assert (out.returncode, out.stderr) == (0, ""), out.stdout + out.stderr
   assert (tmp_path / "runs" / "tiny" / "checkpoints" / "ckpt-10.index").exists()
   assert (tmp_path / "runs" / "tiny" / "logs" / "libraries.log").exists()
@@ -96,7 +96,7 @@ def test_a_missing_extra_is_named_and_nothing_is_made(env, tmp_path, without, co
   fix names the extra's real requirements (the package may be on no index)
   and this environment's pip by its path (the virtualenv is not active)."""
   _borrow(env, without=(without,))
-  out = _run(env, tmp_path, f"tpu-embed {command}", active=False)
+  out = _run_in_venv(env, tmp_path, f"tpu-embed {command}", active=False)
   message = message.format(pip=env / "bin" / "pip")
   assert (out.returncode, out.stdout, out.stderr) == (2, "", f"error: {message}\n")
   assert os.listdir(tmp_path) == []
