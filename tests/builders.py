@@ -91,3 +91,86 @@ def three_combiner_inputs():
   w = {k: None for k in features}
   w.update(ragged_sum=weights, ragged_mean=weights, sparse_sqrtn=weights.to_sparse())
   return features, w
+
+
+# --- four tables that SparseCore stacks (three in one stack), fed 4 rows a step
+
+# name: (rows, dim): "b" and "c" stack with "a" when optimizers are equal;
+# dims 5 and 13 pad to 8 and 16 columns, rows to a multiple of 8 x SparseCores.
+FOUR_TABLES = {"a": (100, 8), "b": (13, 5), "c": (70, 8), "d": (9, 13)}
+# One TensorFlow embedding optimizer of each kind, by name (factories).
+EMBEDDING_OPTIMIZERS = {
+    "sgd": lambda: api.SGD(0.1),
+    "adagrad": lambda: api.Adagrad(0.1, initial_accumulator_value=0.5),
+    "adagrad_momentum": lambda: api.AdagradMomentum(0.1, momentum=0.9),
+    "adam": lambda: api.Adam(0.01),
+    "ftrl": lambda: api.FTRL(0.1, initial_accumulator_value=0.2, beta=0.1),
+}
+
+
+def four_table_feature_config():
+  """One feature per FOUR_TABLES table (output_shape [4]), random initial values."""
+  tables = {n: api.TableConfig(vocabulary_size=r, dim=d, name=n,
+                               initializer=tf.random_uniform_initializer(-1, 1, seed=i))
+            for i, (n, (r, d)) in enumerate(FOUR_TABLES.items())}
+  return {n: api.FeatureConfig(table=t, name=n, output_shape=[4])
+          for n, t in tables.items()}
+
+
+def four_table_batch(step):
+  """Step ``step``'s ragged ids (1 to 3 a row, 4 rows) of every FOUR_TABLES feature."""
+  rng = np.random.default_rng(step)
+  return {n: tf.ragged.constant([list(rng.integers(0, r, size=rng.integers(1, 4)))
+                                 for _ in range(4)], dtype=tf.int64)
+          for n, (r, _) in FOUR_TABLES.items()}
+
+
+def train_four_tables(emb, steps, start=0):
+  """Steps start..start+steps-1 of four_table_batch, gradient sin(act + step)."""
+  for step in range(start, start + steps):
+    emb.enqueue(four_table_batch(step), training=True)
+    acts = emb.dequeue()
+    emb.apply_gradients(tf.nest.map_structure(
+        lambda a: tf.sin(a + float(step)), acts))  # pylint: disable=cell-var-from-loop
+
+
+def checkpoint_values(path):
+  """Every tensor of the checkpoint at ``path`` (a prefix), by key."""
+  reader = tf.train.load_checkpoint(path)
+  return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
+          if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
+
+
+# --- TensorFlow's own TPU embedding test scenario (tpu_embedding_base_test.py) --
+
+# Table "video" (8 x 4, sum) feeds "watched" and "favorited"; "user" (16 x 2,
+# mean) feeds "friends"; row i holds its own index range.
+SCENARIO_VIDEO = np.arange(32, dtype=np.float32).reshape(8, 4)
+SCENARIO_USER = np.arange(32, dtype=np.float32).reshape(16, 2)
+# Upstream's sparse data set: one replica's batch of 4.
+SCENARIO_IDS = {"watched": [[0], [0, 1], [0, 1], [1]],
+                "favorited": [[0, 1], [1], [0], [0, 1]],
+                "friends": [[3], [0, 1, 2], [3], [0, 1, 2]]}
+
+
+def scenario_tables():
+  """(video, user) TableConfigs of the scenario, no optimizer of their own."""
+  video = api.TableConfig(8, 4, initializer=tf.constant_initializer(SCENARIO_VIDEO),
+                          combiner="sum", name="video")
+  user = api.TableConfig(16, 2, initializer=tf.constant_initializer(SCENARIO_USER),
+                         combiner="mean", name="user")
+  return video, user
+
+
+def scenario_features(**feature_kwargs):
+  """The scenario's (watched, favorited, friends) FeatureConfigs, as upstream's
+  tuple; ``feature_kwargs`` go to each (e.g. output_shape)."""
+  video, user = scenario_tables()
+  return (api.FeatureConfig(video, name="watched", **feature_kwargs),
+          api.FeatureConfig(video, name="favorited", **feature_kwargs),
+          api.FeatureConfig(user, name="friends", **feature_kwargs))
+
+
+def scenario_features_by_name(**feature_kwargs):
+  """scenario_features() as a dict by feature name."""
+  return {f.name: f for f in scenario_features(**feature_kwargs)}

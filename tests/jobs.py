@@ -56,12 +56,6 @@ def one_line_error(capsys, *args) -> str:
   return lines[0][len("error: "):-len(_SUFFIX)]
 
 
-def variables(prefix):
-  """Every variable of a checkpoint, by key."""
-  return {k: tf.train.load_variable(prefix, k) for k, _ in tf.train.list_variables(prefix)
-          if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
-
-
 def checkpoint(model_dir, step):
   return os.path.join(str(model_dir), "checkpoints", f"ckpt-{step}")
 

@@ -18,6 +18,7 @@ from tpu_embed_ext.sparsecore import checkpoint_layouts, convert_checkpoint
 from tests import jobs
 from tests.test_emulated_sparsecore import PER_REPLICA, REPLICAS, VOCAB, _feature_config
 from tests.test_sparsecore_restore import SLOTS, _assign, _state_after, _strategy
+from tests.builders import checkpoint_values
 
 api = tf.tpu.experimental.embedding
 
@@ -86,7 +87,7 @@ def test_command_needs_no_config_and_ignores_feature_names(tmp_path, capsys):
                                 "--checkpoint", path, "--out", out2, "--topology", "2x4")
   assert status == 0, err
   # The same tables, stacked the same: the same values under the same keys.
-  without, with_config = jobs.variables(out), jobs.variables(out2)
+  without, with_config = checkpoint_values(out), checkpoint_values(out2)
   assert sorted(without) == sorted(with_config)
   for key in without:
     if "_sparse_core_table_layouts" not in key:
@@ -122,7 +123,7 @@ def test_stacked_checkpoint_converts_to_per_table_without_config(tmp_path):
   stacked, back = str(tmp_path / "stacked" / "ckpt-1"), str(tmp_path / "back" / "ckpt-1")
   convert_checkpoint(path, stacked, None, "2x4")
   assert convert_checkpoint(stacked, back, None, None) is None
-  original, returned = jobs.variables(path), jobs.variables(back)
+  original, returned = checkpoint_values(path), checkpoint_values(back)
   assert sorted(original) == sorted(returned)
   for key in original:
     assert np.asarray(original[key]).tobytes() == np.asarray(returned[key]).tobytes(), key

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests import jobs
+from tests.builders import checkpoint_values
 
 STEPS = 10
 
@@ -37,7 +38,7 @@ def test_train_on_the_emulated_tpu_equals_cpu_emulation(capsys, tmp_path, tiny_d
     status, out, _ = jobs.run_cli(capsys, "train", "--config", config, "--steps",
                                   str(STEPS), "--tpu", tpu, "--model_dir", str(model_dir))
     assert status == 0, out
-    runs[tpu] = (out, jobs.variables(jobs.checkpoint(model_dir, STEPS)))
+    runs[tpu] = (out, checkpoint_values(jobs.checkpoint(model_dir, STEPS)))
   out, emulated = runs["emulate:2"]
   # The device line once, true.
   assert "Training on emulated TPU, 2 replicas (TPUEmbedding)." in out

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tests.jobs import variables as checkpoint_values
+from tests.builders import checkpoint_values
 # The model, data and sizes of the MirroredStrategy test (-1-padded multi-hot items).
 from tests.test_keras_replicas import DIM, GLOBAL_BATCH, STEPS, VOCAB, Ranker, _dataset
 

@@ -17,7 +17,7 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tpu_embed_ext import errors
 from tpu_embed_ext.sparsecore import checkpoint_layouts, convert_checkpoint
-from tests.jobs import variables as checkpoint_values
+from tests.builders import checkpoint_values
 
 api = tf.tpu.experimental.embedding
 REPLICAS, PER_REPLICA, STEPS, DIM = 2, 8, 3, 4

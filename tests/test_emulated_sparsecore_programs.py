@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests import test_emulated_sparsecore as sc
-from tests.jobs import variables as checkpoint_values
+from tests.builders import checkpoint_values
 from tests.test_emulated_tpu_programs import PROGRAMS, _python
 from tpu_embed_ext.sparsecore import convert_checkpoint
 

@@ -494,7 +494,7 @@ from tpu_embed_ext.emulated_tpu import mid_level  # pylint: disable=g-import-not
 _EMB = tf.tpu.experimental.embedding
 
 
-def _config(optimizer=None):
+def _feature_config(optimizer=None):
   table = _EMB.TableConfig(vocabulary_size=8, dim=2, name="t", optimizer=optimizer,
                            initializer=tf.constant_initializer(
                                np.arange(16, dtype=np.float32).reshape(8, 2)))
@@ -506,14 +506,14 @@ def test_tpu_embedding_is_the_adapter_under_the_strategy():
   with emulate_tpu(replicas=2):
     strategy = _strategy()
     with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_config(), _EMB.SGD(0.1))
+      embedding = _EMB.TPUEmbedding(_feature_config(), _EMB.SGD(0.1))
     assert type(embedding) is mid_level.TPUEmbedding
     assert isinstance(embedding, tpu_embedding_v2.TPUEmbedding)
     assert not isinstance(embedding, real)
     from tpu_embed_ext import layer
     assert layer._engine_kind(embedding) == "tpu_v1"  # pylint: disable=protected-access
     with strategy.scope():
-      created = tee_create_embedding(_config(), _EMB.SGD(0.1))
+      created = tee_create_embedding(_feature_config(), _EMB.SGD(0.1))
     assert type(created) is mid_level.TPUEmbedding
 
 
@@ -525,7 +525,7 @@ def tee_create_embedding(*args):
 def test_tpu_embedding_outside_the_strategy_is_tensorflows_cpu_mode():
   real = tpu_embedding_v2.TPUEmbedding
   with emulate_tpu(replicas=2):
-    embedding = _EMB.TPUEmbedding(_config(), _EMB.SGD(0.1))
+    embedding = _EMB.TPUEmbedding(_feature_config(), _EMB.SGD(0.1))
     assert type(embedding) is real
     np.testing.assert_array_equal(
         next(iter(embedding.embedding_tables.values())).numpy(),
@@ -540,7 +540,7 @@ def test_tpu_embedding_refuses_what_a_tpu_refuses():
     strategy = _strategy()
     with strategy.scope():
       with pytest.raises(errors.ConfigTypeError) as e:
-        _EMB.TPUEmbedding(_config(), None)
+        _EMB.TPUEmbedding(_feature_config(), None)
       assert str(e.value) == (
           "<class 'NoneType'> is an unsupported optimizer class. Please pass an "
           "instance of one of the optimizer classes under "
@@ -554,9 +554,9 @@ def test_tpu_embedding_refuses_what_a_tpu_refuses():
                          match=r"^TPUEmbedding\(pipeline_execution_with_tensor_core"
                          r"=True\) is not emulated: a TPU then looks ids up in "
                          "tables one step old"):
-        _EMB.TPUEmbedding(_config(), _EMB.SGD(0.1),
+        _EMB.TPUEmbedding(_feature_config(), _EMB.SGD(0.1),
                           pipeline_execution_with_tensor_core=True)
-      embedding = _EMB.TPUEmbedding(_config(_EMB.Adagrad(0.1)), None)
+      embedding = _EMB.TPUEmbedding(_feature_config(_EMB.Adagrad(0.1)), None)
     with pytest.raises(RuntimeError, match="^Unable to retrieve embedding tables "
                        "when using a TPU strategy. If you need access, save your "
                        "model, create this object under a CPU strategy and "
@@ -567,14 +567,14 @@ def test_tpu_embedding_refuses_what_a_tpu_refuses():
       embedding({"a": tf.constant([1], tf.int64)})
     with pytest.raises(emulated_tpu.NotEmulatedError,
                        match="^TPUEmbeddingV2 needs SparseCore"):
-      _EMB.TPUEmbeddingV2(_config(), _EMB.SGD(0.1))
+      _EMB.TPUEmbeddingV2(_feature_config(), _EMB.SGD(0.1))
 
 
 def test_tpu_embedding_private_state_programs_touch():
   with emulate_tpu(replicas=2):
     strategy = _strategy()
     with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_config(), _EMB.SGD(0.5))
+      embedding = _EMB.TPUEmbedding(_feature_config(), _EMB.SGD(0.5))
     embedding._output_shapes = [tf.TensorShape([3])]  # pylint: disable=protected-access
     embedding.build()
     embedding._load_variables()  # pylint: disable=protected-access
@@ -622,7 +622,7 @@ def test_tpu_embedding_tables_in_a_saved_model(tmp_path):
   with emulate_tpu(replicas=2):
     strategy = _strategy()
     with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_config(), _EMB.SGD(0.5))
+      embedding = _EMB.TPUEmbedding(_feature_config(), _EMB.SGD(0.5))
       embedding.build(per_replica_batch_size=2)
 
     class Served(tf.Module):
@@ -649,7 +649,7 @@ def test_enqueue_inside_strategy_run_in_a_device_loop():
   with emulate_tpu(replicas=2):
     strategy = _strategy()
     with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_config(), _EMB.Adagrad(0.5))
+      embedding = _EMB.TPUEmbedding(_feature_config(), _EMB.Adagrad(0.5))
     ids = tf.constant([1, 2, 3, 1, 1, 5, 2, 7], tf.int64)
     data = tf.data.Dataset.from_tensor_slices({"a": ids}).batch(
         4, drop_remainder=True).repeat()

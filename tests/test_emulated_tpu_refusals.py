@@ -26,7 +26,7 @@ def _strategy():
   return tf.distribute.TPUStrategy(resolver)
 
 
-def _config(name="t", value=TABLE, output_shape=None, lr=0.5):
+def _feature_config(name="t", value=TABLE, output_shape=None, lr=0.5):
   table = _EMB.TableConfig(vocabulary_size=value.shape[0], dim=value.shape[1],
                            name=name, initializer=tf.constant_initializer(value),
                            optimizer=_EMB.SGD(lr))
@@ -67,8 +67,8 @@ def test_a_second_tpu_embedding_is_refused_until_the_tpu_is_reset():
   with emulate_tpu(replicas=2):
     strategy = _strategy()
     with strategy.scope():
-      first = _EMB.TPUEmbedding(_config(), None)
-      second = _EMB.TPUEmbedding(_config(), None)
+      first = _EMB.TPUEmbedding(_feature_config(), None)
+      second = _EMB.TPUEmbedding(_feature_config(), None)
     first.build(4)
     with pytest.raises(RuntimeError, match=(
         r"^TPU is already initialized for embeddings. This may be caused by "
@@ -90,8 +90,8 @@ def test_two_embedding_layers_in_one_model_are_refused():
   with emulate_tpu(replicas=2):
     strategy = _strategy()
     with strategy.scope():
-      users = tee.EmbeddingLayer(_config(), name="users")
-      items = tee.EmbeddingLayer(_config("u"), name="items")
+      users = tee.EmbeddingLayer(_feature_config(), name="users")
+      items = tee.EmbeddingLayer(_feature_config("u"), name="items")
     iterator = _iterator(strategy)
 
     @tf.function
@@ -111,12 +111,12 @@ def test_a_stale_tpu_embedding_saves_and_loads_the_tpus_tables(tmp_path):
   with emulate_tpu(replicas=2):
     strategy = _strategy()
     with strategy.scope():
-      first = _EMB.TPUEmbedding(_config(value=np.ones((8, 2), np.float32)), None)
+      first = _EMB.TPUEmbedding(_feature_config(value=np.ones((8, 2), np.float32)), None)
     first.build(4)
     before = tf.train.Checkpoint(model=first).save(str(tmp_path / "before"))
     tf.tpu.experimental.initialize_tpu_system()
     with strategy.scope():
-      second = _EMB.TPUEmbedding(_config(value=2 * np.ones((8, 2), np.float32)),
+      second = _EMB.TPUEmbedding(_feature_config(value=2 * np.ones((8, 2), np.float32)),
                                  None)
     second.build(4)
     tf.train.Checkpoint(model=first).save(str(tmp_path / "after"))
@@ -130,7 +130,7 @@ def test_a_stale_tpu_embedding_saves_and_loads_the_tpus_tables(tmp_path):
     np.testing.assert_array_equal(_parameters(second), np.ones((8, 2)))
     tf.tpu.experimental.initialize_tpu_system()
     with strategy.scope():
-      third = _EMB.TPUEmbedding(_config(value=np.ones((4, 2), np.float32)), None)
+      third = _EMB.TPUEmbedding(_feature_config(value=np.ones((4, 2), np.float32)), None)
     third.build(4)
     with pytest.raises(RuntimeError, match=(
         r"^saving \(retrieving the tables from the TPU\): this TPUEmbedding "
@@ -150,7 +150,7 @@ def test_enqueue_refuses_inputs_on_a_cores_device(inside_run):
   with emulate_tpu(replicas=2):
     strategy = _strategy()
     with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_config(), None)
+      embedding = _EMB.TPUEmbedding(_feature_config(), None)
 
     def step(iterator):
       # next() inside the function, the iterator captured (as upstream's test
@@ -194,7 +194,7 @@ def test_enqueue_refuses_ids_computed_inside_strategy_run():
   with emulate_tpu(replicas=2):
     strategy = _strategy()
     with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_config(), None)
+      embedding = _EMB.TPUEmbedding(_feature_config(), None)
 
     @tf.function
     def step(features):
@@ -214,7 +214,7 @@ def test_enqueue_in_a_nested_function_inside_strategy_run_is_refused():
   with emulate_tpu(replicas=2):
     strategy = _strategy()
     with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_config(), None)
+      embedding = _EMB.TPUEmbedding(_feature_config(), None)
 
     @tf.function
     def enqueue(features):
@@ -244,7 +244,7 @@ def test_build_without_shapes_needs_fully_defined_output_shapes():
   with emulate_tpu(replicas=2):
     strategy = _strategy()
     with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_config(), None)
+      embedding = _EMB.TPUEmbedding(_feature_config(), None)
     with pytest.raises(ValueError, match=(
         r"^Input Feature a has output shape set as <unknown> which is not fully "
         r"defined. feature 'a' \(table 't'\): output shape <unknown> is not fully "
@@ -253,7 +253,7 @@ def test_build_without_shapes_needs_fully_defined_output_shapes():
     assert embedding._variables is None  # pylint: disable=protected-access
     tf.tpu.experimental.initialize_tpu_system()
     with strategy.scope():
-      shaped = _EMB.TPUEmbedding(_config(output_shape=[4]), None)
+      shaped = _EMB.TPUEmbedding(_feature_config(output_shape=[4]), None)
     shaped.build()
     assert shaped._output_shapes == [tf.TensorShape([4])]  # pylint: disable=protected-access
 
@@ -265,7 +265,7 @@ def test_gradients_must_be_float32(dtype):
   with emulate_tpu(replicas=2):
     strategy = _strategy()
     with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_config(), None)
+      embedding = _EMB.TPUEmbedding(_feature_config(), None)
 
     @tf.function
     def step(features):
@@ -324,7 +324,7 @@ def test_build_refuses_a_protobuf_that_tensorflows_tpu_config_cannot_use(monkeyp
   with emulate_tpu(replicas=2):
     strategy = _strategy()
     with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_config(), _EMB.SGD(0.5))
+      embedding = _EMB.TPUEmbedding(_feature_config(), _EMB.SGD(0.5))
     with pytest.raises(errors.ConfigTypeError) as caught:
       embedding.build(per_replica_batch_size=4)
   assert str(caught.value) == (

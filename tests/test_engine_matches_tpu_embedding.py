@@ -17,37 +17,19 @@ import tensorflow as tf
 
 import tpu_embed_ext as tee
 from tpu_embed_ext import optimizers, serving, tf_optimizers
+from tests.builders import (SCENARIO_IDS, SCENARIO_USER, SCENARIO_VIDEO, scenario_features,
+                            scenario_tables)
 
 api = tf.tpu.experimental.embedding
 BATCH = 4
-VIDEO = np.arange(32, dtype=np.float32).reshape(8, 4)
-USER = np.arange(32, dtype=np.float32).reshape(16, 2)
 
 
-def _tables():
-  video = api.TableConfig(8, 4, initializer=tf.constant_initializer(VIDEO),
-                          combiner="sum", name="video")
-  user = api.TableConfig(16, 2, initializer=tf.constant_initializer(USER),
-                         combiner="mean", name="user")
-  return video, user
-
-
-def _config(**feature_kwargs):
-  """Upstream's base config: a tuple (watched, favorited, friends)."""
-  video, user = _tables()
-  return (api.FeatureConfig(video, name="watched", **feature_kwargs),
-          api.FeatureConfig(video, name="favorited", **feature_kwargs),
-          api.FeatureConfig(user, name="friends", **feature_kwargs))
-
-
-def _engine(optimizer=None, **feature_kwargs):
-  return tee.CPUEmbedding(_config(**feature_kwargs), optimizer or api.SGD(0.1))
+def _scenario_engine(optimizer=None, **feature_kwargs):
+  return tee.CPUEmbedding(scenario_features(**feature_kwargs), optimizer or api.SGD(0.1))
 
 
 # Upstream's sparse data set (tpu_embedding_base_test.py), one replica.
-WATCHED = [[0], [0, 1], [0, 1], [1]]
-FAVORITED = [[0, 1], [1], [0], [0, 1]]
-FRIENDS = [[3], [0, 1, 2], [3], [0, 1, 2]]
+WATCHED, FAVORITED, FRIENDS = (SCENARIO_IDS[k] for k in ("watched", "favorited", "friends"))
 
 
 def _ragged():
@@ -115,7 +97,7 @@ SHAPE_CASES = {
 @pytest.mark.parametrize("case", sorted(SHAPE_CASES))
 def test_activation_shapes_are_tpu_embeddings(case, mode):
   make, kwargs, shapes = SHAPE_CASES[case]
-  emb = _engine(**kwargs)
+  emb = _scenario_engine(**kwargs)
   acts = mode(lambda: _lookup(emb, make()))()
   dims = [4, 4, 2]
   assert [a.shape.as_list() for a in acts] == [s + [d] for s, d in zip(shapes, dims)]
@@ -126,10 +108,10 @@ def test_activation_shapes_are_tpu_embeddings(case, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_dense_values_drop_the_trailing_dimension(mode):
   """correctness_dense_lookup_test: rows of the ids, trailing 1 dropped."""
-  emb = _engine()
+  emb = _scenario_engine()
   ids = _hd_dense()
   acts = mode(lambda: _lookup(emb, tuple(tf.constant(x[..., None]) for x in ids)))()
-  for act, x, table in zip(acts, ids, (VIDEO, VIDEO, USER)):
+  for act, x, table in zip(acts, ids, (SCENARIO_VIDEO, SCENARIO_VIDEO, SCENARIO_USER)):
     np.testing.assert_array_equal(act, table[x])
   flat = mode(lambda: _lookup(emb, tuple(tf.constant(x[:, :1]) for x in ids)))
   # [B, 1] after [B, 4, 1]: _check_output_shapes does not compare a rank-1
@@ -141,7 +123,7 @@ def test_dense_values_drop_the_trailing_dimension(mode):
 
 def test_recorded_output_shapes_follow_the_first_batch():
   """hd_valid_input_test.test_different_input_shapes."""
-  emb = _engine()
+  emb = _scenario_engine()
   dense = tf.zeros([1, 3, 1], tf.int32)
   sparse = tf.sparse.reshape(_sparse()[1], [2, 2, -1])
   emb.enqueue((dense, sparse, tf.sparse.reshape(_sparse()[2], [2, 2, -1])),
@@ -153,19 +135,19 @@ def test_recorded_output_shapes_follow_the_first_batch():
 
 def test_build_shapes_are_honoured_and_output_shape_has_priority():
   """hd_valid_input_test: build shapes; output_shape wins over them."""
-  emb = _engine()
+  emb = _scenario_engine()
   emb.build([tf.TensorShape([4, 4, 1]), tf.TensorShape([4, 4, 2]),
              tf.TensorShape([4, 4, 3])])
   assert emb._output_shapes == [tf.TensorShape([4, 4])] * 3
   acts = _lookup(emb, tuple(tf.constant(x[..., None]) for x in _hd_dense()))
   assert [a.shape.as_list() for a in acts] == [[4, 4, 4], [4, 4, 4], [4, 4, 2]]
 
-  emb = _engine(output_shape=[2, 4])
+  emb = _scenario_engine(output_shape=[2, 4])
   emb.build([tf.TensorShape([2, None, None])] * 3)
   assert emb._output_shapes == [tf.TensorShape([2, 4])] * 3
   # A batch size, as an int or per_replica_batch_size (the deprecated forms).
   for kwargs in ({"per_replica_input_shapes": 4}, {"per_replica_batch_size": 4}):
-    emb = _engine(max_sequence_length=3)
+    emb = _scenario_engine(max_sequence_length=3)
     emb.build(**kwargs)
     assert emb._output_shapes == [tf.TensorShape([4, 3])] * 3
 
@@ -277,7 +259,7 @@ REJECTED_ENQUEUES = {
 @pytest.mark.parametrize("case", sorted(REJECTED_ENQUEUES))
 def test_rejected_enqueue(case, mode):
   kwargs, features, weights, cls, message = REJECTED_ENQUEUES[case]
-  emb = _engine(**kwargs)
+  emb = _scenario_engine(**kwargs)
   emb.build()
   before = {k: v.numpy().copy() for k, v in emb.variables["video"].items()}
   call = mode(lambda: emb.enqueue(features(), weights() if weights else None))
@@ -292,7 +274,7 @@ def test_rejected_enqueue(case, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_batch_shape_must_stay_the_one_the_feature_was_built_with(mode):
-  emb = _engine()
+  emb = _scenario_engine()
   _lookup(emb, _ragged())
   smaller = tuple(x[:2] for x in _ragged())
   with pytest.raises(ValueError) as info:
@@ -306,7 +288,7 @@ def test_batch_shape_must_stay_the_one_the_feature_was_built_with(mode):
 
 def test_unknown_batch_dimension_is_rejected_by_enqueue_but_not_by_lookups():
   """The TPU compiles fully defined shapes (_check_output_shapes_fully_defined)."""
-  emb = _engine()
+  emb = _scenario_engine()
   spec = (tf.TensorSpec([None], tf.int32),) * 3
   enqueue = tf.function(lambda f: emb.enqueue(f), input_signature=[spec])
   with pytest.raises(ValueError) as info:
@@ -319,16 +301,16 @@ def test_unknown_batch_dimension_is_rejected_by_enqueue_but_not_by_lookups():
   # (Keras builds models on such inputs) and records no shape.
   lookup = tf.function(lambda f: emb(f), input_signature=[spec])
   acts = lookup((tf.constant([1, 2]),) * 3)
-  np.testing.assert_array_equal(acts[0], VIDEO[[1, 2]])
+  np.testing.assert_array_equal(acts[0], SCENARIO_VIDEO[[1, 2]])
   assert emb._output_shapes == [tf.TensorShape(None)] * 3
   # After a static batch fixed the shapes, a last smaller batch still looks up
   # (enqueue would refuse it, as TPUEmbedding does).
   _lookup(emb, (_ids(),) * 3)
   acts = lookup((tf.constant([5, 6, 7]),) * 3)
   assert acts[0].shape == (3, 4)
-  np.testing.assert_array_equal(acts[2], USER[[5, 6, 7]])
+  np.testing.assert_array_equal(acts[2], SCENARIO_USER[[5, 6, 7]])
   acts = emb((tf.constant([[5], [6]]),) * 3)
-  np.testing.assert_array_equal(acts[1], VIDEO[[5, 6]])
+  np.testing.assert_array_equal(acts[1], SCENARIO_VIDEO[[5, 6]])
   with pytest.raises(ValueError, match="output shape is \\[4\\]"):
     emb.enqueue((tf.constant([5, 6]),) * 3)
 
@@ -356,7 +338,7 @@ REJECTED_BUILDS = {
 @pytest.mark.parametrize("case", sorted(REJECTED_BUILDS))
 def test_rejected_build(case):
   kwargs, shapes, message = REJECTED_BUILDS[case]
-  emb = _engine(**kwargs)
+  emb = _scenario_engine(**kwargs)
   with pytest.raises(ValueError) as info:
     emb.build(shapes)
   assert str(info.value).startswith(message), str(info.value)
@@ -365,7 +347,7 @@ def test_rejected_build(case):
 
 def test_partial_output_shape_in_feature_config_is_rejected_at_build():
   """hd_invalid_input_test.test_not_fully_defined_output_shapes_in_feature_config."""
-  emb = _engine(output_shape=[None, 4])
+  emb = _scenario_engine(output_shape=[None, 4])
   with pytest.raises(ValueError) as info:
     emb.build()
   assert str(info.value).startswith(
@@ -395,7 +377,7 @@ GRADIENT_CASES = {
 @pytest.mark.parametrize("case", sorted(GRADIENT_CASES))
 def test_rejected_gradients(case, mode):
   make, cls, message = GRADIENT_CASES[case]
-  emb = _engine()
+  emb = _scenario_engine()
 
   def step():
     emb.enqueue(_ragged(), training=True)
@@ -418,7 +400,7 @@ def test_unsupported_optimizer_class_is_a_value_error():
     learning_rate = 0.1
   for bad in (AdagradParameters(), "adagrad", tf.keras.optimizers.SGD(0.1)):
     with pytest.raises(ValueError) as info:
-      _engine(bad)
+      _scenario_engine(bad)
     assert isinstance(info.value, tee.ConfigError)
     assert str(info.value).startswith(
         f"table 'video': {type(bad).__name__} is an unsupported optimizer class. Fix: "
@@ -486,7 +468,7 @@ def test_dynamic_learning_rate_with_dense_b_1_ids():
 def test_none_gradients_and_ones_over_steps(mode):
   """valid_input_test.test_pass_none_to_apply_gradients, enqueue_mode_test's
   all-ones gradient: three SGD steps against numpy."""
-  emb = _engine(api.SGD(0.1))
+  emb = _scenario_engine(api.SGD(0.1))
   emb.build([tf.TensorShape([4, 2]), tf.TensorShape([4, 2]), tf.TensorShape([4, 3])])
 
   def step(gradients):
@@ -495,7 +477,7 @@ def test_none_gradients_and_ones_over_steps(mode):
     emb.apply_gradients(gradients(acts))
     return acts
 
-  video, user = VIDEO.copy(), USER.copy()
+  video, user = SCENARIO_VIDEO.copy(), SCENARIO_USER.copy()
   none_then_ones = lambda acts: (None, None, tf.ones_like(acts[2]))
   all_ones = lambda acts: tuple(tf.ones_like(a) for a in acts)
   for gradients in (none_then_ones, all_ones, all_ones):
@@ -520,7 +502,7 @@ def test_none_gradients_and_ones_over_steps(mode):
 @pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "sparse"])
 def test_weights_and_missing_samples(ragged):
   """valid_input_test: test_enqueue_with_weights and test_missing_feature."""
-  emb = _engine()
+  emb = _scenario_engine()
   features = _ragged() if ragged else _sparse()
   half = lambda x: (tf.ragged.map_flat_values(lambda v: 0.5 + 0 * tf.cast(v, tf.float32), x)
                     if ragged else tf.SparseTensor(x.indices, 0.5 + 0 * tf.cast(
@@ -540,7 +522,7 @@ def test_weights_and_missing_samples(ragged):
 
 def test_our_errors_are_not_staging_errors_inside_tf_function():
   """autograph turns unknown exception types into StagingError; ours pass through."""
-  emb = _engine()
+  emb = _scenario_engine()
 
   @tf.function
   def bad():
@@ -662,7 +644,7 @@ def test_serving_export_keeps_training_shapes(tmp_path):
 # --- engine="v2": TPUEmbeddingV2's rules where they differ -------------------------
 
 def _v2(output_shape, combiner="sum", **kwargs):
-  table = api.TableConfig(8, 4, initializer=tf.constant_initializer(VIDEO),
+  table = api.TableConfig(8, 4, initializer=tf.constant_initializer(SCENARIO_VIDEO),
                           combiner=combiner, name="video")
   return tee.CPUEmbedding(
       {"f": api.FeatureConfig(table, name="f", output_shape=output_shape, **kwargs)},
@@ -685,17 +667,17 @@ def test_v2_shapes_come_from_output_shape(mode):
   ids = np.array([[1, 2], [3, 4]])
   emb = _v2([2, 2])  # Dense [B, k]: k samples per row, no trailing-1 rule.
   acts = mode(lambda: _lookup(emb, {"f": tf.constant(ids)}))()
-  np.testing.assert_array_equal(acts["f"], VIDEO[ids])
+  np.testing.assert_array_equal(acts["f"], SCENARIO_VIDEO[ids])
   # Weighted dense ids (v1 refuses them); a sequence length plays no part.
   for combiner, gain in (("sum", [0.5, 2.0]), ("mean", [1.0, 1.0]),
                          ("sqrtn", [1.0, 1.0])):
     emb = _v2([2], combiner, max_sequence_length=3)
     acts = mode(lambda: _lookup(emb, {"f": tf.constant([5, 6])},
                                 {"f": tf.constant([0.5, 2.0])}))()
-    np.testing.assert_allclose(acts["f"], VIDEO[[5, 6]] * np.array(gain)[:, None])
+    np.testing.assert_allclose(acts["f"], SCENARIO_VIDEO[[5, 6]] * np.array(gain)[:, None])
     ragged = tf.ragged.constant([[1, 2], [3]], tf.int64)
     acts = mode(lambda: _lookup(emb, {"f": ragged}))()
-    want = [VIDEO[[1, 2]].sum(0), VIDEO[3]]
+    want = [SCENARIO_VIDEO[[1, 2]].sum(0), SCENARIO_VIDEO[3]]
     if combiner != "sum":
       want[0] = want[0] / (2 if combiner == "mean" else np.sqrt(2))
     np.testing.assert_allclose(acts["f"], want, rtol=1e-6)
@@ -735,7 +717,7 @@ STRUCTURE_FIRST = {
 @pytest.mark.parametrize("case", sorted(STRUCTURE_FIRST))
 def test_apply_gradients_checks_the_structure_before_the_batch(case, mode):
   call, cls, message = STRUCTURE_FIRST[case]
-  emb = _engine()
+  emb = _scenario_engine()
   emb.build(64)
   before = emb.variables["video"]["parameters"].numpy()
   with pytest.raises(cls) as info:
@@ -758,12 +740,12 @@ LOOKUP_ONLY = (
 def test_optimizer_none_is_for_lookups_only(mode, tmp_path):
   """tpu_embedding_v2.py: off a TPU, optimizer=None creates no slots; the
   TPU refuses it. Lookups equal numpy; training calls say why and the fix."""
-  trained = _engine(api.Adagrad(0.1))
+  trained = _scenario_engine(api.Adagrad(0.1))
   for _ in range(2):
     trained.enqueue(_ragged(), training=True)
     trained.apply_gradients(tuple(tf.ones_like(a) for a in trained.dequeue()))
   path = tf.train.Checkpoint(embedding=trained).save(str(tmp_path / "ckpt"))
-  emb = tee.CPUEmbedding(_config(), None)
+  emb = tee.CPUEmbedding(scenario_features(), None)
   assert {k: sorted(v) for k, v in emb.variables.items()} == {
       "video": ["parameters"], "user": ["parameters"]}
   tf.train.Checkpoint(embedding=emb).restore(path).expect_partial()  # no slots
@@ -791,7 +773,7 @@ def test_optimizer_none_with_per_table_optimizers():
   """TPUEmbedding gives tables without an optimizer the global one (None): on a
   TPU every table must have one. Tables with their own train as numpy SGD; one
   table without makes the engine lookup-only, naming that table."""
-  video, user = _tables()
+  video, user = scenario_tables()
   video.optimizer = api.SGD(0.1)
   mixed = tee.CPUEmbedding((api.FeatureConfig(video), api.FeatureConfig(user)), None)
   assert sorted(mixed.variables["video"]) == ["parameters"]
@@ -801,7 +783,7 @@ def test_optimizer_none_with_per_table_optimizers():
                                                tables="['user']")
   user.optimizer = api.SGD(0.5)
   emb = tee.CPUEmbedding((api.FeatureConfig(video), api.FeatureConfig(user)), None)
-  want_video, want_user = VIDEO.copy(), USER.copy()
+  want_video, want_user = SCENARIO_VIDEO.copy(), SCENARIO_USER.copy()
   for step in range(3):
     ids = ([step % 8, (step + 2) % 8], [step, 15 - step])
     emb.enqueue(tuple(tf.constant(i) for i in ids), training=True)

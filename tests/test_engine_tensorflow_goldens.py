@@ -6,31 +6,17 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
+from tests.builders import SCENARIO_IDS, scenario_features_by_name
 
 api = tf.tpu.experimental.embedding
-
-def _scenario_config(optimizer):
-  video = api.TableConfig(8, 4, initializer=tf.constant_initializer(
-      np.arange(32).reshape(8, 4)), combiner="sum", name="video")
-  user = api.TableConfig(16, 2, initializer=tf.constant_initializer(
-      np.arange(32).reshape(16, 2)), combiner="mean", name="user")
-  config = {"watched": api.FeatureConfig(video, name="watched"),
-            "favorited": api.FeatureConfig(video, name="favorited"),
-            "friends": api.FeatureConfig(user, name="friends")}
-  return config, optimizer
-
-
 REPLICAS = 2
-DATA = {"watched": [[0], [0, 1], [0, 1], [1]],
-        "favorited": [[0, 1], [1], [0], [0, 1]],
-        "friends": [[3], [0, 1, 2], [3], [0, 1, 2]]}
 
 
 def _scenario_step(optimizer):
   """The global batch (2 samples x R replicas) in one step; loss / R as TF does."""
-  emb = tee.CPUEmbedding(*_scenario_config(optimizer))
+  emb = tee.CPUEmbedding(scenario_features_by_name(), optimizer)
   features = {k: tf.ragged.constant(v * (REPLICAS // 2), tf.int64)
-              for k, v in DATA.items()}
+              for k, v in SCENARIO_IDS.items()}
   emb.enqueue(features, training=True)
   with tf.GradientTape() as tape:
     acts = emb.dequeue()

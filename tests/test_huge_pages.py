@@ -74,7 +74,7 @@ needs_thp = pytest.mark.skipif(
     f"({platform.release()}) has no MADV_COLLAPSE, or no 2 MiB page is free")
 
 
-def _engine(kernels, seed=0):
+def _big_table_engine(kernels, seed=0):
   # TensorFlow makes the initial values: numpy asks for huge pages for its
   # own large arrays, which would count here.
   init = lambda shape, dtype=tf.float32: tf.random.stateless_uniform(
@@ -87,7 +87,7 @@ def _engine(kernels, seed=0):
 
 @needs_thp
 def test_a_large_table_and_its_slot_land_on_huge_pages():
-  emb = _engine("native")
+  emb = _big_table_engine("native")
   before = _anon_huge_mib()
   emb.build()
   grown = _anon_huge_mib() - before
@@ -100,7 +100,7 @@ def test_a_large_table_and_its_slot_land_on_huge_pages():
 def test_huge_pages_off_by_the_environment_and_on_the_tf_path(monkeypatch):
   if _thp_mode() == "always":
     pytest.skip("with THP 'always' every large buffer may get huge pages")
-  engines = [_engine("tf"), _engine("native", seed=1)]
+  engines = [_big_table_engine("tf"), _big_table_engine("native", seed=1)]
   before = _anon_huge_mib()
   engines[0].build()
   monkeypatch.setenv(native.HUGE_PAGES_ENV, "0")
@@ -124,7 +124,7 @@ def _adagrad(w, acc, ids, grads, lr=0.1):
 
 def test_a_large_table_trains_bit_identically_and_rejects_unchanged():
   rng = np.random.RandomState(7)
-  engines = {k: _engine(k) for k in ("native", "tf")}
+  engines = {k: _big_table_engine(k) for k in ("native", "tf")}
   w = engines["native"].variables["big"]["parameters"].numpy()
   acc = np.full_like(w, 0.1)
   for _ in range(5):

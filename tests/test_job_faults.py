@@ -21,6 +21,7 @@ import pytest
 import tensorflow as tf
 
 from tests import jobs, mounts
+from tests.builders import checkpoint_values
 from tpu_embed_ext import atomic
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext import train as train_lib
@@ -33,15 +34,18 @@ def data_dir(tiny_data_dir):
   return tiny_data_dir  # the session's: the tiny dataset is built once per process
 
 
+_TRAIN = {"steps_per_checkpoint": 5, "eval_batches": 1}  # the config's train: fields
+
+
 def _overrides(data_dir):
-  return {"data_dir": data_dir, "steps_per_checkpoint": 5, "eval_batches": 1}
+  return {"data_dir": data_dir, **_TRAIN}
 
 
 def _train(model_dir, data_dir, steps, config=CONFIG):
-  return jobs.train_tiny(model_dir, data_dir, steps, config, **_overrides(data_dir))
+  return jobs.train_tiny(model_dir, data_dir, steps, config, **_TRAIN)
 
 
-_variables, _ckpt = jobs.variables, jobs.checkpoint
+_ckpt = jobs.checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +68,7 @@ def _copy(straight_dir, tmp_path, keep_until=10):
 
 
 def _assert_equal_to_straight(model_dir, straight_dir, step=10):
-  want, got = _variables(_ckpt(straight_dir, step)), _variables(_ckpt(model_dir, step))
+  want, got = checkpoint_values(_ckpt(straight_dir, step)), checkpoint_values(_ckpt(model_dir, step))
   assert want.keys() == got.keys() and want
   for key in want:
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
@@ -155,7 +159,7 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoints(
     tmp_path, data_dir, straight_dir, monkeypatch):
   """Simulated in-process: the save raises TensorFlow's error for ENOSPC."""
   model_dir = _copy(straight_dir, tmp_path, keep_until=5)
-  before = _variables(_ckpt(model_dir, 5))
+  before = checkpoint_values(_ckpt(model_dir, 5))
 
   def full(self, *args, **kwargs):
     raise tf.errors.ResourceExhaustedError(
@@ -169,7 +173,7 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoints(
       "ckpt-10_temp/part-00000-of-00001.data-00000-of-00001.tempstate1; No space left on "
       "device. The checkpoints before it are intact; run the same command again to resume "
       "from the newest one. Fix: free space on that disk, or write elsewhere.")
-  after = _variables(_ckpt(model_dir, 5))
+  after = checkpoint_values(_ckpt(model_dir, 5))
   assert all(np.array_equal(before[k], after[k]) for k in before)
   monkeypatch.undo()
   _train(model_dir, data_dir, 10)  # the same command again resumes
@@ -181,7 +185,7 @@ _one_line = jobs.one_line_error
 
 
 def _write_config(tmp_path, data_dir, edit=None):
-  return jobs.write_tiny_config(tmp_path, data_dir, edit, **_overrides(data_dir))
+  return jobs.write_tiny_config(tmp_path, data_dir, edit, **_TRAIN)
 
 
 def test_real_full_disk_during_training_is_one_line(tmp_path, data_dir, capsys):

@@ -17,6 +17,7 @@ from tensorflow.python.trackable import trackable_utils
 
 import tpu_embed_ext as tee
 from tests import jobs
+from tests.builders import checkpoint_values
 from tpu_embed_ext import derived_names, errors, serving
 from tpu_embed_ext.sparsecore.checkpoint import find_embedding
 
@@ -38,7 +39,7 @@ def test_checkpoint_key_escapes_as_tensorflow_does(name):
       + "/.ATTRIBUTES/VARIABLE_VALUE")
 
 
-def _engine(names, optimizer, seed=0):
+def _engine_of_tables(names, optimizer, seed=0):
   rng = np.random.RandomState(seed)
   tables = {n: api.TableConfig(6, 2, name=n, initializer=tf.constant_initializer(
       rng.uniform(-1, 1, (6, 2)))) for n in names}
@@ -62,7 +63,7 @@ def _values(engine):
 
 
 def test_odd_names_round_trip_through_tf_train_checkpoint_and_tensorflow(tmp_path):
-  trained = _engine(ODD_NAMES, api.Adagrad(0.1))
+  trained = _engine_of_tables(ODD_NAMES, api.Adagrad(0.1))
   _train(trained)
   path = tf.train.Checkpoint(embedding=trained).save(str(tmp_path / "c"))
   keys = dict(tf.train.list_variables(path))
@@ -70,7 +71,7 @@ def test_odd_names_round_trip_through_tf_train_checkpoint_and_tensorflow(tmp_pat
     for local in (name, f"{name}/accumulators"):
       assert ("embedding/" + trackable_utils.escape_local_name(local)
               + "/.ATTRIBUTES/VARIABLE_VALUE") in keys
-  fresh = _engine(ODD_NAMES, api.Adagrad(0.1), seed=1)
+  fresh = _engine_of_tables(ODD_NAMES, api.Adagrad(0.1), seed=1)
   fresh.build()
   fresh.check_checkpoint(path)
   tf.train.Checkpoint(embedding=fresh).restore(path).assert_consumed()
@@ -92,11 +93,11 @@ def test_slots_are_matched_by_exact_key():
   # A table named like another table's slot variable that this optimizer does
   # not have: "a/momenta" beside Adagrad "a" is a valid pair.
   names = ("a", "a/momenta")
-  trained = _engine(names, api.Adagrad(0.1))
+  trained = _engine_of_tables(names, api.Adagrad(0.1))
   _train(trained)
   with tempfile.TemporaryDirectory() as tmp:
     path = tf.train.Checkpoint(embedding=trained).save(os.path.join(tmp, "c"))
-    fresh = _engine(names, api.Adagrad(0.1), seed=1)
+    fresh = _engine_of_tables(names, api.Adagrad(0.1), seed=1)
     fresh.build()
     fresh.check_checkpoint(path)  # Was: "holds optimizer slots ['accumulators', 'momenta']".
     tf.train.Checkpoint(embedding=fresh).restore(path).assert_consumed()
@@ -131,7 +132,7 @@ def test_odd_table_names_resume_and_export_through_the_cli(tmp_path, capsys):
     status, _, err = jobs.run_cli(capsys, "train", "--config", config, "--tpu", "none",
                                   *args)
     assert status == 0, err
-  want, got = (jobs.variables(jobs.checkpoint(d, 10)) for d in (straight, resumed))
+  want, got = (checkpoint_values(jobs.checkpoint(d, 10)) for d in (straight, resumed))
   assert got.keys() == want.keys()
   for name in ODD_NAMES:
     assert derived_names.checkpoint_key("model/embedding/embedding", name) in want

@@ -36,7 +36,7 @@ def _values(seed=0):
   return np.random.RandomState(seed).uniform(-2, 2, (VOCAB, DIM)).astype(np.float32)
 
 
-def _engine(kernels, combiner="sum", quantization=None, engine="v1", **feature):
+def _kernel_path_engine(kernels, combiner="sum", quantization=None, engine="v1", **feature):
   table = api.TableConfig(VOCAB, DIM, combiner=combiner, name="t",
                           initializer=tf.constant_initializer(_values()),
                           quantization_config=quantization)
@@ -79,8 +79,8 @@ def _combine(values, rows, weights, combiner):
 def test_ragged_combiners_match_numpy_and_tf_path_bitwise(combiner, weighted, function):
   ids = tf.ragged.constant(RAGGED, tf.int64)
   w = tf.ragged.constant(WEIGHTS, tf.float32) if weighted else None
-  ours = _lookup(_engine("native", combiner), ids, w, function)
-  theirs = _lookup(_engine("tf", combiner), ids, w, function)
+  ours = _lookup(_kernel_path_engine("native", combiner), ids, w, function)
+  theirs = _lookup(_kernel_path_engine("tf", combiner), ids, w, function)
   weights = WEIGHTS if weighted else [[1.0] * len(r) for r in RAGGED]
   np.testing.assert_allclose(ours, _combine(_values(), RAGGED, weights, combiner),
                              rtol=1e-5, atol=1e-6)
@@ -137,11 +137,11 @@ def test_ragged_gains_op_refuses_bad_row_splits():
 @pytest.mark.parametrize("shape", [[6], [6, 1], [2, 3, 1]])
 def test_dense_ids_of_every_rank_gather_rows(shape):
   ids = np.arange(6).reshape(shape) * 5 % VOCAB
-  ours = _lookup(_engine("native"), tf.constant(ids, tf.int64))
+  ours = _lookup(_kernel_path_engine("native"), tf.constant(ids, tf.int64))
   expected = _values()[ids.reshape(-1)].reshape(
       (shape if len(shape) == 1 else shape[:-1]) + [DIM])
   np.testing.assert_array_equal(ours, expected)
-  np.testing.assert_array_equal(ours, _lookup(_engine("tf"), tf.constant(ids, tf.int64)))
+  np.testing.assert_array_equal(ours, _lookup(_kernel_path_engine("tf"), tf.constant(ids, tf.int64)))
 
 
 @needs_native
@@ -158,12 +158,12 @@ def test_high_dimensional_sparse_ids_combine_over_the_last_dimension(combiner):
       wvalues.append(weights[(b, s)][k])
   ids = tf.SparseTensor(indices, tf.constant(values, tf.int64), [2, 3, 3])
   w = tf.SparseTensor(indices, tf.constant(wvalues, tf.float32), [2, 3, 3])
-  ours = _lookup(_engine("native", combiner), ids, w)
+  ours = _lookup(_kernel_path_engine("native", combiner), ids, w)
   expected = np.zeros((2, 3, DIM))
   for (b, s), r in rows.items():
     expected[b, s] = _combine(_values(), [r], [weights[(b, s)]], combiner)[0]
   np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(ours, _lookup(_engine("tf", combiner), ids, w))
+  np.testing.assert_array_equal(ours, _lookup(_kernel_path_engine("tf", combiner), ids, w))
 
 
 @needs_native
@@ -172,14 +172,14 @@ def test_sequence_features_place_positions_and_truncate(sparse):
   ids = tf.ragged.constant(RAGGED, tf.int64)
   if sparse:
     ids = ids.to_sparse()
-  ours = _lookup(_engine("native", max_sequence_length=2), ids)
+  ours = _lookup(_kernel_path_engine("native", max_sequence_length=2), ids)
   expected = np.zeros((len(RAGGED), 2, DIM), np.float32)
   for b, row in enumerate(RAGGED):
     for p, i in enumerate(row[:2]):
       expected[b, p] = _values()[i]
   np.testing.assert_array_equal(ours, expected)
   np.testing.assert_array_equal(
-      ours, _lookup(_engine("tf", max_sequence_length=2), ids))
+      ours, _lookup(_kernel_path_engine("tf", max_sequence_length=2), ids))
 
 
 @needs_native
@@ -207,10 +207,10 @@ def test_large_lookups_split_across_threads_stay_bitwise(kind):
                             ids.dense_shape)
       w = tf.SparseTensor(tf.gather(w.indices, order), tf.gather(w.values, order),
                           w.dense_shape)
-  ours = _lookup(_engine("native", "mean"), ids, w)
+  ours = _lookup(_kernel_path_engine("native", "mean"), ids, w)
   np.testing.assert_allclose(ours, _combine(_values(), rows, weights, "mean"),
                              rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(ours, _lookup(_engine("tf", "mean"), ids, w))
+  np.testing.assert_array_equal(ours, _lookup(_kernel_path_engine("tf", "mean"), ids, w))
 
 
 @needs_native
@@ -218,25 +218,25 @@ def test_large_lookups_split_across_threads_stay_bitwise(kind):
 def test_simulated_quantization_runs_in_the_kernel_bitwise(combiner):
   q = api.QuantizationConfig(num_buckets=7, lower=-1.5, upper=1.25)
   ids = tf.ragged.constant(RAGGED, tf.int64)
-  ours = _lookup(_engine("native", combiner, quantization=q), ids)
+  ours = _lookup(_kernel_path_engine("native", combiner, quantization=q), ids)
   quantum = (1.25 + 1.5) / 6
   snapped = np.floor((np.clip(_values(), -1.5, 1.25) + 1.5) / quantum + 0.5) * quantum - 1.5
   weights = [[1.0] * len(r) for r in RAGGED]
   np.testing.assert_allclose(ours, _combine(snapped, RAGGED, weights, combiner),
                              rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(
-      ours, _lookup(_engine("tf", combiner, quantization=q), ids))
+      ours, _lookup(_kernel_path_engine("tf", combiner, quantization=q), ids))
 
 
 @needs_native
 def test_v2_engine_weighted_dense_ids():
   ids = tf.constant([3, 1, 4, 1], tf.int64)
   w = tf.constant([1.0, 2.0, 0.5, -1.0])
-  ours = _lookup(_engine("native", engine="v2", output_shape=[4]), ids, w)
+  ours = _lookup(_kernel_path_engine("native", engine="v2", output_shape=[4]), ids, w)
   np.testing.assert_allclose(ours, _values()[[3, 1, 4, 1]] * w.numpy()[:, None],
                              rtol=1e-6)
   np.testing.assert_array_equal(
-      ours, _lookup(_engine("tf", engine="v2", output_shape=[4]), ids, w))
+      ours, _lookup(_kernel_path_engine("tf", engine="v2", output_shape=[4]), ids, w))
 
 
 @needs_native
@@ -264,10 +264,10 @@ def _graph_ops(emb, jit_compile=False):
 @needs_native
 def test_auto_picks_native_and_tf_forces_tensorflow_ops(monkeypatch):
   monkeypatch.delenv(native.ENV, raising=False)
-  emb = _engine("auto")
+  emb = _kernel_path_engine("auto")
   assert emb.kernels == "native"
   assert OP in _graph_ops(emb)
-  emb = _engine("tf")
+  emb = _kernel_path_engine("tf")
   assert emb.kernels == "tf"
   assert OP not in _graph_ops(emb)
 
@@ -275,16 +275,16 @@ def test_auto_picks_native_and_tf_forces_tensorflow_ops(monkeypatch):
 @needs_native
 def test_environment_variable_forces_a_path_unless_the_argument_does(monkeypatch):
   monkeypatch.setenv(native.ENV, "tf")
-  assert _engine("auto").kernels == "tf"
-  assert _engine("native").kernels == "native"
+  assert _kernel_path_engine("auto").kernels == "tf"
+  assert _kernel_path_engine("native").kernels == "native"
   monkeypatch.setenv(native.ENV, "native")
-  assert _engine("auto").kernels == "native"
-  assert _engine("tf").kernels == "tf"
+  assert _kernel_path_engine("auto").kernels == "native"
+  assert _kernel_path_engine("tf").kernels == "tf"
 
 
 @needs_native
 def test_xla_always_runs_tensorflow_ops():
-  emb = _engine("native")
+  emb = _kernel_path_engine("native")
   ops = _graph_ops(emb, jit_compile=True)
   assert OP not in ops
   assert {"GatherV2", "ResourceGather"} & ops, sorted(ops)
@@ -326,11 +326,11 @@ def test_exported_savedmodel_needs_no_custom_op(tmp_path, monkeypatch):
 def test_bad_kernels_values_are_refused(monkeypatch):
   with pytest.raises(errors.ConfigError,
                      match=r"kernels='fast' is not one of \['auto', 'native', 'tf'\]"):
-    _engine("fast")
+    _kernel_path_engine("fast")
   monkeypatch.setenv(native.ENV, "gpu")
   with pytest.raises(errors.ConfigError,
                      match=r"TPU_EMBED_EXT_KERNELS='gpu' is not one of"):
-    _engine("auto")
+    _kernel_path_engine("auto")
 
 
 @pytest.fixture
@@ -354,7 +354,7 @@ def _write_library(directory, version, content=b"not a shared library"):
 
 
 def _train(kernels):
-  emb = _engine(kernels, "mean")
+  emb = _kernel_path_engine(kernels, "mean")
   for step in range(3):
     ids = tf.ragged.constant([[1, 2, 2], [3 + step], [4, 1]], tf.int64)
     emb.enqueue({"f": ids})
@@ -368,14 +368,14 @@ def test_library_of_another_tensorflow_is_refused_with_one_log_line(broken_libra
   _write_library(broken_library, "2.0.0")
   assert native.load() is None
   assert f"built for TensorFlow 2.0.0, this is TensorFlow {tf.__version__}" in native.why_not()
-  emb = _engine("auto")
+  emb = _kernel_path_engine("auto")
   assert emb.kernels == "tf"
   lines = [r.getMessage() for r in caplog.records if "native kernels" in r.getMessage()]
   assert len(lines) == 1 and "using the TensorFlow-op path" in lines[0], lines
   with pytest.raises(errors.ConfigError,
                      match=r'kernels="native" was asked for, but the native kernels '
                            r"cannot be loaded: .*built for TensorFlow 2.0.0"):
-    _engine("native")
+    _kernel_path_engine("native")
   native.load()  # A second load logs nothing more.
   assert len([r for r in caplog.records if "native kernels" in r.getMessage()]) == 1
 
@@ -406,7 +406,7 @@ def test_no_compiler_falls_back_with_one_line_and_identical_results(tmp_path):
   done = _run_python_code("""
       import numpy as np
       from tests import test_native_kernels as t
-      emb = t._engine("auto")
+      emb = t._kernel_path_engine("auto")
       print("KERNELS", emb.kernels)
       np.save("out.npy", t._train("auto"))
       """.replace('"out.npy"', repr(str(tmp_path / "out.npy"))), env)

@@ -15,6 +15,7 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tpu_embed_ext import optimizers as opt
 from tpu_embed_ext.emulation import native
+from tests.builders import engine_state
 
 api = tf.tpu.experimental.embedding
 
@@ -32,7 +33,7 @@ def _init(vocab, dim, seed):
   return lambda shape, dtype=tf.float32: tf.constant(values, dtype)
 
 
-def _config():
+def _every_input_kind_config():
   """single-hot, multi-hot (sum, mean, sqrtn), weights, sequence and
   high-dimensional features; small vocabularies so ids repeat, several
   features per table, dims that leave packet tails (3, 17)."""
@@ -85,13 +86,6 @@ def _grads(rng, acts, scale=1.0):
           for k, a in acts.items()}
 
 
-def _state(emb):
-  out = {f"{t}/{k}": v.numpy().copy() for t, s in emb.variables.items()
-         for k, v in s.items()}
-  out["step"] = emb.step.numpy()
-  return out
-
-
 def _assert_same(native_state, tf_state, tolerance=None):
   assert native_state.keys() == tf_state.keys()
   for key in tf_state:
@@ -102,7 +96,7 @@ def _assert_same(native_state, tf_state, tolerance=None):
                                  **tolerance)
 
 
-def _engines(optimizer, strategy=None, config=_config, **kwargs):
+def _engines(optimizer, strategy=None, config=_every_input_kind_config, **kwargs):
   scope = strategy.scope() if strategy is not None else _null()
   with scope:
     return [tee.CPUEmbedding(config(), optimizer, kernels=k, **kwargs)
@@ -195,7 +189,7 @@ def test_one_device_equals_tf_ops_bit_for_bit(name):
   assert (ours.kernels, theirs.kernels) == ("native", "tf")
   for emb in (ours, theirs):
     _run_eager(emb, np.random.RandomState(7))
-  _assert_same(_state(ours), _state(theirs))
+  _assert_same(engine_state(ours), engine_state(theirs))
   assert int(ours.step.numpy()) == STEPS
 
 
@@ -206,7 +200,7 @@ def test_mirrored_two_replicas_equals_tf_ops_bit_for_bit(name):
   ours, theirs = _engines(OPTIMIZERS[name](), strategy)
   for emb in (ours, theirs):
     _run_mirrored(emb, strategy, seed=3)
-  _assert_same(_state(ours), _state(theirs))
+  _assert_same(engine_state(ours), engine_state(theirs))
   assert int(ours.step.numpy()) == STEPS
 
 
@@ -279,7 +273,7 @@ def test_option_equals_tf_ops_bit_for_bit(name, mode):
     _run_eager(emb, np.random.RandomState(11), function=function,
                steps=GRAPH_STEPS if function else STEPS,
                after=lambda: _STEP.assign_add(1))
-  _assert_same(_state(ours), _state(theirs))
+  _assert_same(engine_state(ours), engine_state(theirs))
 
 
 @pytest.mark.parametrize("mode", ["eager", "tf_function"])
@@ -288,7 +282,7 @@ def test_tf_function_equals_tf_ops_bit_for_bit(name, mode):
   ours, theirs = _engines(OPTIMIZERS[name]())
   for emb in (ours, theirs):
     _run_eager(emb, np.random.RandomState(5), function=mode == "tf_function")
-  _assert_same(_state(ours), _state(theirs))
+  _assert_same(engine_state(ours), engine_state(theirs))
 
 
 @pytest.mark.parametrize("name", ["adam_dense", "adagrad", "sgd"])
@@ -303,7 +297,7 @@ def test_sparsecore_engine_v2_equals_tf_ops(name):
       emb.enqueue(features, training=True)
       acts = emb.dequeue()
       emb.apply_gradients(_grads(rng, acts))
-  _assert_same(_state(ours), _state(theirs))
+  _assert_same(engine_state(ours), engine_state(theirs))
 
 
 def _v2_config():
@@ -360,7 +354,7 @@ def test_rejected_step_changes_no_table_and_says_the_same(name, mode):
   for kernels in ("native", "tf"):
     emb = tee.CPUEmbedding(_two_tables(), optimizer(), kernels=kernels)
     _bad_step(emb, [[0.5, 0.5]] * 2)  # one good step first
-    before = _state(emb)
+    before = engine_state(emb)
     if mode == "eager":
       with pytest.raises(tee.InputError) as info:
         _bad_step(emb, grad_b)
@@ -369,7 +363,7 @@ def test_rejected_step_changes_no_table_and_says_the_same(name, mode):
     else:
       with pytest.raises(tf.errors.InvalidArgumentError, match=graph_message):
         _bad_step(emb, grad_b, function=True)
-    after = _state(emb)
+    after = engine_state(emb)
     for key in before:  # table 'a' was fine: unchanged too
       np.testing.assert_array_equal(after[key], before[key], err_msg=key)
     assert int(emb.step.numpy()) == 1
@@ -384,13 +378,13 @@ def test_out_of_range_ids_rejected_with_the_same_message(mode):
   messages = []
   for kernels in ("native", "tf"):
     emb = tee.CPUEmbedding(_two_tables(), opt.SGD(learning_rate=0.1), kernels=kernels)
-    before = _state(emb)
+    before = engine_state(emb)
     error = tee.InputError if mode == "eager" else tf.errors.InvalidArgumentError
     with pytest.raises(error) as info:
       _bad_step(emb, [[1.0, 1.0]] * 2, ids_b=(1, 6), function=mode == "tf_function")
     # The line naming the feature (in a graph, the assertion's line).
     messages.append(next(line for line in str(info.value).splitlines() if "(table " in line))
-    after = _state(emb)
+    after = engine_state(emb)
     for key in before:
       np.testing.assert_array_equal(after[key], before[key], err_msg=key)
   assert messages[0] == messages[1]
@@ -404,7 +398,7 @@ def test_kernel_checks_ids_itself_when_validation_is_off():
   for validate in (True, False):
     emb = tee.CPUEmbedding(_two_tables(), opt.SGD(learning_rate=0.1),
                            kernels="native", validate=validate)
-    before = _state(emb)
+    before = engine_state(emb)
     with pytest.raises((tee.InputError, tf.errors.InvalidArgumentError)) as info:
       emb.enqueue({"x": tf.constant([1, 2], tf.int64),
                    "y": tf.constant([1, -4], tf.int64)}, training=True)
@@ -412,7 +406,7 @@ def test_kernel_checks_ids_itself_when_validation_is_off():
     messages.append(str(info.value))
   assert isinstance(info.value, tf.errors.InvalidArgumentError)  # the op's own check
   assert messages[0].splitlines()[0] in messages[1], messages
-  after = _state(emb)
+  after = engine_state(emb)
   for key in before:
     np.testing.assert_array_equal(after[key], before[key], err_msg=key)
 

@@ -17,6 +17,7 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tests import test_engine_contract as contract
 from tests import test_engine_tensorflow_goldens as goldens
+from tests.builders import SCENARIO_IDS, scenario_features_by_name
 
 api = tf.tpu.experimental.embedding
 
@@ -43,13 +44,13 @@ def distribute(strategy, per_replica):
 def _scenario(optimizer, replicas):
   strategy = mirrored(replicas)
   with strategy.scope():
-    emb = tee.CPUEmbedding(*goldens._scenario_config(optimizer))
+    emb = tee.CPUEmbedding(scenario_features_by_name(), optimizer)
   # Upstream's data: 2 samples per replica, the 4-sample block repeated.
   per_replica = []
   for r in range(replicas):
     rows = slice(2 * (r % 2), 2 * (r % 2) + 2)
     per_replica.append({k: tf.ragged.constant(v[rows], tf.int64)
-                        for k, v in goldens.DATA.items()})
+                        for k, v in SCENARIO_IDS.items()})
   features = distribute(strategy, per_replica)
 
   @tf.function

@@ -16,6 +16,7 @@ import tensorflow as tf
 import yaml
 
 from tests import jobs
+from tests.builders import checkpoint_values
 from tpu_embed_ext import model_dir as model_dir_lib
 from tpu_embed_ext import train as train_lib
 
@@ -34,7 +35,7 @@ def _train(model_dir, data_dir, steps, config=CONFIG, **overrides):
                          **{"steps_per_checkpoint": BLOCK, **overrides})
 
 
-_variables, _ckpt = jobs.variables, jobs.checkpoint
+_ckpt = jobs.checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def straight_dir(tmp_path_factory, data_dir):
 @pytest.fixture(scope="module")
 def straight(straight_dir):
   """Every variable of the uninterrupted run at step 30."""
-  return _variables(_ckpt(straight_dir, STEPS))
+  return checkpoint_values(_ckpt(straight_dir, STEPS))
 
 
 def _copy(straight_dir, tmp_path, *, keep_until=STEPS):
@@ -68,7 +69,7 @@ def _copy(straight_dir, tmp_path, *, keep_until=STEPS):
 
 
 def _assert_equal_to_straight(model_dir, straight):
-  resumed = _variables(_ckpt(model_dir, STEPS))
+  resumed = checkpoint_values(_ckpt(model_dir, STEPS))
   assert resumed.keys() == straight.keys()
   # Tables (26), slots, dense weights, Keras optimizer state, table_step...
   assert len(straight) > 26 + 26 and any("table_step" in k for k in straight)

@@ -13,74 +13,37 @@ from tpu_embed_ext import errors, tf_optimizers
 from tpu_embed_ext.sparsecore import checkpoint as sparsecore_checkpoint
 from tpu_embed_ext.sparsecore import convert_checkpoint, checkpoint_layouts
 from tpu_embed_ext.sparsecore.topology import Topology
+from tests.builders import (EMBEDDING_OPTIMIZERS, checkpoint_values,
+                            four_table_feature_config, train_four_tables)
 
 api = tf.tpu.experimental.embedding
-# name: (rows, dim): "b" and "c" stack with "a" when optimizers are equal;
-# dims 5 and 13 pad to 8 and 16 columns, rows to a multiple of 8 x SparseCores.
-TABLES = {"a": (100, 8), "b": (13, 5), "c": (70, 8), "d": (9, 13)}
-OPTIMIZERS = {
-    "sgd": lambda: api.SGD(0.1),
-    "adagrad": lambda: api.Adagrad(0.1, initial_accumulator_value=0.5),
-    "adagrad_momentum": lambda: api.AdagradMomentum(0.1, momentum=0.9),
-    "adam": lambda: api.Adam(0.01),
-    "ftrl": lambda: api.FTRL(0.1, initial_accumulator_value=0.2, beta=0.1),
-}
-
-
-def _config(optimizer):
-  tables = {n: api.TableConfig(vocabulary_size=r, dim=d, name=n,
-                               initializer=tf.random_uniform_initializer(-1, 1, seed=i))
-            for i, (n, (r, d)) in enumerate(TABLES.items())}
-  return {n: api.FeatureConfig(table=t, name=n, output_shape=[4])
-          for n, t in tables.items()}
-
-
-def _batch(step):
-  rng = np.random.default_rng(step)
-  return {n: tf.ragged.constant([list(rng.integers(0, r, size=rng.integers(1, 4)))
-                                 for _ in range(4)], dtype=tf.int64)
-          for n, (r, _) in TABLES.items()}
-
-
-def _train(emb, steps, start=0):
-  for step in range(start, start + steps):
-    emb.enqueue(_batch(step), training=True)
-    acts = emb.dequeue()
-    emb.apply_gradients(tf.nest.map_structure(
-        lambda a: tf.sin(a + float(step)), acts))
-
-
-def _values(path):
-  reader = tf.train.load_checkpoint(path)
-  return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
-          if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
 
 
 def _trained_checkpoint(tmp_path, optimizer, steps=3):
-  emb = tee.CPUEmbedding(_config(optimizer), OPTIMIZERS[optimizer](), engine="v2")
-  _train(emb, steps)
+  emb = tee.CPUEmbedding(four_table_feature_config(), EMBEDDING_OPTIMIZERS[optimizer](), engine="v2")
+  train_four_tables(emb, steps)
   return emb, tf.train.Checkpoint(embedding=emb).write(str(tmp_path / "per_table"))
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("optimizer", sorted(EMBEDDING_OPTIMIZERS))
 def test_round_trips_are_bit_identical_with_every_slot(tmp_path, optimizer):
   emb, path = _trained_checkpoint(tmp_path, optimizer)
-  config = _config(optimizer)
+  config = four_table_feature_config()
   stacked = str(tmp_path / "stacked")
   layouts = convert_checkpoint(path, stacked, config, Topology(2, 4),
-                               optimizer=OPTIMIZERS[optimizer]())
+                               optimizer=EMBEDDING_OPTIMIZERS[optimizer]())
   assert {l.table: l.stack for l in layouts} == {  # d pads to 16 columns, not 8
       "a": "a_b_c", "b": "a_b_c", "c": "a_b_c", "d": "d"}
   # Every slot of every table, read back from the stacked tensors with
   # TensorFlow's own unshuffle function, equals the trained variables.
-  stored = _values(stacked)
+  stored = checkpoint_values(stacked)
   slots = emb.variables["a"].keys()
   assert {k.split("/")[1] for k in stored if k.startswith("embedding/")} == (
       {"_sparse_core_table_layouts"} | {stack if s == "parameters" else
                                          f"{stack}.S{s}" for s in slots
                                          for stack in ("a_b_c", "d")})
-  fill = dict(zip(tf_optimizers.as_spec(OPTIMIZERS[optimizer]()).slot_names,
-                  tf_optimizers.as_spec(OPTIMIZERS[optimizer]()).slot_initial_values()))
+  fill = dict(zip(tf_optimizers.as_spec(EMBEDDING_OPTIMIZERS[optimizer]()).slot_names,
+                  tf_optimizers.as_spec(EMBEDDING_OPTIMIZERS[optimizer]()).slot_initial_values()))
   for l in layouts:
     for slot in slots:
       key = f"embedding/{l.stack}" + ("" if slot == "parameters" else f".S{slot}")
@@ -94,18 +57,18 @@ def test_round_trips_are_bit_identical_with_every_slot(tmp_path, optimizer):
   # Stacked -> per-table gives back the original bits, keys and object graph.
   back = str(tmp_path / "back")
   assert convert_checkpoint(stacked, back, config,
-                            optimizer=OPTIMIZERS[optimizer]()) is None
-  original, returned = _values(path), _values(back)
+                            optimizer=EMBEDDING_OPTIMIZERS[optimizer]()) is None
+  original, returned = checkpoint_values(path), checkpoint_values(back)
   assert original.keys() == returned.keys()
   for key in original:
     assert original[key].tobytes() == returned[key].tobytes(), key
   # Stacked -> stacked on another topology -> stacked again: bit-identical.
   other, again = str(tmp_path / "other"), str(tmp_path / "again")
-  convert_checkpoint(stacked, other, config, "v6e:4", optimizer=OPTIMIZERS[optimizer]())
+  convert_checkpoint(stacked, other, config, "v6e:4", optimizer=EMBEDDING_OPTIMIZERS[optimizer]())
   assert checkpoint_layouts(other)[0].num_sparse_cores == 8
   convert_checkpoint(other, again, config, Topology(2, 4),
-                     optimizer=OPTIMIZERS[optimizer]())
-  first, second = _values(stacked), _values(again)
+                     optimizer=EMBEDDING_OPTIMIZERS[optimizer]())
+  first, second = checkpoint_values(stacked), checkpoint_values(again)
   assert first.keys() == second.keys()
   for key in first:
     assert np.asarray(first[key]).tobytes() == np.asarray(second[key]).tobytes(), key
@@ -115,9 +78,9 @@ def test_round_trips_are_bit_identical_with_every_slot(tmp_path, optimizer):
 def test_tpu_embedding_for_serving_restores_the_stacked_checkpoint(tmp_path, topology):
   emb, path = _trained_checkpoint(tmp_path, "adagrad")
   stacked = str(tmp_path / "stacked")
-  convert_checkpoint(path, stacked, _config("adagrad"), topology,
-                     optimizer=OPTIMIZERS["adagrad"]())
-  serving = api.TPUEmbeddingForServing(_config("adagrad"), OPTIMIZERS["adagrad"]())
+  convert_checkpoint(path, stacked, four_table_feature_config(), topology,
+                     optimizer=EMBEDDING_OPTIMIZERS["adagrad"]())
+  serving = api.TPUEmbeddingForServing(four_table_feature_config(), EMBEDDING_OPTIMIZERS["adagrad"]())
   tf.train.Checkpoint(embedding=serving).restore(stacked)  # before build: its
   serving.build()                                  # stacked-table path reads it
   assert serving._get_sparse_core_table_layouts_str()  # pylint: disable=protected-access
@@ -132,35 +95,35 @@ def test_converted_checkpoint_trains_on_like_the_original_run(tmp_path):
   optimizer = "adam"
   emb, path = _trained_checkpoint(tmp_path, optimizer)
   stacked, back = str(tmp_path / "stacked"), str(tmp_path / "back")
-  convert_checkpoint(path, stacked, _config(optimizer), "v6e:4",
-                     optimizer=OPTIMIZERS[optimizer]())
-  convert_checkpoint(stacked, back, _config(optimizer), optimizer=OPTIMIZERS[optimizer]())
-  resumed = tee.CPUEmbedding(_config(optimizer), OPTIMIZERS[optimizer](), engine="v2")
+  convert_checkpoint(path, stacked, four_table_feature_config(), "v6e:4",
+                     optimizer=EMBEDDING_OPTIMIZERS[optimizer]())
+  convert_checkpoint(stacked, back, four_table_feature_config(), optimizer=EMBEDDING_OPTIMIZERS[optimizer]())
+  resumed = tee.CPUEmbedding(four_table_feature_config(), EMBEDDING_OPTIMIZERS[optimizer](), engine="v2")
   status = tf.train.Checkpoint(embedding=resumed).read(back)
   resumed.build()
   status.assert_consumed()
   for table, slots in emb.variables.items():
     for slot, var in slots.items():
       assert var.numpy().tobytes() == resumed.variables[table][slot].numpy().tobytes()
-  _train(resumed, 3, start=3)
-  _train(emb, 3, start=3)
+  train_four_tables(resumed, 3, start=3)
+  train_four_tables(emb, 3, start=3)
   for table, slots in emb.variables.items():
     for slot, var in slots.items():
       assert var.numpy().tobytes() == resumed.variables[table][slot].numpy().tobytes()
 
 
 def test_other_objects_in_the_checkpoint_are_kept(tmp_path):
-  emb = tee.CPUEmbedding(_config("sgd"), OPTIMIZERS["sgd"](), engine="v2")
+  emb = tee.CPUEmbedding(four_table_feature_config(), EMBEDDING_OPTIMIZERS["sgd"](), engine="v2")
   emb.build()
   dense = tf.Variable([1.5, 2.5], name="dense")
   path = tf.train.Checkpoint(model=tf.train.Checkpoint(embedding=emb, dense=dense),
                              step=tf.Variable(7)).save(str(tmp_path / "c"))
   stacked, back = str(tmp_path / "stacked"), str(tmp_path / "back")
-  convert_checkpoint(path, stacked, _config("sgd"), "v5p:1", prefix="model/embedding",
-                     optimizer=OPTIMIZERS["sgd"]())
-  convert_checkpoint(stacked, back, _config("sgd"), prefix="model/embedding",
-                     optimizer=OPTIMIZERS["sgd"]())
-  fresh = tee.CPUEmbedding(_config("sgd"), OPTIMIZERS["sgd"](), engine="v2")
+  convert_checkpoint(path, stacked, four_table_feature_config(), "v5p:1", prefix="model/embedding",
+                     optimizer=EMBEDDING_OPTIMIZERS["sgd"]())
+  convert_checkpoint(stacked, back, four_table_feature_config(), prefix="model/embedding",
+                     optimizer=EMBEDDING_OPTIMIZERS["sgd"]())
+  fresh = tee.CPUEmbedding(four_table_feature_config(), EMBEDDING_OPTIMIZERS["sgd"](), engine="v2")
   fresh_dense, step = tf.Variable([0.0, 0.0]), tf.Variable(0)
   status = tf.train.Checkpoint(model=tf.train.Checkpoint(
       embedding=fresh, dense=fresh_dense), step=step).restore(back)
@@ -174,8 +137,8 @@ def test_other_objects_in_the_checkpoint_are_kept(tmp_path):
 def _errors_case(tmp_path, change):
   _, path = _trained_checkpoint(tmp_path, "adagrad", steps=1)
   stacked = str(tmp_path / "stacked")
-  convert_checkpoint(path, stacked, _config("adagrad"), Topology(1, 4),
-                     optimizer=OPTIMIZERS["adagrad"]())
+  convert_checkpoint(path, stacked, four_table_feature_config(), Topology(1, 4),
+                     optimizer=EMBEDDING_OPTIMIZERS["adagrad"]())
   return {"per_table": path, "stacked": stacked}[change]
 
 
@@ -197,14 +160,14 @@ def _errors_case(tmp_path, change):
 def test_mismatches_name_the_table_and_both_shapes(tmp_path, source, table_change,
                                                    optimizer, message):
   src = _errors_case(tmp_path, source)
-  config = _config("adagrad")
+  config = four_table_feature_config()
   if table_change:
     name, rows, dim = table_change
     config[name] = api.FeatureConfig(table=api.TableConfig(
         vocabulary_size=rows, dim=dim, name=name), name=name, output_shape=[4])
   out = tmp_path / "out"
   with pytest.raises(errors.ConfigError) as e:
-    convert_checkpoint(src, str(out), config, "v5p:1", optimizer=OPTIMIZERS[optimizer]())
+    convert_checkpoint(src, str(out), config, "v5p:1", optimizer=EMBEDDING_OPTIMIZERS[optimizer]())
   assert str(e.value) == message.format(src=src)
   assert not list(tmp_path.glob("out*"))  # nothing written
 
@@ -212,8 +175,8 @@ def test_mismatches_name_the_table_and_both_shapes(tmp_path, source, table_chang
 def test_unknown_prefix_is_named(tmp_path):
   _, path = _trained_checkpoint(tmp_path, "sgd", steps=1)
   with pytest.raises(errors.ConfigError) as e:
-    convert_checkpoint(path, str(tmp_path / "o"), _config("sgd"), prefix="embeding",
-                       optimizer=OPTIMIZERS["sgd"]())
+    convert_checkpoint(path, str(tmp_path / "o"), four_table_feature_config(), prefix="embeding",
+                       optimizer=EMBEDDING_OPTIMIZERS["sgd"]())
   assert str(e.value) == (
       f'checkpoint {path} has no object "embeding" (no child "embeding"). Did you '
       'mean "embedding"? Fix: leave --prefix out to find the embedding, or pass '
@@ -243,7 +206,7 @@ def test_convert_checkpoint_command(tmp_path):
   assert len(layouts) == len(emb.variables) and len(stacks) < len(layouts)
   back = str(tmp_path / "back")
   convert_checkpoint(stacked, back, spec)
-  original, returned = _values(path), _values(back)
+  original, returned = checkpoint_values(path), checkpoint_values(back)
   assert original.keys() == returned.keys()
   assert all(original[k].tobytes() == returned[k].tobytes() for k in original)
 
@@ -290,9 +253,9 @@ def test_the_embedding_is_found_without_a_prefix(tmp_path, form):
   assert len(found) == 1 and (where is None or found == [where])
   convert_checkpoint(path, str(tmp_path / "stacked"), spec, "v5p:1")
   convert_checkpoint(str(tmp_path / "stacked"), str(tmp_path / "back"), spec)
-  before = {k.split(found[0] + "/", 1)[1]: v for k, v in _values(path).items()
+  before = {k.split(found[0] + "/", 1)[1]: v for k, v in checkpoint_values(path).items()
             if k.startswith(found[0] + "/") and "/table_step" not in k}
-  after = {k.split(found[0] + "/", 1)[1]: v for k, v in _values(str(tmp_path / "back")).items()
+  after = {k.split(found[0] + "/", 1)[1]: v for k, v in checkpoint_values(str(tmp_path / "back")).items()
            if k.startswith(found[0] + "/") and "/table_step" not in k}
   assert before.keys() == after.keys()
   assert len(before) == sum(len(slots) for slots in emb.variables.values())
@@ -333,7 +296,7 @@ def _rewrite(src, dst, changes):
 
 def test_damaged_checkpoints_are_named(tmp_path):
   _, path = _trained_checkpoint(tmp_path, "adagrad", steps=1)
-  config, opt = _config("adagrad"), OPTIMIZERS["adagrad"]()
+  config, opt = four_table_feature_config(), EMBEDDING_OPTIMIZERS["adagrad"]()
   key = "embedding/b.Saccumulators/.ATTRIBUTES/VARIABLE_VALUE"
   bad = _rewrite(path, str(tmp_path / "bad_slot"), {key: np.zeros([13, 4], np.float32)})
   with pytest.raises(errors.ConfigError) as e:
@@ -413,12 +376,12 @@ def test_tensorflow_checkpoint_adapter_shards_and_reshards_like_us(tmp_path):
   # where we write the slot's initial value; everything else is equal.
   from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter as adapter
   emb, path = _trained_checkpoint(tmp_path, "ftrl")
-  config, opt = _config("ftrl"), OPTIMIZERS["ftrl"]()
+  config, opt = four_table_feature_config(), EMBEDDING_OPTIMIZERS["ftrl"]()
   fill = {"parameters": 0.0, "accumulators": 0.2, "linears": 0.0}
   a, b = str(tmp_path / "a"), str(tmp_path / "b")
   layouts_a = convert_checkpoint(path, a, config, Topology(2, 4), optimizer=opt)
   layouts_b = convert_checkpoint(a, b, config, "v6e:8", optimizer=opt)
-  stored_a, stored_b = _values(a), _values(b)
+  stored_a, stored_b = checkpoint_values(a), checkpoint_values(b)
   for stack in {l.stack for l in layouts_b}:
     for slot, value in fill.items():
       suffix = "" if slot == "parameters" else f".S{slot}"

@@ -8,7 +8,8 @@ import tpu_embed_ext as tee
 from tpu_embed_ext import derived_names, errors
 from tests import jobs
 from tpu_embed_ext.sparsecore import checkpoint_layouts, convert_checkpoint
-from tests.test_sparsecore_convert import OPTIMIZERS, _config, _train, _values
+from tests.builders import (EMBEDDING_OPTIMIZERS, checkpoint_values,
+                            four_table_feature_config, train_four_tables)
 from tests.test_sparsecore_limits import FA, FB
 
 api = tf.tpu.experimental.embedding
@@ -17,22 +18,22 @@ api = tf.tpu.experimental.embedding
 def test_saves_and_restores_tpu_embedding_v2_layout(tmp_path):
   optimizer = "adagrad_momentum"
   # The reference run: per-table, 3 steps, saved, converted to 2 chips x 2 SparseCores.
-  original = tee.CPUEmbedding(_config(optimizer), OPTIMIZERS[optimizer](), engine="v2")
-  _train(original, 3)
+  original = tee.CPUEmbedding(four_table_feature_config(), EMBEDDING_OPTIMIZERS[optimizer](), engine="v2")
+  train_four_tables(original, 3)
   per_table = tf.train.Checkpoint(embedding=original).write(str(tmp_path / "per_table"))
   converted = str(tmp_path / "converted")
-  convert_checkpoint(per_table, converted, _config(optimizer), "2x2",
-                     optimizer=OPTIMIZERS[optimizer]())
+  convert_checkpoint(per_table, converted, four_table_feature_config(), "2x2",
+                     optimizer=EMBEDDING_OPTIMIZERS[optimizer]())
   # An engine on that topology restores it (before build, as TPUEmbeddingV2 would) ...
-  emb = tee.CPUEmbedding(_config(optimizer), OPTIMIZERS[optimizer](), engine="v2",
+  emb = tee.CPUEmbedding(four_table_feature_config(), EMBEDDING_OPTIMIZERS[optimizer](), engine="v2",
                          topology="2x2")
   emb.check_checkpoint(converted)
   status = tf.train.Checkpoint(embedding=emb).read(converted)
   emb.build()
   status.assert_consumed()
   # ... trains on, and equals the original run continued, to the last bit.
-  _train(emb, 3, start=3)
-  _train(original, 3, start=3)
+  train_four_tables(emb, 3, start=3)
+  train_four_tables(original, 3, start=3)
   for table, slots in original.variables.items():
     for slot, var in slots.items():
       assert emb.variables[table][slot].numpy().tobytes() == var.numpy().tobytes()
@@ -40,15 +41,15 @@ def test_saves_and_restores_tpu_embedding_v2_layout(tmp_path):
   saved = tf.train.Checkpoint(embedding=emb).write(str(tmp_path / "saved"))
   again = str(tmp_path / "again")
   convert_checkpoint(tf.train.Checkpoint(embedding=original).write(
-      str(tmp_path / "per_table2")), again, _config(optimizer), "2x2",
-      optimizer=OPTIMIZERS[optimizer]())
-  ours, theirs = _values(saved), _values(again)
+      str(tmp_path / "per_table2")), again, four_table_feature_config(), "2x2",
+      optimizer=EMBEDDING_OPTIMIZERS[optimizer]())
+  ours, theirs = checkpoint_values(saved), checkpoint_values(again)
   assert ours.keys() == theirs.keys()
   assert all(np.asarray(ours[k]).tobytes() == np.asarray(theirs[k]).tobytes()
              for k in ours)
   assert checkpoint_layouts(saved)[0].num_sparse_cores == 4
   # ... and TPUEmbeddingForServing reads its tables.
-  serving = api.TPUEmbeddingForServing(_config(optimizer), OPTIMIZERS[optimizer]())
+  serving = api.TPUEmbeddingForServing(four_table_feature_config(), EMBEDDING_OPTIMIZERS[optimizer]())
   tf.train.Checkpoint(embedding=serving).restore(saved)
   serving.build()
   for table, var in serving.embedding_tables.items():
@@ -109,17 +110,17 @@ def test_limit_errors_leave_tables_unchanged():
 
 def test_topology_needs_engine_v2():
   with pytest.raises(errors.ConfigError) as e:
-    tee.CPUEmbedding(_config("sgd"), OPTIMIZERS["sgd"](), topology="v5p:1")
+    tee.CPUEmbedding(four_table_feature_config(), EMBEDDING_OPTIMIZERS["sgd"](), topology="v5p:1")
   assert str(e.value) == (
       "topology='v5p:1' needs engine=\"v2\": only TPUEmbeddingV2 (SparseCore) stacks "
       "tables. Fix: pass engine=\"v2\", or drop topology.")
 
 
 def test_batch_must_split_over_sparsecores():
-  emb = tee.CPUEmbedding(_config("sgd"), OPTIMIZERS["sgd"](), engine="v2",
+  emb = tee.CPUEmbedding(four_table_feature_config(), EMBEDDING_OPTIMIZERS["sgd"](), engine="v2",
                          topology="v6e:4")
   with pytest.raises(errors.InputError) as e:
-    _train(emb, 1)
+    train_four_tables(emb, 1)
   assert str(e.value) == (
       "feature 'a' (table 'a') has 4 samples, not a multiple of 4 chips x 2 SparseCores"
       " per chip: the TPU splits each chip's batch evenly over its SparseCores. Fix: "
@@ -172,9 +173,9 @@ def test_what_is_not_emulated_says_so():
 
 def test_stacked_checkpoint_holding_nan_is_refused_naming_the_stack(tmp_path):
   optimizer = "adagrad"
-  emb = tee.CPUEmbedding(_config(optimizer), OPTIMIZERS[optimizer](), engine="v2",
+  emb = tee.CPUEmbedding(four_table_feature_config(), EMBEDDING_OPTIMIZERS[optimizer](), engine="v2",
                          topology="2x2")
-  _train(emb, 2)
+  train_four_tables(emb, 2)
   path = tf.train.Checkpoint(embedding=emb).write(str(tmp_path / "stacked"))
   emb.check_checkpoint(path)  # Finite: passes.
   layouts = checkpoint_layouts(path)

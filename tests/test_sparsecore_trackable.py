@@ -11,15 +11,16 @@ from tpu_embed_ext.sparsecore import convert_checkpoint
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.topology import Topology
 from tpu_embed_ext.sparsecore.trackable import check_checkpoint, track_stacked
-from tests.test_sparsecore_convert import OPTIMIZERS, _config, _train, _values
+from tests.builders import (EMBEDDING_OPTIMIZERS, checkpoint_values,
+                            four_table_feature_config, train_four_tables)
 
 api = tf.tpu.experimental.embedding
 
 
 def _stacked_holder(emb, optimizer, topology):
   layouts = sc_layout.compute_layouts(sc_layout.stacking_inputs(
-      _config(optimizer), OPTIMIZERS[optimizer]()), topology)
-  spec = tf_optimizers.as_spec(OPTIMIZERS[optimizer]())
+      four_table_feature_config(), EMBEDDING_OPTIMIZERS[optimizer]()), topology)
+  spec = tf_optimizers.as_spec(EMBEDDING_OPTIMIZERS[optimizer]())
   fill = {"parameters": 0.0, **dict(zip(spec.slot_names, spec.slot_initial_values()))}
   # The per-table variables, copied: the holder saves and restores them.
   variables = {t: {s: tf.Variable(v) for s, v in slots.items()}
@@ -31,17 +32,17 @@ def _stacked_holder(emb, optimizer, topology):
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "ftrl"])
 def test_saved_stacked_checkpoint_equals_the_converted_one(tmp_path, optimizer):
-  emb = tee.CPUEmbedding(_config(optimizer), OPTIMIZERS[optimizer](), engine="v2")
-  _train(emb, 2)
+  emb = tee.CPUEmbedding(four_table_feature_config(), EMBEDDING_OPTIMIZERS[optimizer](), engine="v2")
+  train_four_tables(emb, 2)
   per_table = tf.train.Checkpoint(embedding=emb).write(str(tmp_path / "per_table"))
   converted = str(tmp_path / "converted")
-  convert_checkpoint(per_table, converted, _config(optimizer), Topology(2, 4),
-                     optimizer=OPTIMIZERS[optimizer]())
+  convert_checkpoint(per_table, converted, four_table_feature_config(), Topology(2, 4),
+                     optimizer=EMBEDDING_OPTIMIZERS[optimizer]())
   holder, variables, _ = _stacked_holder(emb, optimizer, Topology(2, 4))
   saved = tf.train.Checkpoint(embedding=holder).write(str(tmp_path / "saved"))
   # Two implementations (numpy slices streamed to disk; TF ops at save time)
   # write the same bytes under the same keys.
-  ours, theirs = _values(saved), _values(converted)
+  ours, theirs = checkpoint_values(saved), checkpoint_values(converted)
   assert ours.keys() == theirs.keys()
   for key in ours:
     assert np.asarray(ours[key]).tobytes() == np.asarray(theirs[key]).tobytes(), key
@@ -54,7 +55,7 @@ def test_saved_stacked_checkpoint_equals_the_converted_one(tmp_path, optimizer):
     for slot, var in slots.items():
       assert variables[table][slot].numpy().tobytes() == var.numpy().tobytes()
   # And TPUEmbeddingForServing reads the saved checkpoint's tables.
-  serving = api.TPUEmbeddingForServing(_config(optimizer), OPTIMIZERS[optimizer]())
+  serving = api.TPUEmbeddingForServing(four_table_feature_config(), EMBEDDING_OPTIMIZERS[optimizer]())
   tf.train.Checkpoint(embedding=serving).restore(saved)
   serving.build()
   for table, var in serving.embedding_tables.items():
@@ -62,12 +63,12 @@ def test_saved_stacked_checkpoint_equals_the_converted_one(tmp_path, optimizer):
 
 
 def test_restoring_another_topology_names_the_stack_and_shapes(tmp_path):
-  emb = tee.CPUEmbedding(_config("sgd"), OPTIMIZERS["sgd"](), engine="v2")
+  emb = tee.CPUEmbedding(four_table_feature_config(), EMBEDDING_OPTIMIZERS["sgd"](), engine="v2")
   emb.build()
   per_table = tf.train.Checkpoint(embedding=emb).write(str(tmp_path / "per_table"))
   other = str(tmp_path / "other")
-  convert_checkpoint(per_table, other, _config("sgd"), Topology(4, 4),
-                     optimizer=OPTIMIZERS["sgd"]())
+  convert_checkpoint(per_table, other, four_table_feature_config(), Topology(4, 4),
+                     optimizer=EMBEDDING_OPTIMIZERS["sgd"]())
   holder, _, layouts = _stacked_holder(emb, "sgd", Topology(2, 4))
   # The message names the first field that places rows differently.
   message = (
@@ -91,7 +92,7 @@ def test_restoring_another_topology_names_the_stack_and_shapes(tmp_path):
 
 
 def test_stacked_shape_mismatch_is_named():
-  emb = tee.CPUEmbedding(_config("sgd"), OPTIMIZERS["sgd"](), engine="v2")
+  emb = tee.CPUEmbedding(four_table_feature_config(), EMBEDDING_OPTIMIZERS["sgd"](), engine="v2")
   emb.build()
   holder, _, _ = _stacked_holder(emb, "sgd", Topology(2, 4))
   stack = holder._trackable_children()["d"]  # pylint: disable=protected-access

@@ -103,7 +103,8 @@ def _jit_step(engine):
   return step
 
 
-def _state(engine):
+def _table_t_as_stored(engine):
+  """Table 't' and its slots as stored (``variables`` would raise a failed step)."""
   return {k: v.numpy().copy() for k, v in engine._variables["t"].items()}
 
 
@@ -119,7 +120,7 @@ def test_xla_rejected_step_changes_nothing_and_raises_at_next_eager_call(
   engine = _one_table_engine()
   step = _jit_step(engine)
   step(tf.ragged.constant([[1, 2], [3]], tf.int64))  # a good step first
-  before, step_before = _state(engine), int(engine.step.numpy())
+  before, step_before = _table_t_as_stored(engine), int(engine.step.numpy())
   acts = step(tf.ragged.constant(ids, tf.int64), tf.constant(scale, tf.float32))
   assert np.isfinite(acts.numpy()).all()  # the lookup was good
   after = {k: v.numpy() for k, v in engine._variables["t"].items()}
