@@ -16,7 +16,7 @@ import tpu_embed_ext as tee
 from tpu_embed_ext import errors
 from tpu_embed_ext.sparsecore import checkpoint_layouts, convert_checkpoint
 from tests import jobs
-from tests.test_emulated_sparsecore import PER_REPLICA, REPLICAS, VOCAB, _feature_config
+from tests import sparsecore_program as sc
 from tests.test_sparsecore_restore import SLOTS, _assign, _state_after, _strategy
 from tests.builders import checkpoint_values
 
@@ -26,7 +26,7 @@ api = tf.tpu.experimental.embedding
 def _tensorflow_program_checkpoint(tmp_path):
   """A per-table checkpoint as TensorFlow's TPUEmbeddingForServing writes it,
   inside a model object (Model Garden: model/embedding)."""
-  serving = api.TPUEmbeddingForServing(_feature_config(PER_REPLICA), None)
+  serving = api.TPUEmbeddingForServing(sc.feature_config(sc.PER_REPLICA), None)
   serving.build()
   _assign(lambda t: serving._variables[t], _state_after(2))  # pylint: disable=protected-access
   dense = tf.Variable(tf.ones([3, 5]))
@@ -36,17 +36,17 @@ def _tensorflow_program_checkpoint(tmp_path):
 
 
 def _restored(path):
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
     strategy = _strategy()
     with strategy.scope():
-      embedding = api.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+      embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
     dense, step = tf.Variable(tf.zeros([3, 5])), tf.Variable(0, dtype=tf.int64)
     status = tf.train.Checkpoint(model=tf.train.Checkpoint(
         embedding=embedding, dense=dense), step=step).restore(path)
     embedding.build()
     status.assert_consumed()
     tables = {t: {s: embedding.table_variables(t)[s].numpy() for s in SLOTS}
-              for t in VOCAB}
+              for t in sc.VOCAB}
   assert int(step) == 10 and (dense.numpy() == 1).all()
   return tables
 
@@ -60,7 +60,7 @@ def test_converted_without_config_restores_into_the_program(tmp_path):
   assert checkpoint_layouts(out, "model/embedding") is not None
   tables = _restored(out)
   state = _state_after(2)
-  for table in VOCAB:
+  for table in sc.VOCAB:
     for slot in SLOTS:
       np.testing.assert_array_equal(tables[table][slot], state[table][slot])
 
@@ -78,7 +78,7 @@ def test_command_needs_no_config_and_ignores_feature_names(tmp_path, capsys):
   config.write_text(yaml.safe_dump({
       "optimizer": {"type": "adagrad", "learning_rate": 0.2,
                     "initial_accumulator_value": 0.1},
-      "tables": {n: {"vocabulary_size": v, "dim": 4} for n, v in VOCAB.items()},
+      "tables": {n: {"vocabulary_size": v, "dim": 4} for n, v in sc.VOCAB.items()},
       "features": {"0": {"table": "user"}, "1": {"table": "item"}}}))
   with pytest.raises(errors.ConfigError, match="feature name '0'"):
     tee.EmbeddingSpec.from_file(str(config))  # why the command must not load it as is
@@ -94,7 +94,7 @@ def test_command_needs_no_config_and_ignores_feature_names(tmp_path, capsys):
       assert np.asarray(without[key]).tobytes() == np.asarray(with_config[key]).tobytes()
   state = _state_after(2)
   tables = _restored(out2)
-  for table in VOCAB:
+  for table in sc.VOCAB:
     np.testing.assert_array_equal(tables[table]["accumulators"],
                                   state[table]["accumulators"])
 
@@ -132,8 +132,8 @@ def test_stacked_checkpoint_converts_to_per_table_without_config(tmp_path):
 def test_keras_model_checkpoint_converts_without_config(tmp_path):
   import keras  # pylint: disable=g-import-not-at-top
   def model():
-    features = {n: keras.Input(shape=(), dtype="int64", name=n) for n in VOCAB}
-    layer = tee.EmbeddingLayer(_feature_config(PER_REPLICA), name="embedding")
+    features = {n: keras.Input(shape=(), dtype="int64", name=n) for n in sc.VOCAB}
+    layer = tee.EmbeddingLayer(sc.feature_config(sc.PER_REPLICA), name="embedding")
     outputs = keras.layers.Dense(1)(keras.layers.Concatenate()(list(
         layer(features).values())))
     return keras.Model(features, outputs), layer
@@ -144,13 +144,13 @@ def test_keras_model_checkpoint_converts_without_config(tmp_path):
   out = str(tmp_path / "stacked" / "keras")
   layouts = convert_checkpoint(path, out, None, "2x4")
   assert {l.stack for l in layouts} == {"item_user"}
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
     strategy = _strategy()
     with strategy.scope():
       tpu_model, tpu_layer = model()
     tf.train.Checkpoint(model=tpu_model).read(out)
     tpu_layer.embedding.build()
-    for table in VOCAB:
+    for table in sc.VOCAB:
       for slot in SLOTS:
         np.testing.assert_array_equal(
             tpu_layer.embedding.table_variables(table)[slot].numpy(),

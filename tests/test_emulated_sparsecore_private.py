@@ -13,9 +13,7 @@ from tensorflow.python.tpu import tpu_embedding_v3
 
 import tpu_embed_ext as tee
 from tpu_embed_ext import errors
-from tests.test_emulated_sparsecore import (INITIAL_ACCUMULATOR, PER_REPLICA, REPLICAS,
-                                            VOCAB, _feature_config, _global_batches,
-                                            _initial, _numpy_reference, _tpu_program)
+from tests import sparsecore_program as sc
 
 api = tf.tpu.experimental.embedding
 STACK = "item_user"
@@ -32,7 +30,7 @@ def _stacked_reference(embedding, tables):
     n = layout.num_sparse_cores
     per_core = layout.total_rows_per_sparse_core_shard
     for slot, value in tables[name].items():
-      fill = 0.0 if slot == "parameters" else INITIAL_ACCUMULATOR
+      fill = 0.0 if slot == "parameters" else sc.INITIAL_ACCUMULATOR
       whole = out.setdefault(layout.stacked_table_name, {}).setdefault(
           slot, np.full((n * per_core, layout.unsharded_padded_shape[1]), fill))
       for r in range(layout.unsharded_shape[0]):
@@ -43,15 +41,15 @@ def _stacked_reference(embedding, tables):
 
 
 def _initial_tables():
-  return {n: {"parameters": _initial(n),
-              "accumulators": np.full((VOCAB[n], 4), INITIAL_ACCUMULATOR)} for n in VOCAB}
+  return {n: {"parameters": sc.initial(n),
+              "accumulators": np.full((sc.VOCAB[n], 4), sc.INITIAL_ACCUMULATOR)} for n in sc.VOCAB}
 
 
 def _assert_shards(shards, whole):
   """``shards`` are ``whole`` split evenly over the replicas (the chips)."""
-  assert len(shards) == REPLICAS
+  assert len(shards) == sc.REPLICAS
   for i, shard in enumerate(shards):
-    rows = whole.shape[0] // REPLICAS
+    rows = whole.shape[0] // sc.REPLICAS
     np.testing.assert_allclose(np.asarray(shard), whole[i * rows:(i + 1) * rows],
                                rtol=2e-5, atol=1e-6)
 
@@ -67,11 +65,11 @@ READ_ONLY = ("stacked table 'item_user' is a read-only view in the emulated "
 
 
 def test_private_variables_are_tensorflows_sharded_variables_of_the_stacked_layout():
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
-    strategy, embedding = _tpu_program(_global_batches())
-    params, acc = _numpy_reference()
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
+    strategy, embedding = sc.tpu_program(sc.global_batches())
+    params, acc = sc.numpy_reference()
     expected = _stacked_reference(embedding, {
-        n: {"parameters": params[n], "accumulators": acc[n]} for n in VOCAB})
+        n: {"parameters": params[n], "accumulators": acc[n]} for n in sc.VOCAB})
     variables = embedding._variables  # pylint: disable=protected-access
     assert sorted(variables) == [STACK]
     assert sorted(variables[STACK]) == ["accumulators", "parameters"]
@@ -99,14 +97,14 @@ def test_private_variables_are_tensorflows_sharded_variables_of_the_stacked_layo
         write()
       assert str(e.value) == READ_ONLY
     np.testing.assert_array_equal(parameters.numpy(), before)
-    assert strategy.num_replicas_in_sync == REPLICAS
+    assert strategy.num_replicas_in_sync == sc.REPLICAS
 
 
 def test_batch_initialize_tables_is_called_once_unless_a_restore_fills_every_table(tmp_path):
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
     strategy = _strategy()
     with strategy.scope():
-      first = api.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+      first = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
       calls, returned = [], []
       hook = first._batch_initialize_tables  # pylint: disable=protected-access
 
@@ -126,7 +124,7 @@ def test_batch_initialize_tables_is_called_once_unless_a_restore_fills_every_tab
 
     # A restore waiting for build fills every variable: no initialisation.
     with strategy.scope():
-      second = api.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+      second = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
       second._batch_initialize_tables = lambda *a, **k: pytest.fail("initialized")  # pylint: disable=protected-access
     tf.train.Checkpoint(model=second).restore(saved)
     second.build()
@@ -134,24 +132,24 @@ def test_batch_initialize_tables_is_called_once_unless_a_restore_fills_every_tab
                    initial[STACK]["parameters"])
 
     # So does a per-table checkpoint with every slot (restored through the router).
-    cpu = tee.CPUEmbedding(_feature_config(PER_REPLICA))
+    cpu = tee.CPUEmbedding(sc.feature_config(sc.PER_REPLICA))
     cpu.build()
     per_table = tf.train.Checkpoint(model=cpu).write(str(tmp_path / "per_table"))
     with strategy.scope():
-      third = api.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+      third = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
       third._batch_initialize_tables = lambda *a, **k: pytest.fail("initialized")  # pylint: disable=protected-access
     tf.train.Checkpoint(model=third).restore(per_table)
     third.build()
 
     # One without the accumulators: they need initial values, so it is called.
     sgd = tee.CPUEmbedding({n: api.FeatureConfig(
-        api.TableConfig(VOCAB[n], 4, name=n, initializer=tf.constant_initializer(
-            _initial(n) * 2)), output_shape=[PER_REPLICA]) for n in VOCAB},
+        api.TableConfig(sc.VOCAB[n], 4, name=n, initializer=tf.constant_initializer(
+            sc.initial(n) * 2)), output_shape=[sc.PER_REPLICA]) for n in sc.VOCAB},
         api.SGD(0.1))
     sgd.build()
     partial = tf.train.Checkpoint(model=sgd).write(str(tmp_path / "sgd"))
     with strategy.scope():
-      fourth = api.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+      fourth = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
       fourth_calls = []
       hook4 = fourth._batch_initialize_tables  # pylint: disable=protected-access
       fourth._batch_initialize_tables = lambda: (fourth_calls.append(1), hook4())[1]  # pylint: disable=protected-access
@@ -159,28 +157,28 @@ def test_batch_initialize_tables_is_called_once_unless_a_restore_fills_every_tab
     fourth.build()
     assert fourth_calls == [1]
     expected = _stacked_reference(fourth, {n: {
-        "parameters": _initial(n) * 2,
-        "accumulators": np.full((VOCAB[n], 4), INITIAL_ACCUMULATOR)} for n in VOCAB})
+        "parameters": sc.initial(n) * 2,
+        "accumulators": np.full((sc.VOCAB[n], 4), sc.INITIAL_ACCUMULATOR)} for n in sc.VOCAB})
     for slot in ("parameters", "accumulators"):
       _assert_shards([s.numpy() for s in fourth._variables[STACK][slot].values],  # pylint: disable=protected-access
                      expected[STACK][slot])
 
 
 def test_batch_initialize_tables_replacement_gives_the_initial_values(tmp_path):
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
     strategy = _strategy()
     with strategy.scope():
-      other = api.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+      other = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
       other.build()
     saved = tf.train.Checkpoint(model=other).write(str(tmp_path / "initial"))
     rng = np.random.RandomState(3)
-    theirs = {n: {"parameters": rng.uniform(-1, 1, (VOCAB[n], 4)),
-                  "accumulators": rng.uniform(0.1, 1, (VOCAB[n], 4))} for n in VOCAB}
+    theirs = {n: {"parameters": rng.uniform(-1, 1, (sc.VOCAB[n], 4)),
+                  "accumulators": rng.uniform(0.1, 1, (sc.VOCAB[n], 4))} for n in sc.VOCAB}
     with strategy.scope():
-      embedding = api.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+      embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
     stacked = _stacked_reference(embedding, theirs)
     embedding._batch_initialize_tables = lambda: {  # pylint: disable=protected-access
-        STACK: {slot: np.split(whole.astype(np.float32), REPLICAS)
+        STACK: {slot: np.split(whole.astype(np.float32), sc.REPLICAS)
                 for slot, whole in stacked[STACK].items()}}
 
     @tf.function
@@ -189,7 +187,7 @@ def test_batch_initialize_tables_replacement_gives_the_initial_values(tmp_path):
       return tf.constant(0)
 
     first_use()
-    for name in VOCAB:
+    for name in sc.VOCAB:
       for slot, value in theirs[name].items():
         np.testing.assert_allclose(embedding.table_variables(name)[slot].numpy(), value,
                                    rtol=1e-6)
@@ -199,9 +197,9 @@ def test_batch_initialize_tables_replacement_gives_the_initial_values(tmp_path):
     # The initial values were written once, outside the traced function.
     tf.train.Checkpoint(model=embedding).restore(saved)
     first_use()
-    for name in VOCAB:
+    for name in sc.VOCAB:
       np.testing.assert_array_equal(embedding.table_variables(name)["parameters"].numpy(),
-                                    _initial(name))
+                                    sc.initial(name))
 
 
 BAD_INITIAL_VALUES = {
@@ -221,36 +219,36 @@ BAD_INITIAL_VALUES = {
 @pytest.mark.parametrize("case", sorted(BAD_INITIAL_VALUES))
 def test_bad_batch_initialize_tables_values_are_refused_and_change_nothing(case):
   shards, message = BAD_INITIAL_VALUES[case]
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
     with _strategy().scope():
-      embedding = api.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+      embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
     whole = np.zeros((128, 8), np.float32)
     embedding._batch_initialize_tables = lambda: {STACK: (  # pylint: disable=protected-access
-        {"parameters": np.split(whole, REPLICAS)} if shards is None else
-        {"parameters": np.split(whole, REPLICAS), "accumulators": shards(whole)})}
+        {"parameters": np.split(whole, sc.REPLICAS)} if shards is None else
+        {"parameters": np.split(whole, sc.REPLICAS), "accumulators": shards(whole)})}
     with pytest.raises(errors.ConfigError) as e:
       embedding.build()
     assert str(e.value) == message
-    for name in VOCAB:
+    for name in sc.VOCAB:
       np.testing.assert_array_equal(
-          embedding.table_variables(name)["parameters"].numpy(), _initial(name))
+          embedding.table_variables(name)["parameters"].numpy(), sc.initial(name))
 
 
 def test_a_view_in_a_checkpoint_of_its_own_saves_and_restores_the_tables(tmp_path):
   """Not a silent no-op: the view writes the stacked variable, and reading it
   back writes every table of the stack."""
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
-    _, trained = _tpu_program(_global_batches())
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
+    _, trained = sc.tpu_program(sc.global_batches())
     path = tf.train.Checkpoint(v=trained._variables[STACK]["parameters"]).write(  # pylint: disable=protected-access
         str(tmp_path / "view"))
     with _strategy().scope():
-      fresh = api.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+      fresh = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
     fresh.build()
     tf.train.Checkpoint(v=fresh._variables[STACK]["parameters"]).read(path).assert_consumed()  # pylint: disable=protected-access
-    params, _ = _numpy_reference()
-    for name in VOCAB:
+    params, _ = sc.numpy_reference()
+    for name in sc.VOCAB:
       np.testing.assert_allclose(fresh.table_variables(name)["parameters"].numpy(),
                                  params[name], rtol=2e-5, atol=1e-6)
       np.testing.assert_array_equal(fresh.table_variables(name)["accumulators"].numpy(),
-                                    np.full((VOCAB[name], 4), INITIAL_ACCUMULATOR,
+                                    np.full((sc.VOCAB[name], 4), sc.INITIAL_ACCUMULATOR,
                                             np.float32))

@@ -7,7 +7,7 @@ and 8 replicas (chips); its stacked checkpoint, converted back to per-table
 form by our converter, must equal (a) ``CPUEmbedding(engine="v2")`` trained on
 the same global batches on one device and (b) the TPU's math in numpy (each
 id's gradient summed over every replica, one Adagrad update per step), both
-from ``tests/test_emulated_sparsecore.py``, whose batches the program draws.
+from ``tests/sparsecore_program.py``, whose batches the program draws.
 """
 
 import os
@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from tests import test_emulated_sparsecore as sc
+from tests import sparsecore_program as sc
 from tests.builders import checkpoint_values
 from tests.test_emulated_tpu_programs import PROGRAMS, _python
 from tpu_embed_ext.sparsecore import convert_checkpoint
@@ -27,17 +27,17 @@ GLOBAL_BATCH = 32
 
 @pytest.fixture(scope="module")
 def references():
-  batches = sc._global_batches(GLOBAL_BATCH)
-  cpu = sc._cpu_run(batches)
+  batches = sc.global_batches(GLOBAL_BATCH)
+  cpu = sc.cpu_run(batches)
   cpu_tables = {n: {s: v.numpy() for s, v in cpu.variables[n].items()}
                 for n in sc.VOCAB}
-  return cpu_tables, sc._numpy_reference(batches)
+  return cpu_tables, sc.numpy_reference(batches)
 
 
 def test_the_references_agree_and_train(references):
   cpu, (params, acc) = references
   for name in sc.VOCAB:
-    assert not np.allclose(params[name], sc._initial(name))
+    assert not np.allclose(params[name], sc.initial(name))
     np.testing.assert_allclose(cpu[name]["parameters"], params[name], rtol=2e-5,
                                atol=1e-6, err_msg=name)
     np.testing.assert_allclose(cpu[name]["accumulators"], acc[name], rtol=2e-5,
@@ -56,7 +56,7 @@ def test_sparsecore_program_trains_under_the_runner(replicas, tmp_path, referenc
   # The stacked checkpoint, back to per-table keys (each chip's output_shape).
   per_table = str(tmp_path / "per_table" / "ckpt")
   convert_checkpoint(str(model_dir), per_table,
-                     sc._feature_config(GLOBAL_BATCH // replicas), log=lambda _: None)
+                     sc.feature_config(GLOBAL_BATCH // replicas), log=lambda _: None)
   saved = checkpoint_values(per_table)
   cpu, (params, acc) = references
   for name in sc.VOCAB:

@@ -302,7 +302,7 @@ def test_v1_enqueue_inside_strategy_run_under_jit_compile_trains(replicas):
 # --- SparseCore (TPUEmbeddingV2) under jit_compile=True ----------------------
 
 def _sparsecore_jit_program(replicas, xla=True):
-  from tests import test_emulated_sparsecore as sc  # the same program's data
+  from tests import sparsecore_program as sc  # the same program's data
   # Samples per step, split over the replicas; each chip's batch splits
   # evenly over its 4 SparseCores.
   global_batch = max(16, 4 * replicas)
@@ -312,25 +312,25 @@ def _sparsecore_jit_program(replicas, xla=True):
         tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
     with strategy.scope():
       embedding = tf.tpu.experimental.embedding.TPUEmbeddingV2(
-          sc._feature_config(per_replica), None)
+          sc.feature_config(per_replica), None)
 
     @tf.function(jit_compile=True)
     def step(batch):
       def replica_step(features):
         activations, preserved = embedding.embedding_lookup(features)
-        embedding.apply_gradients(sc._gradients(activations), preserved)
+        embedding.apply_gradients(sc.gradients(activations), preserved)
         return activations["user"]
       return strategy.run(replica_step, args=(batch,))
 
-    batches = sc._global_batches(global_batch)
+    batches = sc.global_batches(global_batch)
     for batch in batches:
       step(strategy.experimental_distribute_values_from_function(
-          lambda ctx, b=batch: sc._as_tensors(
+          lambda ctx, b=batch: sc.as_tensors(
               b, ctx.replica_id_in_sync_group * per_replica,
               (ctx.replica_id_in_sync_group + 1) * per_replica)))
     tables = {n: embedding.table_variables(n)["parameters"].numpy()
               for n in sc.VOCAB}
-  return tables, sc._numpy_reference(batches)[0]
+  return tables, sc.numpy_reference(batches)[0]
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 8])
@@ -364,12 +364,12 @@ def test_a_dense_id_tensor_of_the_wrong_size_gets_sparsecores_error():
   """sparse_core_preprocess_ops.cc ValidateInputs: a dense tensor holds one id
   per sample (what a TPU says when Keras builds a model of SparseTensor
   inputs on a dense placeholder)."""
-  from tests import test_emulated_sparsecore as sc
+  from tests import sparsecore_program as sc
   with tee.emulate_tpu(replicas=2, sparsecore=True):
     strategy = tf.distribute.TPUStrategy(
         tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
     with strategy.scope():
-      embedding = tf.tpu.experimental.embedding.TPUEmbeddingV2(sc._feature_config(4), None)
+      embedding = tf.tpu.experimental.embedding.TPUEmbeddingV2(sc.feature_config(4), None)
     features = {"user": tf.zeros([4], tf.int64), "item": tf.zeros([4, 3], tf.int64)}
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"^Dense tensor input should have values elements number the "

@@ -19,10 +19,7 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tpu_embed_ext.sparsecore import checkpoint_layouts, convert_checkpoint
 from tpu_embed_ext.sparsecore.topology import Topology
-from tests.test_emulated_sparsecore import (DIM, PER_REPLICA, REPLICAS, VOCAB,
-                                            _as_tensors, _feature_config,
-                                            _global_batches, _gradients,
-                                            _numpy_reference)
+from tests import sparsecore_program as sc
 
 api = tf.tpu.experimental.embedding
 SLOTS = ("parameters", "accumulators")
@@ -35,14 +32,14 @@ def _saved(path):
     name = table if slot == "parameters" else f"{table}.S{slot}"
     return [k for k in reader.get_variable_to_shape_map()
             if k.endswith(f"/{name}/.ATTRIBUTES/VARIABLE_VALUE")][0]
-  return {t: {s: reader.get_tensor(key(t, s)) for s in SLOTS} for t in VOCAB}
+  return {t: {s: reader.get_tensor(key(t, s)) for s in SLOTS} for t in sc.VOCAB}
 
 
 def _state_after(steps):
   """The numpy reference's tables and accumulators after ``steps`` steps (float32)."""
-  params, acc = _numpy_reference(_global_batches()[:steps])
+  params, acc = sc.numpy_reference(sc.global_batches()[:steps])
   return {t: {"parameters": params[t].astype(np.float32),
-              "accumulators": acc[t].astype(np.float32)} for t in VOCAB}
+              "accumulators": acc[t].astype(np.float32)} for t in sc.VOCAB}
 
 
 def _assign(variables_of, state):
@@ -53,8 +50,8 @@ def _assign(variables_of, state):
 
 def _per_replica(strategy, batch):
   return strategy.experimental_distribute_values_from_function(
-      lambda ctx: _as_tensors(batch, ctx.replica_id_in_sync_group * PER_REPLICA,
-                              (ctx.replica_id_in_sync_group + 1) * PER_REPLICA))
+      lambda ctx: sc.as_tensors(batch, ctx.replica_id_in_sync_group * sc.PER_REPLICA,
+                              (ctx.replica_id_in_sync_group + 1) * sc.PER_REPLICA))
 
 
 def _lookup_and_train(strategy, embedding, batch):
@@ -63,13 +60,13 @@ def _lookup_and_train(strategy, embedding, batch):
   def step(features):
     def replica_step(f):
       activations, preserved = embedding.embedding_lookup(f)
-      embedding.apply_gradients(_gradients(activations), preserved)
+      embedding.apply_gradients(sc.gradients(activations), preserved)
       return activations
     return strategy.run(replica_step, args=(features,))
   out = step(_per_replica(strategy, batch))
   per_feature = {n: [v.numpy() for v in strategy.experimental_local_results(a)]
                  for n, a in out.items()}
-  return [{n: per_feature[n][r] for n in per_feature} for r in range(REPLICAS)]
+  return [{n: per_feature[n][r] for n in per_feature} for r in range(sc.REPLICAS)]
 
 
 def _expected_activations(tables, batch):
@@ -77,8 +74,8 @@ def _expected_activations(tables, batch):
   ids, lengths = batch["item"]
   starts = np.concatenate([[0], np.cumsum(lengths)])
   out = []
-  for r in range(REPLICAS):
-    samples = range(r * PER_REPLICA, (r + 1) * PER_REPLICA)
+  for r in range(sc.REPLICAS):
+    samples = range(r * sc.PER_REPLICA, (r + 1) * sc.PER_REPLICA)
     out.append({
         "user": np.stack([tables["user"][batch["user"][s]] for s in samples]),
         "item": np.stack([tables["item"][ids[starts[s]:starts[s + 1]]].sum(axis=0)
@@ -96,17 +93,17 @@ def _restore_and_check(path, when, name="embedding"):
   """Restores ``path`` into a TPUEmbeddingV2 (before or after build), checks
   lookups and slots against the saved values and one step against numpy."""
   saved = _saved(path)
-  batch = _global_batches()[2]
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+  batch = sc.global_batches()[2]
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
     strategy = _strategy()
     with strategy.scope():
-      embedding = api.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+      embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
     if when == "after_build":
       embedding.build()
     status = tf.train.Checkpoint(**{name: embedding}).restore(path)
     embedding.build()
     assert {l.stack for l in embedding._sparsecore.layouts} == {"item_user"}  # pylint: disable=protected-access
-    for table in VOCAB:
+    for table in sc.VOCAB:
       for slot in SLOTS:
         np.testing.assert_array_equal(embedding.table_variables(table)[slot].numpy(),
                                       saved[table][slot], err_msg=f"{table}/{slot}")
@@ -118,14 +115,14 @@ def _restore_and_check(path, when, name="embedding"):
     assert "_StackedVariable" not in str(unmatched.value)
     activations = _lookup_and_train(strategy, embedding, batch)
     after = {t: {s: v.numpy() for s, v in embedding.table_variables(t).items()}
-             for t in VOCAB}
+             for t in sc.VOCAB}
   for replica, expected in zip(activations, _expected_activations(
-      {t: saved[t]["parameters"] for t in VOCAB}, batch)):
-    for feature in VOCAB:
+      {t: saved[t]["parameters"] for t in sc.VOCAB}, batch)):
+    for feature in sc.VOCAB:
       np.testing.assert_allclose(replica[feature], expected[feature], rtol=1e-6,
                                  atol=1e-6)
   reference = _state_after(3)
-  for table in VOCAB:
+  for table in sc.VOCAB:
     for slot in SLOTS:
       np.testing.assert_allclose(after[table][slot], reference[table][slot],
                                  rtol=3e-5, atol=1e-6, err_msg=f"{table}/{slot}")
@@ -138,21 +135,21 @@ def per_table_checkpoints(tmp_path_factory):
   state = _state_after(2)
   out = {}
   # CPUEmbedding (the v1 engine) trained 2 steps itself.
-  cpu = tee.CPUEmbedding(_feature_config(REPLICAS * PER_REPLICA))
-  for batch in _global_batches()[:2]:
-    cpu.enqueue(_as_tensors(batch), training=True)
-    cpu.apply_gradients(_gradients(cpu.dequeue()))
+  cpu = tee.CPUEmbedding(sc.feature_config(sc.REPLICAS * sc.PER_REPLICA))
+  for batch in sc.global_batches()[:2]:
+    cpu.enqueue(sc.as_tensors(batch), training=True)
+    cpu.apply_gradients(sc.gradients(cpu.dequeue()))
   out["cpu_embedding"] = tf.train.Checkpoint(embedding=cpu).write(str(root / "cpu"))
   # TPUEmbedding (the emulated TPU v1 mid-level API).
-  with tee.emulate_tpu(replicas=REPLICAS):
+  with tee.emulate_tpu(replicas=sc.REPLICAS):
     strategy = _strategy()
     with strategy.scope():
-      v1 = api.TPUEmbedding(_feature_config(PER_REPLICA), None)
+      v1 = api.TPUEmbedding(sc.feature_config(sc.PER_REPLICA), None)
       v1.build()
     _assign(lambda t: v1._variables[t], state)  # pylint: disable=protected-access
     out["tpu_embedding"] = tf.train.Checkpoint(embedding=v1).write(str(root / "v1"))
   # TensorFlow's own TPUEmbeddingForServing.
-  serving = api.TPUEmbeddingForServing(_feature_config(PER_REPLICA), None)
+  serving = api.TPUEmbeddingForServing(sc.feature_config(sc.PER_REPLICA), None)
   serving.build()
   _assign(lambda t: serving._variables[t], state)  # pylint: disable=protected-access
   out["for_serving"] = tf.train.Checkpoint(embedding=serving).write(str(root / "serving"))
@@ -170,22 +167,22 @@ def test_keras_model_checkpoint_restores_into_the_tpu_model(tmp_path):
   # The same Keras model: on CPU (CPUEmbedding) it saves per table; under a
   # TPUStrategy with SparseCore its EmbeddingLayer runs TPUEmbeddingV2.
   def model():
-    features = {n: keras.Input(shape=(), dtype="int64", name=n) for n in VOCAB}
-    layer = tee.EmbeddingLayer(_feature_config(PER_REPLICA), name="embedding")
+    features = {n: keras.Input(shape=(), dtype="int64", name=n) for n in sc.VOCAB}
+    layer = tee.EmbeddingLayer(sc.feature_config(sc.PER_REPLICA), name="embedding")
     return keras.Model(features, layer(features)), layer
   state = _state_after(2)
   cpu_model, cpu_layer = model()
   cpu_layer.embedding.build()
   _assign(lambda t: cpu_layer.embedding.variables[t], state)
   path = tf.train.Checkpoint(model=cpu_model).write(str(tmp_path / "keras"))
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
     strategy = _strategy()
     with strategy.scope():
       tpu_model, tpu_layer = model()
     assert type(tpu_layer.embedding).__name__ == "TPUEmbeddingV2"
     tf.train.Checkpoint(model=tpu_model).read(path)
     tpu_layer.embedding.build()
-    for table in VOCAB:
+    for table in sc.VOCAB:
       for slot in SLOTS:
         np.testing.assert_array_equal(
             tpu_layer.embedding.table_variables(table)[slot].numpy(),
@@ -193,7 +190,7 @@ def test_keras_model_checkpoint_restores_into_the_tpu_model(tmp_path):
 
 
 def _stacked_on(tmp_path, topology, state):
-  other = tee.CPUEmbedding(_feature_config(PER_REPLICA), engine="v2", topology=topology)
+  other = tee.CPUEmbedding(sc.feature_config(sc.PER_REPLICA), engine="v2", topology=topology)
   other.build()
   _assign(lambda t: other.variables[t], state)
   return tf.train.Checkpoint(embedding=other).save(str(tmp_path / f"stacked{topology}"))
@@ -204,19 +201,19 @@ def test_stacked_checkpoint_of_another_topology_is_resharded(tmp_path, when):
   path = _stacked_on(tmp_path, Topology(4, 4), _state_after(2))
   assert checkpoint_layouts(path)[0].num_sparse_cores == 16
   # _saved reads per-table keys: give it the same values per table.
-  per_table = tee.CPUEmbedding(_feature_config(PER_REPLICA))
+  per_table = tee.CPUEmbedding(sc.feature_config(sc.PER_REPLICA))
   per_table.build()
   _assign(lambda t: per_table.variables[t], _state_after(2))
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
     strategy = _strategy()
     with strategy.scope():
-      embedding = api.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+      embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
     if when == "after_build":
       embedding.build()
     status = tf.train.Checkpoint(embedding=embedding).restore(path)
     embedding.build()
     status.assert_consumed()  # every stacked object and the layouts matched
-    for table in VOCAB:
+    for table in sc.VOCAB:
       for slot in SLOTS:
         np.testing.assert_array_equal(embedding.table_variables(table)[slot].numpy(),
                                       _state_after(2)[table][slot])
@@ -225,21 +222,21 @@ def test_stacked_checkpoint_of_another_topology_is_resharded(tmp_path, when):
 def test_converted_checkpoint_restores_whatever_batch_size_it_was_made_for(tmp_path):
   # convert-checkpoint's layouts record a per-SparseCore batch size the
   # program's may not share; it places no row, so the restore is direct.
-  cpu = tee.CPUEmbedding(_feature_config(PER_REPLICA))
+  cpu = tee.CPUEmbedding(sc.feature_config(sc.PER_REPLICA))
   cpu.build()
   _assign(lambda t: cpu.variables[t], _state_after(2))
   path = tf.train.Checkpoint(embedding=cpu).save(str(tmp_path / "cpu"))
   converted = str(tmp_path / "converted")
-  convert_checkpoint(path, converted, _feature_config(3 * PER_REPLICA), "2x4")
-  assert checkpoint_layouts(converted)[0].per_sparse_core_batch_size != PER_REPLICA // 4
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+  convert_checkpoint(path, converted, sc.feature_config(3 * sc.PER_REPLICA), "2x4")
+  assert checkpoint_layouts(converted)[0].per_sparse_core_batch_size != sc.PER_REPLICA // 4
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
     strategy = _strategy()
     with strategy.scope():
-      embedding = api.TPUEmbeddingV2(_feature_config(PER_REPLICA), None)
+      embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
     status = tf.train.Checkpoint(embedding=embedding).restore(converted)
     embedding.build()
     status.assert_consumed()
-    for table in VOCAB:
+    for table in sc.VOCAB:
       for slot in SLOTS:
         np.testing.assert_array_equal(embedding.table_variables(table)[slot].numpy(),
                                       _state_after(2)[table][slot])
@@ -250,10 +247,10 @@ def _refused(path, error, message, config=None, wrapped=False):
 
   ``wrapped``: TensorFlow's restore puts its own line before a NotFoundError
   ("Error when restoring from checkpoint or SavedModel at <path>: ...")."""
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
     strategy = _strategy()
     with strategy.scope():
-      embedding = api.TPUEmbeddingV2(config or _feature_config(PER_REPLICA), None)
+      embedding = api.TPUEmbeddingV2(config or sc.feature_config(sc.PER_REPLICA), None)
     embedding.build()
     before = {t: {s: v.numpy() for s, v in embedding.table_variables(t).items()}
               for t in embedding.embedding_layouts}
@@ -272,9 +269,9 @@ def _refused(path, error, message, config=None, wrapped=False):
 
 
 def test_stacked_checkpoint_of_other_tables_is_refused_as_tensorflow_does(tmp_path):
-  config = _feature_config(PER_REPLICA)
-  config["extra"] = api.FeatureConfig(api.TableConfig(16, DIM, name="extra"),
-                                      output_shape=[PER_REPLICA])
+  config = sc.feature_config(sc.PER_REPLICA)
+  config["extra"] = api.FeatureConfig(api.TableConfig(16, sc.DIM, name="extra"),
+                                      output_shape=[sc.PER_REPLICA])
   other = tee.CPUEmbedding(config, api.Adagrad(0.1), engine="v2", topology=Topology(2, 4))
   other.build()
   path = tf.train.Checkpoint(embedding=other).write(str(tmp_path / "three"))
@@ -286,21 +283,21 @@ def test_stacked_checkpoint_of_other_tables_is_refused_as_tensorflow_does(tmp_pa
 
 
 def test_per_table_checkpoint_of_other_shapes_is_refused(tmp_path):
-  config = _feature_config(PER_REPLICA)
-  config["user"] = api.FeatureConfig(api.TableConfig(VOCAB["user"] + 1, DIM, name="user"),
-                                     output_shape=[PER_REPLICA])
+  config = sc.feature_config(sc.PER_REPLICA)
+  config["user"] = api.FeatureConfig(api.TableConfig(sc.VOCAB["user"] + 1, sc.DIM, name="user"),
+                                     output_shape=[sc.PER_REPLICA])
   cpu = tee.CPUEmbedding(config, api.Adagrad(0.2, initial_accumulator_value=0.1))
   cpu.build()
   path = tf.train.Checkpoint(embedding=cpu).write(str(tmp_path / "bigger"))
   _refused(path, tf.errors.InvalidArgumentError,
-           f"shape in shape_and_slice spec [{VOCAB['user']}, {DIM}] does not match "
-           f"the shape stored in checkpoint: [{VOCAB['user'] + 1}, {DIM}] (table "
+           f"shape in shape_and_slice spec [{sc.VOCAB['user']}, {sc.DIM}] does not match "
+           f"the shape stored in checkpoint: [{sc.VOCAB['user'] + 1}, {sc.DIM}] (table "
            f"'user', key embedding/user/.ATTRIBUTES/VARIABLE_VALUE of {path}). Fix: "
            "restore a checkpoint of tables with this vocabulary_size and dim.")
 
 
 def test_per_table_checkpoint_missing_a_table_of_a_stack_is_refused(tmp_path):
-  config = {"user": _feature_config(PER_REPLICA)["user"]}
+  config = {"user": sc.feature_config(sc.PER_REPLICA)["user"]}
   cpu = tee.CPUEmbedding(config)
   cpu.build()
   path = tf.train.Checkpoint(embedding=cpu).write(str(tmp_path / "user_only"))
@@ -315,14 +312,14 @@ def _single_table(value):
   """One table ("video", a stack of its own named like it) of constant ``value``."""
   return api.FeatureConfig(api.TableConfig(
       64, 8, name="video", initializer=tf.constant_initializer(value),
-      optimizer=api.SGD(1.0)), name="watched", output_shape=[PER_REPLICA])
+      optimizer=api.SGD(1.0)), name="watched", output_shape=[sc.PER_REPLICA])
 
 
 def test_stacked_checkpoint_restores_before_build_over_another_initializer(tmp_path):
   # TensorFlow's tpu_embedding_v3_checkpoint_test, on public members: a
   # TPUEmbeddingV2 saved, restored before build into one whose initializer
   # differs; the saved rows win, shard by shard.
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
     strategy = _strategy()
     with strategy.scope():
       first = api.TPUEmbeddingV2(_single_table(1.0), api.SGD())
@@ -335,7 +332,7 @@ def test_stacked_checkpoint_restores_before_build_over_another_initializer(tmp_p
     second.build()
     status.assert_consumed()
     saved, restored = (e.embedding_tables["video"] for e in (first, second))
-    assert len(restored.values) == REPLICAS
+    assert len(restored.values) == sc.REPLICAS
     for a, b in zip(saved.values, restored.values):
       np.testing.assert_array_equal(a.numpy(), b.numpy())
     np.testing.assert_array_equal(second.table_variables("video")["parameters"].numpy(),
@@ -356,7 +353,7 @@ def test_per_table_checkpoint_of_a_table_named_like_its_stack(tmp_path, when):
   # the stacked variable too; the checkpoint's missing layouts tell them apart.
   rows = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
   path = _single_table_checkpoint(tmp_path, rows)
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
     strategy = _strategy()
     with strategy.scope():
       embedding = api.TPUEmbeddingV2(_single_table(2.0), api.SGD())
@@ -375,7 +372,7 @@ def test_two_restores_before_build_apply_in_order(tmp_path, last):
   # as between any two restores.
   per_table_rows = np.full((64, 8), 3.0, np.float32)
   per_table = _single_table_checkpoint(tmp_path, per_table_rows)
-  with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
+  with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
     strategy = _strategy()
     with strategy.scope():
       first = api.TPUEmbeddingV2(_single_table(5.0), api.SGD())
