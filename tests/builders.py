@@ -6,11 +6,37 @@ says how. The numpy optimizer references live in tests/references.py.
 """
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
 
 api = tf.tpu.experimental.embedding
+
+# --- strategies ------------------------------------------------------------------
+
+def mirrored_strategy(replicas):
+  """MirroredStrategy over the first ``replicas`` logical CPUs (tests/conftest.py)."""
+  if len(tf.config.list_logical_devices("CPU")) < replicas:
+    pytest.fail(f"needs {replicas} logical CPU devices (tests/conftest.py)")
+  # ReductionToOneDevice: collective all-reduces of strategies of different
+  # sizes in one process clash over group keys (a TensorFlow limitation;
+  # a program has one strategy).
+  return tf.distribute.MirroredStrategy(
+      [f"/cpu:{i}" for i in range(replicas)],
+      cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+
+def emulated_tpu_strategy(initialize=True):
+  """The TPUStrategy a TPU program builds (inside tee.emulate_tpu): its resolver,
+  initialize_tpu_system (unless ``initialize`` is False), the strategy."""
+  resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="")
+  if initialize:
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+  return tf.distribute.TPUStrategy(resolver)
+
+
+# --- one table 't' of 6 x 2 fed by feature 'f' --------------------------------------
 
 # The single-table engine's table 't': 6 rows of dim 2, row i = [2i, 2i+1] / 10.
 SINGLE_TABLE_VALUES = np.arange(12.).reshape(6, 2) / 10

@@ -17,8 +17,9 @@ from tpu_embed_ext import errors
 from tpu_embed_ext.sparsecore import checkpoint_layouts, convert_checkpoint
 from tests import jobs
 from tests import sparsecore_program as sc
-from tests.test_sparsecore_restore import SLOTS, _assign, _state_after, _strategy
+from tests.test_sparsecore_restore import SLOTS, _assign, _state_after
 from tests.builders import checkpoint_values
+from tests.builders import emulated_tpu_strategy
 
 api = tf.tpu.experimental.embedding
 
@@ -37,7 +38,7 @@ def _tensorflow_program_checkpoint(tmp_path):
 
 def _restored(path):
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
     dense, step = tf.Variable(tf.zeros([3, 5])), tf.Variable(0, dtype=tf.int64)
@@ -145,7 +146,7 @@ def test_keras_model_checkpoint_converts_without_config(tmp_path):
   layouts = convert_checkpoint(path, out, None, "2x4")
   assert {l.stack for l in layouts} == {"item_user"}
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       tpu_model, tpu_layer = model()
     tf.train.Checkpoint(model=tpu_model).read(out)

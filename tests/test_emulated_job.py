@@ -9,7 +9,6 @@ in another order than one device sums them).
 """
 
 import numpy as np
-import pytest
 
 from tests import jobs
 from tests.builders import checkpoint_values

@@ -18,7 +18,7 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tests.builders import checkpoint_values
 # The model, data and sizes of the MirroredStrategy test (-1-padded multi-hot items).
-from tests.test_keras_replicas import DIM, GLOBAL_BATCH, STEPS, VOCAB, Ranker, _dataset
+from tests import ranker_model as rk
 
 api = tf.tpu.experimental.embedding
 REPLICAS = 2
@@ -28,18 +28,18 @@ def _feature_config(batch=None):
   """Two tables; ``batch`` sets output_shape (TPUEmbeddingV2 needs it)."""
   def init(seed):
     return tf.constant_initializer(
-        np.random.RandomState(seed).uniform(-1, 1, (VOCAB, DIM)))
+        np.random.RandomState(seed).uniform(-1, 1, (rk.VOCAB, rk.DIM)))
   optimizer = api.Adagrad(0.1)
-  user = api.TableConfig(VOCAB, DIM, initializer=init(1), name="user",
+  user = api.TableConfig(rk.VOCAB, rk.DIM, initializer=init(1), name="user",
                          combiner="sum", optimizer=optimizer)
-  item = api.TableConfig(VOCAB, DIM, initializer=init(2), name="item",
+  item = api.TableConfig(rk.VOCAB, rk.DIM, initializer=init(2), name="item",
                          combiner="mean", optimizer=optimizer)
   shape = None if batch is None else [batch]
   return {"user": api.FeatureConfig(user, name="user", output_shape=shape),
           "item": api.FeatureConfig(item, name="item", output_shape=shape)}
 
 
-class DirectRanker(Ranker):
+class DirectRanker(rk.Ranker):
   """``Ranker`` fed ids it passes to the layer unchanged: inside ``strategy.run``
   a TPU takes ``TPUEmbedding.enqueue``'s ids only straight from the step's
   arguments (``_raise_error_for_non_direct_inputs``), so the padded-to-ragged
@@ -53,7 +53,7 @@ class DirectRanker(Ranker):
 
 def _direct_dataset():
   """``_dataset`` with one item per row ([batch, 1], each row's first id)."""
-  return _dataset().map(lambda x, y: (dict(x, item=x["item"][:, :1]), y))
+  return rk.dataset().map(lambda x, y: (dict(x, item=x["item"][:, :1]), y))
 
 
 def _fit(strategy, feature_config, engine=None, model_class=DirectRanker,
@@ -76,7 +76,7 @@ def _tpu_strategy():
 
 
 def _check_dense_and_predictions(model, predictions, reference, reference_predictions):
-  assert int(model.embedding.step.numpy()) == STEPS
+  assert int(model.embedding.step.numpy()) == rk.STEPS
   for got, want in zip(model.head.weights, reference.head.weights):
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(predictions, reference_predictions, rtol=1e-5, atol=1e-6)
@@ -106,10 +106,10 @@ def test_fit_takes_the_tpu_embedding_branch_and_equals_one_device(tmp_path):
 
 def test_fit_with_sparsecore_takes_the_tpu_embedding_v2_branch():
   reference, reference_predictions = _fit(
-      tf.distribute.get_strategy(), _feature_config(GLOBAL_BATCH), engine="v2")
+      tf.distribute.get_strategy(), _feature_config(rk.GLOBAL_BATCH), engine="v2")
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
     strategy = _tpu_strategy()
-    model, predictions = _fit(strategy, _feature_config(GLOBAL_BATCH // REPLICAS))
+    model, predictions = _fit(strategy, _feature_config(rk.GLOBAL_BATCH // REPLICAS))
     layer = model.embedding
     assert layer._kind == "tpu_v2"
     from tensorflow.python.tpu import tpu_embedding_v3
@@ -125,7 +125,7 @@ def test_fit_with_sparsecore_takes_the_tpu_embedding_v2_branch():
 
 
 def test_ids_computed_inside_the_step_are_refused_as_on_a_tpu():
-  """``Ranker`` turns its padded items into a RaggedTensor inside the model, so
+  """``rk.Ranker`` turns its padded items into a RaggedTensor inside the model, so
   inside ``strategy.run``: a TPU refuses such ids (TensorFlow's
   ``_raise_error_for_non_direct_inputs``), and so does the emulated TPU."""
   with tee.emulate_tpu(replicas=REPLICAS):
@@ -134,4 +134,4 @@ def test_ids_computed_inside_the_step_are_refused_as_on_a_tpu():
         "Received input tensor item/RaggedTensor/0 which is the output of op "
         ".* which does not have the `_tpu_input_identity` attr. .*Fix: compute "
         "the ids in the input pipeline")):
-      _fit(strategy, _feature_config(), model_class=Ranker, dataset=_dataset)
+      _fit(strategy, _feature_config(), model_class=rk.Ranker, dataset=rk.dataset)

@@ -14,6 +14,7 @@ from tensorflow.python.tpu import tpu_embedding_v3
 import tpu_embed_ext as tee
 from tpu_embed_ext import errors
 from tests import sparsecore_program as sc
+from tests.builders import emulated_tpu_strategy
 
 api = tf.tpu.experimental.embedding
 STACK = "item_user"
@@ -52,10 +53,6 @@ def _assert_shards(shards, whole):
     rows = whole.shape[0] // sc.REPLICAS
     np.testing.assert_allclose(np.asarray(shard), whole[i * rows:(i + 1) * rows],
                                rtol=2e-5, atol=1e-6)
-
-
-def _strategy():
-  return tf.distribute.TPUStrategy(tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
 
 
 READ_ONLY = ("stacked table 'item_user' is a read-only view in the emulated "
@@ -102,7 +99,7 @@ def test_private_variables_are_tensorflows_sharded_variables_of_the_stacked_layo
 
 def test_batch_initialize_tables_is_called_once_unless_a_restore_fills_every_table(tmp_path):
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy(initialize=False)
     with strategy.scope():
       first = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
       calls, returned = [], []
@@ -166,7 +163,7 @@ def test_batch_initialize_tables_is_called_once_unless_a_restore_fills_every_tab
 
 def test_batch_initialize_tables_replacement_gives_the_initial_values(tmp_path):
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy(initialize=False)
     with strategy.scope():
       other = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
       other.build()
@@ -220,7 +217,7 @@ BAD_INITIAL_VALUES = {
 def test_bad_batch_initialize_tables_values_are_refused_and_change_nothing(case):
   shards, message = BAD_INITIAL_VALUES[case]
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    with _strategy().scope():
+    with emulated_tpu_strategy(initialize=False).scope():
       embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
     whole = np.zeros((128, 8), np.float32)
     embedding._batch_initialize_tables = lambda: {STACK: (  # pylint: disable=protected-access
@@ -241,7 +238,7 @@ def test_a_view_in_a_checkpoint_of_its_own_saves_and_restores_the_tables(tmp_pat
     _, trained = sc.tpu_program(sc.global_batches())
     path = tf.train.Checkpoint(v=trained._variables[STACK]["parameters"]).write(  # pylint: disable=protected-access
         str(tmp_path / "view"))
-    with _strategy().scope():
+    with emulated_tpu_strategy(initialize=False).scope():
       fresh = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
     fresh.build()
     tf.train.Checkpoint(v=fresh._variables[STACK]["parameters"]).read(path).assert_consumed()  # pylint: disable=protected-access

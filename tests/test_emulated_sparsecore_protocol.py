@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import tpu_embed_ext as tee
 from tpu_embed_ext import errors
+from tests.builders import emulated_tpu_strategy
 
 api = tf.tpu.experimental.embedding
 REPLICAS, PER_REPLICA, DIM, VOCAB, LR = 2, 8, 4, 64, 0.5
@@ -65,15 +66,9 @@ def _numpy_reference():
   return table - LR * grad
 
 
-def _strategy():
-  resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="")
-  tf.tpu.experimental.initialize_tpu_system(resolver)
-  return tf.distribute.TPUStrategy(resolver)
-
-
 def _train_once(kind, path):
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = api.TPUEmbeddingV2(_feature_config(), api.SGD(LR))
     features = strategy.experimental_distribute_values_from_function(
@@ -104,7 +99,7 @@ def test_enqueue_copy_apply_equals_lookup_path_and_numpy(kind):
 
 def test_copy_tensors_to_device_checks_its_input():
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
-    with _strategy().scope():
+    with emulated_tpu_strategy().scope():
       embedding = api.TPUEmbeddingV2(_feature_config(), api.SGD(LR))
     with pytest.raises(errors.InputError) as e:
       embedding._copy_tensors_to_device({"user": 1})  # pylint: disable=protected-access
@@ -117,7 +112,7 @@ def test_copy_tensors_to_device_checks_its_input():
 
 def test_tpu_devices_and_sparsecores_per_chip():
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     devices = strategy.extended._tpu_devices  # pylint: disable=protected-access
     assert devices.shape == (REPLICAS, 1)
     assert list(devices[:, 0]) == list(strategy.extended.worker_devices)
@@ -133,7 +128,7 @@ def test_callable_initializers_fill_the_tables():
 
   ids = np.array([0, 5, 62, 17, 17, 2, 40, 1], np.int64)  # + replica < VOCAB
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     config = _feature_config(initializer=element_id)
     with strategy.scope():
       embedding = api.TPUEmbeddingV2(config[0], api.SGD(LR))
@@ -149,7 +144,7 @@ def test_callable_initializers_fill_the_tables():
 
 def test_distributed_values_with_device_are_refused_as_tensorflow_does():
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = api.TPUEmbeddingV2(_feature_config(), api.SGD(LR))
     features = strategy.experimental_distribute_values_from_function(
@@ -213,7 +208,7 @@ def test_compute_sparse_core_stats_equals_numpy():
 
 def test_compute_sparse_core_stats_as_limits_accept_the_batch():
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     batch = _inputs("ragged", 0)
     max_ids, max_unique = api.TPUEmbeddingV2.compute_sparse_core_stats(
         batch, _feature_config(), num_tpu_chips=REPLICAS, optimizer=api.SGD(LR))
@@ -238,7 +233,7 @@ def test_compute_sparse_core_stats_as_limits_accept_the_batch():
 
 def test_compute_sparse_core_stats_refuses_distributed_values():
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     features = strategy.experimental_distribute_values_from_function(
         lambda ctx: _inputs("ragged", ctx.replica_id_in_sync_group))
     with pytest.raises(ValueError) as e:
@@ -267,7 +262,7 @@ def test_a_batch_enqueued_in_another_function_is_dequeued_from_its_output():
           grad[i] += REPLICAS * (activation - 1.0)
     table = table - LR * grad
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = api.TPUEmbeddingV2(_feature_config(), api.SGD(LR))
 
@@ -301,7 +296,7 @@ def test_stacked_checkpoint_round_trip_in_one_topology(tmp_path):
     return [api.FeatureConfig(t, output_shape=[PER_REPLICA]) for t in tables]
 
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       trained = api.TPUEmbeddingV2(config())
     features = strategy.experimental_distribute_values_from_function(

@@ -234,7 +234,7 @@ def test_hardware_feature_reports_sparsecore():
 
 # --- the strategy ------------------------------------------------------------------
 
-def _strategy(cls_name="TPUStrategy"):
+def _connected_tpu_strategy(cls_name="TPUStrategy"):
   resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="")
   tf.config.experimental_connect_to_cluster(resolver)
   tf.tpu.experimental.initialize_tpu_system(resolver)
@@ -248,7 +248,7 @@ def test_strategy_is_a_tpu_strategy_over_logical_cpus(kind):
   real = {"TPUStrategy": tpu_strategy.TPUStrategyV2,
           "experimental": tpu_strategy.TPUStrategy}[kind]
   with emulate_tpu(replicas=2):
-    strategy = _strategy(kind)
+    strategy = _connected_tpu_strategy(kind)
     patched = (tf.distribute.TPUStrategy if kind == "TPUStrategy"
                else tf.distribute.experimental.TPUStrategy)
     assert isinstance(strategy, patched) and isinstance(strategy, real)
@@ -263,7 +263,7 @@ def test_strategy_is_a_tpu_strategy_over_logical_cpus(kind):
 
 def test_strategy_runs_replicas_as_a_tpu_does():
   with emulate_tpu(replicas=4):
-    strategy = _strategy()
+    strategy = _connected_tpu_strategy()
     data = tf.data.Dataset.range(16).batch(8, drop_remainder=True)
     options = tf.distribute.InputOptions(experimental_fetch_to_device=False)
     distributed = strategy.experimental_distribute_dataset(data, options=options)
@@ -295,7 +295,7 @@ def test_strategy_runs_replicas_as_a_tpu_does():
 
 def test_strategy_run_refuses_eager_functions_as_a_tpu():
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = _connected_tpu_strategy()
     with pytest.raises(NotImplementedError,
                        match=r"TPUStrategy.run\(fn, ...\) does not support pure "
                        "eager execution"):
@@ -309,7 +309,7 @@ def test_strategy_run_refuses_eager_functions_as_a_tpu():
 ])
 def test_tpu_only_methods_raise_naming_them(method, args):
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = _connected_tpu_strategy()
     with pytest.raises(emulated_tpu.NotEmulatedError) as e:
       getattr(strategy, method)(*args)
   assert str(e.value) == (
@@ -332,7 +332,7 @@ def test_tpu_only_constructions_raise_naming_them():
     with pytest.raises(emulated_tpu.NotEmulatedError,
                        match=r"^TPUStrategy.extended.experimental_logical_device "
                        "is not emulated"):
-      _strategy().extended.experimental_logical_device(1)
+      _connected_tpu_strategy().extended.experimental_logical_device(1)
     topology = tf.tpu.experimental.initialize_tpu_system()
     model_parallel = tf.tpu.experimental.DeviceAssignment.build(
         topology, computation_shape=[2, 1, 1, 1], num_replicas=1)
@@ -504,7 +504,7 @@ def _feature_config(optimizer=None):
 def test_tpu_embedding_is_the_adapter_under_the_strategy():
   real = tpu_embedding_v2.TPUEmbedding
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = _connected_tpu_strategy()
     with strategy.scope():
       embedding = _EMB.TPUEmbedding(_feature_config(), _EMB.SGD(0.1))
     assert type(embedding) is mid_level.TPUEmbedding
@@ -537,7 +537,7 @@ def test_tpu_embedding_outside_the_strategy_is_tensorflows_cpu_mode():
 
 def test_tpu_embedding_refuses_what_a_tpu_refuses():
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = _connected_tpu_strategy()
     with strategy.scope():
       with pytest.raises(errors.ConfigTypeError) as e:
         _EMB.TPUEmbedding(_feature_config(), None)
@@ -572,7 +572,7 @@ def test_tpu_embedding_refuses_what_a_tpu_refuses():
 
 def test_tpu_embedding_private_state_programs_touch():
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = _connected_tpu_strategy()
     with strategy.scope():
       embedding = _EMB.TPUEmbedding(_feature_config(), _EMB.SGD(0.5))
     embedding._output_shapes = [tf.TensorShape([3])]  # pylint: disable=protected-access
@@ -620,7 +620,7 @@ def test_tpu_embedding_private_state_programs_touch():
 def test_tpu_embedding_tables_in_a_saved_model(tmp_path):
   """As on a TPU, ``embedding_tables`` works while a SavedModel is written."""
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = _connected_tpu_strategy()
     with strategy.scope():
       embedding = _EMB.TPUEmbedding(_feature_config(), _EMB.SGD(0.5))
       embedding.build(per_replica_batch_size=2)
@@ -647,7 +647,7 @@ def test_enqueue_inside_strategy_run_in_a_device_loop():
   loop (the steps-per-execution style): one update per step, gradients
   summed over both replicas."""
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = _connected_tpu_strategy()
     with strategy.scope():
       embedding = _EMB.TPUEmbedding(_feature_config(), _EMB.Adagrad(0.5))
     ids = tf.constant([1, 2, 3, 1, 1, 5, 2, 7], tf.int64)

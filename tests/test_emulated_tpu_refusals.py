@@ -13,17 +13,12 @@ import pytest
 import tensorflow as tf
 
 from tpu_embed_ext import emulated_tpu, errors
+from tests.builders import emulated_tpu_strategy
 
 emulate_tpu = emulated_tpu.emulate_tpu
 _EMB = tf.tpu.experimental.embedding
 TABLE = np.arange(16, dtype=np.float32).reshape(8, 2)
 IDS = np.array([1, 2, 3, 1, 1, 5, 2, 7], np.int64)  # A global batch of 8.
-
-
-def _strategy():
-  resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="")
-  tf.tpu.experimental.initialize_tpu_system(resolver)
-  return tf.distribute.TPUStrategy(resolver)
 
 
 def _feature_config(name="t", value=TABLE, output_shape=None, lr=0.5):
@@ -65,7 +60,7 @@ def test_a_second_tpu_embedding_is_refused_until_the_tpu_is_reset():
   """initialization_test.test_multiple_creation: the second build raises
   TensorFlow's RuntimeError; initialize_tpu_system frees the engine."""
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       first = _EMB.TPUEmbedding(_feature_config(), None)
       second = _EMB.TPUEmbedding(_feature_config(), None)
@@ -88,7 +83,7 @@ def test_two_embedding_layers_in_one_model_are_refused():
   the second builds at its first lookup, and is refused there."""
   import tpu_embed_ext as tee  # pylint: disable=import-outside-toplevel
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       users = tee.EmbeddingLayer(_feature_config(), name="users")
       items = tee.EmbeddingLayer(_feature_config("u"), name="items")
@@ -109,7 +104,7 @@ def test_a_stale_tpu_embedding_saves_and_loads_the_tpus_tables(tmp_path):
   and a second TPUEmbedding, saving the first retrieves the TPU's tables (the
   second's); restoring into the first loads onto them. Other tables: refused."""
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       first = _EMB.TPUEmbedding(_feature_config(value=np.ones((8, 2), np.float32)), None)
     first.build(4)
@@ -148,7 +143,7 @@ def test_enqueue_refuses_inputs_on_a_cores_device(inside_run):
   ids prefetched to the cores (experimental_fetch_to_device=True, the default)
   are refused; from the host they train, as numpy says."""
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = _EMB.TPUEmbedding(_feature_config(), None)
 
@@ -192,7 +187,7 @@ def _train_step(embedding, features):
 def test_enqueue_refuses_ids_computed_inside_strategy_run():
   """enqueue_mode_test.test_enqueue_with_outside_compilation_non_direct_input."""
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = _EMB.TPUEmbedding(_feature_config(), None)
 
@@ -212,7 +207,7 @@ def test_enqueue_refuses_ids_computed_inside_strategy_run():
 def test_enqueue_in_a_nested_function_inside_strategy_run_is_refused():
   """enqueue_mode_test.test_enqueue_with_outside_compilation_in_control_flow."""
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = _EMB.TPUEmbedding(_feature_config(), None)
 
@@ -242,7 +237,7 @@ def test_build_without_shapes_needs_fully_defined_output_shapes():
   """hd_invalid_input_test.test_not_fully_defined_output_shapes_in_feature_config:
   build() with no shapes on a TPU needs every output shape fully defined."""
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = _EMB.TPUEmbedding(_feature_config(), None)
     with pytest.raises(ValueError, match=(
@@ -263,7 +258,7 @@ def test_gradients_must_be_float32(dtype):
   """SendTPUEmbeddingGradients takes float32 only; TensorFlow casts nothing
   (apply_gradients passes the gradients to the op as they are)."""
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = _EMB.TPUEmbedding(_feature_config(), None)
 
@@ -291,7 +286,7 @@ def test_create_config_proto_is_tensorflows():
   ``low_dimensional_packing_status`` into an enum field, which protobuf 7
   refuses (protobuf 6 stores 0): setup.py pins protobuf < 7, so it works."""
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     table = _EMB.TableConfig(vocabulary_size=8, dim=2)  # Unnamed: table_0.
     features = {"a": _EMB.FeatureConfig(table=table, name="a")}
     with strategy.scope():
@@ -322,7 +317,7 @@ def test_build_refuses_a_protobuf_that_tensorflows_tpu_config_cannot_use(monkeyp
   monkeypatch.setattr(optimization_parameters_pb2, "OptimizationParameters",
                       _Protobuf7Parameters)
   with emulate_tpu(replicas=2):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = _EMB.TPUEmbedding(_feature_config(), _EMB.SGD(0.5))
     with pytest.raises(errors.ConfigTypeError) as caught:

@@ -14,7 +14,6 @@ import sys
 import tarfile
 import zipfile
 
-import pytest
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

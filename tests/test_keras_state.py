@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import tpu_embed_ext as tee
 from tpu_embed_ext import errors, layer_weights
-from tests.test_layer import _logits
+from tests import fixed_head_model as fh
 
 USER_VOCAB, ITEM_VOCAB, DIM, BATCH, STEPS = 12, 10, 4, 6, 5
 
@@ -450,8 +450,8 @@ class TwoTowers(keras.Model):
     self.embedding = tee.EmbeddingLayer(spec)
 
   def call(self, inputs, training=False):
-    return (_logits(self.embedding(inputs["a"], training=training))
-            + _logits(self.embedding(inputs["b"], training=training)))
+    return (fh.logits(self.embedding(inputs["a"], training=training))
+            + fh.logits(self.embedding(inputs["b"], training=training)))
 
 
 class OneCall(TwoTowers):
@@ -464,7 +464,7 @@ class OneCall(TwoTowers):
     n = tf.shape(a["user"])[0]
     first = {k: v[:n] for k, v in activations.items()}
     second = {k: v[n:] for k, v in activations.items()}
-    return _logits(first) + _logits(second)
+    return fh.logits(first) + fh.logits(second)
 
 
 def test_two_calls_in_one_step_make_one_table_step_like_one_call():
@@ -634,12 +634,11 @@ def test_a_step_whose_gradients_never_all_arrive_is_reported():
 
 
 def test_tpu_engine_called_twice_in_one_step_is_rejected(monkeypatch):
-  from tests.test_layer import _RecordingV2, _feature_config  # pylint: disable=import-outside-toplevel
   from tpu_embed_ext import layer as layer_lib
   monkeypatch.setattr(layer_lib.dispatch, "create_embedding",
-                      lambda *a, **k: _RecordingV2())
+                      lambda *a, **k: fh.RecordingV2())
   monkeypatch.setattr(layer_lib, "_engine_kind", lambda e: "tpu_v2")
-  layer = tee.EmbeddingLayer(_feature_config(), name="embedding")
+  layer = tee.EmbeddingLayer(fh.feature_config(), name="embedding")
   features = {"user": tf.constant([1, 2]), "item": tf.constant([3, 4])}
   with pytest.raises(errors.InputError, match=re.escape(
       "EmbeddingLayer 'embedding' was called 2 times in one training step; a "

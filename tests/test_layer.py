@@ -1,6 +1,5 @@
 """EmbeddingLayer inside model.fit: tables train with their own optimizers only."""
 
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -8,77 +7,17 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tpu_embed_ext import layer as layer_lib
 from tpu_embed_ext import serving
+from tests import fixed_head_model as fh
 
 emb_api = tf.tpu.experimental.embedding
-VOCAB, DIM, BATCH, STEPS = 12, 4, 6, 5
-
-
-def _init(seed):
-  values = np.random.RandomState(seed).uniform(-1, 1, (VOCAB, DIM))
-  return tf.constant_initializer(values.astype(np.float32))
-
-
-def _feature_config(lr_user=0.1, lr_item=0.05):
-  user = emb_api.TableConfig(VOCAB, DIM, initializer=_init(1), name="user",
-                             combiner="sum", optimizer=emb_api.SGD(lr_user))
-  item = emb_api.TableConfig(VOCAB, DIM, initializer=_init(2), name="item",
-                             combiner="mean",
-                             optimizer=emb_api.Adagrad(lr_item))
-  return {"user": emb_api.FeatureConfig(user, name="user"),
-          "item": emb_api.FeatureConfig(item, name="item")}
-
-
-def _batches(seed=0):
-  rng = np.random.RandomState(seed)
-  out = []
-  for _ in range(STEPS):
-    user = tf.constant(rng.randint(0, VOCAB, BATCH), tf.int64)
-    lengths = rng.randint(1, 4, BATCH)
-    item = tf.RaggedTensor.from_row_lengths(
-        tf.constant(rng.randint(0, VOCAB, lengths.sum()), tf.int64), lengths)
-    label = tf.constant(rng.randint(0, 2, (BATCH, 1)), tf.float32)
-    out.append(({"user": user, "item": item}, label))
-  return out
-
-
-PROJECTION = tf.constant(
-    np.random.RandomState(7).normal(size=(2 * DIM, 1)).astype(np.float32))
-
-
-def _logits(activations):
-  return tf.matmul(tf.concat([activations["user"], activations["item"]], 1),
-                   PROJECTION)
-
-
-class FixedHead(keras.Model):
-  """Logits = fixed projection of the activations: dL/dact is reproducible."""
-
-  def __init__(self, feature_config, **kwargs):
-    super().__init__(**kwargs)
-    self.embedding = tee.EmbeddingLayer(feature_config)
-
-  def call(self, features, training=False):
-    return _logits(self.embedding(features, training=training))
-
-
-def _tables(embedding):
-  return {name: {k: v.numpy() for k, v in slots.items()}
-          for name, slots in embedding.variables.items()}
-
-
-def _fit(model, batches, optimizer):
-  model.compile(optimizer=optimizer,
-                loss=keras.losses.BinaryCrossentropy(from_logits=True))
-  for features, label in batches:
-    model.train_on_batch(features, label)
 
 
 def test_fit_matches_hand_written_cpu_embedding_loop():
-  batches = _batches()
-  model = FixedHead(_feature_config())
-  _fit(model, batches, keras.optimizers.Adam(0.5))
+  batches = fh.batches()
+  model = fh.FixedHead(fh.feature_config())
+  fh.fit(model, batches, keras.optimizers.Adam(0.5))
 
-  reference = tee.CPUEmbedding(_feature_config())
+  reference = tee.CPUEmbedding(fh.feature_config())
   reference.build()
   bce = keras.losses.BinaryCrossentropy(from_logits=True)
   for features, label in batches:
@@ -86,10 +25,10 @@ def test_fit_matches_hand_written_cpu_embedding_loop():
     with tf.GradientTape() as tape:
       activations = reference.dequeue()
       tape.watch(activations)
-      loss = bce(label, _logits(activations))
+      loss = bce(label, fh.logits(activations))
     reference.apply_gradients(tape.gradient(loss, activations))
 
-  got, want = _tables(model.embedding.embedding), _tables(reference)
+  got, want = fh.tables(model.embedding.embedding), fh.tables(reference)
   assert set(got) == {"user", "item"}
   for name in want:
     assert set(got[name]) == set(want[name])
@@ -98,59 +37,59 @@ def test_fit_matches_hand_written_cpu_embedding_loop():
                                  atol=1e-7, err_msg=f"{name}/{key}")
   # The tables moved, and moved once per batch.
   assert not np.allclose(got["user"]["parameters"],
-                         _init(1)((VOCAB, DIM)).numpy())
-  assert int(model.embedding.step.numpy()) == STEPS
+                         fh.init(1)((fh.VOCAB, fh.DIM)).numpy())
+  assert int(model.embedding.step.numpy()) == fh.STEPS
 
 
 def test_keras_optimizer_never_touches_tables():
   # Functional model with single-hot features.
   batches = [({"user": f["user"], "item": f["user"][::-1]}, y)
-             for f, y in _batches(1)]
+             for f, y in fh.batches(1)]
   inputs = {"user": keras.Input(shape=(), dtype="int64", name="user"),
             "item": keras.Input(shape=(), dtype="int64", name="item")}
-  embedding = tee.EmbeddingLayer(_feature_config(lr_user=0.0, lr_item=0.0))
+  embedding = tee.EmbeddingLayer(fh.feature_config(lr_user=0.0, lr_item=0.0))
   activations = embedding(inputs)
   x = keras.layers.Concatenate()([activations["user"], activations["item"]])
   model = keras.Model(inputs, keras.layers.Dense(1)(x))  # Functional model.
-  before = _tables(embedding.embedding)
+  before = fh.tables(embedding.embedding)
   dense_before = model.layers[-1].kernel.numpy().copy()
-  _fit(model, batches, keras.optimizers.Adam(learning_rate=1.0))
-  after = _tables(embedding.embedding)
+  fh.fit(model, batches, keras.optimizers.Adam(learning_rate=1.0))
+  after = fh.tables(embedding.embedding)
   for name in before:  # Slots may move at rate 0 (Adagrad accumulates g^2).
     np.testing.assert_array_equal(after[name]["parameters"],
                                   before[name]["parameters"])
   assert not np.allclose(model.layers[-1].kernel.numpy(), dense_before)
-  assert int(embedding.step.numpy()) == STEPS
+  assert int(embedding.step.numpy()) == fh.STEPS
 
 
 def test_evaluate_and_predict_only_look_up():
-  batches = _batches(2)
-  model = FixedHead(_feature_config())
-  _fit(model, batches[:1], "sgd")
-  before = _tables(model.embedding.embedding)
+  batches = fh.batches(2)
+  model = fh.FixedHead(fh.feature_config())
+  fh.fit(model, batches[:1], "sgd")
+  before = fh.tables(model.embedding.embedding)
   step = int(model.embedding.step.numpy())
   features, label = batches[1]
   model.evaluate(features, label, verbose=0)
   predictions = model.predict(features, verbose=0)
   lookup = model.embedding.embedding(features)
-  np.testing.assert_allclose(predictions, _logits(lookup).numpy(), rtol=1e-6)
+  np.testing.assert_allclose(predictions, fh.logits(lookup).numpy(), rtol=1e-6)
   assert int(model.embedding.step.numpy()) == step
-  after = _tables(model.embedding.embedding)
+  after = fh.tables(model.embedding.embedding)
   for name in before:
     for key in before[name]:
       np.testing.assert_array_equal(after[name][key], before[name][key])
 
 
 def test_checkpoint_round_trip_restores_tables_and_slots(tmp_path):
-  batches = _batches(3)
-  model = FixedHead(_feature_config())
-  _fit(model, batches, "adam")
+  batches = fh.batches(3)
+  model = fh.FixedHead(fh.feature_config())
+  fh.fit(model, batches, "adam")
   path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
 
-  restored = FixedHead(_feature_config())
+  restored = fh.FixedHead(fh.feature_config())
   restored(batches[0][0])  # Builds the Keras side.
   tf.train.Checkpoint(model=restored).restore(path).assert_existing_objects_matched()
-  want, got = _tables(model.embedding.embedding), _tables(restored.embedding.embedding)
+  want, got = fh.tables(model.embedding.embedding), fh.tables(restored.embedding.embedding)
   for name in want:
     for key in want[name]:
       np.testing.assert_array_equal(got[name][key], want[name][key])
@@ -158,7 +97,7 @@ def test_checkpoint_round_trip_restores_tables_and_slots(tmp_path):
   prefix = "model/embedding/embedding/"
   ours = {k[len(prefix):] for k, _ in tf.train.list_variables(path)
           if k.startswith(prefix)}
-  serving_embedding = emb_api.TPUEmbeddingForServing(_feature_config(), None)
+  serving_embedding = emb_api.TPUEmbeddingForServing(fh.feature_config(), None)
   serving_embedding.build()
   theirs_path = tf.train.Checkpoint(embedding=serving_embedding).save(
       str(tmp_path / "serving"))
@@ -170,9 +109,9 @@ def test_checkpoint_round_trip_restores_tables_and_slots(tmp_path):
 
 
 def test_serving_export_predicts_like_the_model(tmp_path):
-  batches = _batches(4)
-  model = FixedHead(_feature_config())
-  _fit(model, batches, "sgd")
+  batches = fh.batches(4)
+  model = fh.FixedHead(fh.feature_config())
+  fh.fit(model, batches, "sgd")
   features, _ = batches[0]
   signature = {"user": tf.TensorSpec([None], tf.int64, name="user"),
                "item": tf.TensorSpec([None, None], tf.int64, name="item")}
@@ -194,7 +133,7 @@ def test_serving_export_predicts_like_the_model(tmp_path):
 
 def test_engine_kind_follows_the_mid_level_api_class():
   from tensorflow.python.tpu import tpu_embedding_v2, tpu_embedding_v3
-  assert layer_lib._engine_kind(tee.CPUEmbedding(_feature_config())) == "cpu"
+  assert layer_lib._engine_kind(tee.CPUEmbedding(fh.feature_config())) == "cpu"
   # Instances made without __init__: constructing them needs a TPU.
   v1 = object.__new__(tpu_embedding_v2.TPUEmbedding)
   v2 = object.__new__(tpu_embedding_v3.TPUEmbeddingV2)
@@ -202,29 +141,12 @@ def test_engine_kind_follows_the_mid_level_api_class():
   assert layer_lib._engine_kind(v2) == "tpu_v2"
 
 
-class _RecordingV2:
-  """Stands in for TPUEmbeddingV2: records the protocol the layer speaks."""
-
-  def __init__(self):
-    self.calls = []
-    self.step = tf.Variable(0, dtype=tf.int64)
-    self.embedding_tables = {}
-
-  def __call__(self, features, weights=None):
-    self.calls.append("lookup")
-    return tf.nest.map_structure(
-        lambda x: tf.ones([tf.shape(x)[0], DIM]), features), "preserved"
-
-  def apply_gradients(self, gradients, preserved):
-    self.calls.append(("apply", preserved))
-
-
 def test_sparsecore_protocol_passes_preserved_outputs(monkeypatch):
-  fake = _RecordingV2()
+  fake = fh.RecordingV2()
   monkeypatch.setattr(layer_lib.dispatch, "create_embedding",
                       lambda *a, **k: fake)
   monkeypatch.setattr(layer_lib, "_engine_kind", lambda e: "tpu_v2")
-  layer = tee.EmbeddingLayer(_feature_config())
+  layer = tee.EmbeddingLayer(fh.feature_config())
   features = {"user": tf.constant([1, 2]), "item": tf.constant([3, 4])}
   with tf.GradientTape() as tape:
     out = layer(features, training=True)

@@ -292,12 +292,12 @@ def test_xla_always_runs_tensorflow_ops():
 
 @needs_native
 def test_exported_savedmodel_needs_no_custom_op(tmp_path, monkeypatch):
-  from tests import test_layer  # pylint: disable=import-outside-toplevel
+  from tests import fixed_head_model as fh  # pylint: disable=import-outside-toplevel
   from tpu_embed_ext import serving  # pylint: disable=import-outside-toplevel
   monkeypatch.setenv(native.ENV, "native")
-  model = test_layer.FixedHead(test_layer._feature_config())
-  batches = test_layer._batches(4)
-  test_layer._fit(model, batches, "sgd")
+  model = fh.FixedHead(fh.feature_config())
+  batches = fh.batches(4)
+  fh.fit(model, batches, "sgd")
   assert model.embedding.embedding.kernels == "native"
   signature = {"user": tf.TensorSpec([None], tf.int64, name="user"),
                "item": tf.TensorSpec([None, None], tf.int64, name="item")}

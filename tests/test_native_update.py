@@ -15,7 +15,7 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tpu_embed_ext import optimizers as opt
 from tpu_embed_ext.emulation import native
-from tests.builders import engine_state
+from tests.builders import engine_state, mirrored_strategy
 
 api = tf.tpu.experimental.embedding
 
@@ -130,11 +130,6 @@ def _run_eager(emb, rng, steps=STEPS, scale=1.0, function=False, after=None):
       after()
 
 
-def _mirrored():
-  return tf.distribute.MirroredStrategy(
-      ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
-
-
 def _run_mirrored(emb, strategy, seed, steps=STEPS):
   rng = np.random.RandomState(seed)
   batches = [[_batch(rng) for _ in range(2)] for _ in range(steps)]
@@ -196,7 +191,7 @@ def test_one_device_equals_tf_ops_bit_for_bit(name):
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "adagrad_momentum",
                                   "adam_lazy", "adam_dense", "ftrl"])
 def test_mirrored_two_replicas_equals_tf_ops_bit_for_bit(name):
-  strategy = _mirrored()
+  strategy = mirrored_strategy(2)
   ours, theirs = _engines(OPTIMIZERS[name](), strategy)
   for emb in (ours, theirs):
     _run_mirrored(emb, strategy, seed=3)

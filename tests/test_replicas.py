@@ -18,19 +18,9 @@ import tpu_embed_ext as tee
 from tests import test_engine_contract as contract
 from tests import test_engine_tensorflow_goldens as goldens
 from tests.builders import SCENARIO_IDS, scenario_features_by_name
+from tests.builders import mirrored_strategy
 
 api = tf.tpu.experimental.embedding
-
-
-def mirrored(replicas):
-  if len(tf.config.list_logical_devices("CPU")) < replicas:
-    pytest.fail(f"needs {replicas} logical CPU devices (tests/conftest.py)")
-  # ReductionToOneDevice: collective all-reduces of strategies of different
-  # sizes in one process clash over group keys (a TensorFlow limitation;
-  # a program has one strategy).
-  return tf.distribute.MirroredStrategy(
-      [f"/cpu:{i}" for i in range(replicas)],
-      cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
 def distribute(strategy, per_replica):
@@ -42,7 +32,7 @@ def distribute(strategy, per_replica):
 # --- TensorFlow's one-step TPU scenario, fed per replica ----------------------
 
 def _scenario(optimizer, replicas):
-  strategy = mirrored(replicas)
+  strategy = mirrored_strategy(replicas)
   with strategy.scope():
     emb = tee.CPUEmbedding(scenario_features_by_name(), optimizer)
   # Upstream's data: 2 samples per replica, the 4-sample block repeated.
@@ -154,7 +144,7 @@ CONTRACT_CASES = [
 @pytest.mark.parametrize("optimizer_name,options_name,use_function", CONTRACT_CASES)
 def test_contract_at_two_replicas(optimizer_name, options_name, use_function):
   row, options = contract.OPTIMIZERS[optimizer_name], contract.OPTIONS[options_name]
-  strategy = mirrored(2)
+  strategy = mirrored_strategy(2)
   with strategy.scope():
     engine = contract.build_engine(row, options)
   train_replicated(engine, strategy, 2, use_function)
@@ -216,7 +206,7 @@ def _replica_ids(rng, replica):
 
 
 def test_ids_in_one_or_several_replicas_are_updated_once_with_the_summed_gradient():
-  strategy = mirrored(2)
+  strategy = mirrored_strategy(2)
   with strategy.scope():
     engine = tee.CPUEmbedding(tee.EmbeddingSpec.from_dict(SPEC))
   E, S = {}, {}
@@ -303,7 +293,7 @@ BATCH_B = [[4], [0, 4], [7], [1, 2]]
 def test_checkpoints_cross_between_strategies(tmp_path, save_replicas,
                                               restore_replicas):
   def make(replicas):
-    strategy = mirrored(replicas) if replicas > 1 else None
+    strategy = mirrored_strategy(replicas) if replicas > 1 else None
     return _video_engine(strategy), strategy
 
   saved, saved_strategy = make(save_replicas)
@@ -364,7 +354,7 @@ def test_enqueue_per_device_equals_the_per_replica_path(replicas):
   experimental_distribute_values_from_function, as upstream does) gives the
   activations and updates of the distributed-values path, and both equal
   numpy (Adam, mean combiner) over 3 steps."""
-  strategy = mirrored(replicas)
+  strategy = mirrored_strategy(replicas)
   per_replica, per_device = _video_engine(strategy), _video_engine(strategy)
 
   def replica_step(engine):
@@ -420,7 +410,7 @@ def test_enqueue_per_device_equals_the_per_replica_path(replicas):
 
 
 def test_per_device_enqueue_errors_name_the_device():
-  strategy = mirrored(2)
+  strategy = mirrored_strategy(2)
   engine = _video_engine(strategy)
   batches = _per_device_batches(2, 0)
   devices = list(strategy.extended.worker_devices)
@@ -454,7 +444,7 @@ def test_per_device_enqueue_errors_name_the_device():
 # --- the protocol under MirroredStrategy(2) ---------------------------------------
 
 def test_protocol_misuse_and_retry_under_two_replicas():
-  strategy = mirrored(2)
+  strategy = mirrored_strategy(2)
   engine = _video_engine(strategy)
   batches = _per_device_batches(2, 1)
   engine.enqueue(distribute(strategy, batches), training=True)
@@ -519,7 +509,7 @@ def _ones_step(engine, strategy, use_function):
 @pytest.mark.parametrize("use_function", [False, True], ids=["eager", "tf_function"])
 def test_a_sparse_index_outside_dense_shape_on_one_replica_changes_nothing(
     use_function):
-  strategy = mirrored(2)
+  strategy = mirrored_strategy(2)
   engine = _video_engine(strategy)
   good = tf.ragged.constant([[0, 1], [2]], tf.int64).to_sparse()
   bad = tf.SparseTensor([[0, 0], [2, 0]], tf.constant([4, 5], tf.int64), [2, 2])
@@ -542,7 +532,7 @@ def test_a_sparse_index_outside_dense_shape_on_one_replica_changes_nothing(
 
 @pytest.mark.parametrize("use_function", [False, True], ids=["eager", "tf_function"])
 def test_a_callable_learning_rate_out_of_range_under_two_replicas(use_function):
-  strategy = mirrored(2)
+  strategy = mirrored_strategy(2)
   rate = tf.Variable(0.1)
   table = api.TableConfig(8, 4, name="video", initializer=tf.constant_initializer(
       np.arange(32.).reshape(8, 4) / 10))

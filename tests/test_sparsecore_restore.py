@@ -20,6 +20,7 @@ import tpu_embed_ext as tee
 from tpu_embed_ext.sparsecore import checkpoint_layouts, convert_checkpoint
 from tpu_embed_ext.sparsecore.topology import Topology
 from tests import sparsecore_program as sc
+from tests.builders import emulated_tpu_strategy
 
 api = tf.tpu.experimental.embedding
 SLOTS = ("parameters", "accumulators")
@@ -83,19 +84,13 @@ def _expected_activations(tables, batch):
   return out
 
 
-def _strategy():
-  resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="")
-  tf.tpu.experimental.initialize_tpu_system(resolver)
-  return tf.distribute.TPUStrategy(resolver)
-
-
 def _restore_and_check(path, when, name="embedding"):
   """Restores ``path`` into a TPUEmbeddingV2 (before or after build), checks
   lookups and slots against the saved values and one step against numpy."""
   saved = _saved(path)
   batch = sc.global_batches()[2]
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
     if when == "after_build":
@@ -142,7 +137,7 @@ def per_table_checkpoints(tmp_path_factory):
   out["cpu_embedding"] = tf.train.Checkpoint(embedding=cpu).write(str(root / "cpu"))
   # TPUEmbedding (the emulated TPU v1 mid-level API).
   with tee.emulate_tpu(replicas=sc.REPLICAS):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       v1 = api.TPUEmbedding(sc.feature_config(sc.PER_REPLICA), None)
       v1.build()
@@ -176,7 +171,7 @@ def test_keras_model_checkpoint_restores_into_the_tpu_model(tmp_path):
   _assign(lambda t: cpu_layer.embedding.variables[t], state)
   path = tf.train.Checkpoint(model=cpu_model).write(str(tmp_path / "keras"))
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       tpu_model, tpu_layer = model()
     assert type(tpu_layer.embedding).__name__ == "TPUEmbeddingV2"
@@ -205,7 +200,7 @@ def test_stacked_checkpoint_of_another_topology_is_resharded(tmp_path, when):
   per_table.build()
   _assign(lambda t: per_table.variables[t], _state_after(2))
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
     if when == "after_build":
@@ -230,7 +225,7 @@ def test_converted_checkpoint_restores_whatever_batch_size_it_was_made_for(tmp_p
   convert_checkpoint(path, converted, sc.feature_config(3 * sc.PER_REPLICA), "2x4")
   assert checkpoint_layouts(converted)[0].per_sparse_core_batch_size != sc.PER_REPLICA // 4
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
     status = tf.train.Checkpoint(embedding=embedding).restore(converted)
@@ -248,7 +243,7 @@ def _refused(path, error, message, config=None, wrapped=False):
   ``wrapped``: TensorFlow's restore puts its own line before a NotFoundError
   ("Error when restoring from checkpoint or SavedModel at <path>: ...")."""
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = api.TPUEmbeddingV2(config or sc.feature_config(sc.PER_REPLICA), None)
     embedding.build()
@@ -320,7 +315,7 @@ def test_stacked_checkpoint_restores_before_build_over_another_initializer(tmp_p
   # TPUEmbeddingV2 saved, restored before build into one whose initializer
   # differs; the saved rows win, shard by shard.
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       first = api.TPUEmbeddingV2(_single_table(1.0), api.SGD())
       first.build()
@@ -354,7 +349,7 @@ def test_per_table_checkpoint_of_a_table_named_like_its_stack(tmp_path, when):
   rows = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
   path = _single_table_checkpoint(tmp_path, rows)
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       embedding = api.TPUEmbeddingV2(_single_table(2.0), api.SGD())
     if when == "after_build":
@@ -373,7 +368,7 @@ def test_two_restores_before_build_apply_in_order(tmp_path, last):
   per_table_rows = np.full((64, 8), 3.0, np.float32)
   per_table = _single_table_checkpoint(tmp_path, per_table_rows)
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    strategy = _strategy()
+    strategy = emulated_tpu_strategy()
     with strategy.scope():
       first = api.TPUEmbeddingV2(_single_table(5.0), api.SGD())
       first.build()

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import tpu_embed_ext as tee
 from tests import test_engine_contract as contract
-from tests import test_layer
+from tests import fixed_head_model as fh
 
 api = tf.tpu.experimental.embedding
 
@@ -147,16 +147,16 @@ def test_model_fit_with_jit_compile_equals_without(no_op_determinism):
   del no_op_determinism
   results = []
   for jit in (False, True):
-    model = test_layer.FixedHead(test_layer._feature_config())
+    model = fh.FixedHead(fh.feature_config())
     model.compile(optimizer=keras.optimizers.Adam(0.5), jit_compile=jit,
                   loss=keras.losses.BinaryCrossentropy(from_logits=True))
     assert model.jit_compile is jit  # Keras kept XLA on for this model
-    for features, label in test_layer._batches():
+    for features, label in fh.batches():
       model.train_on_batch(features, label)
-    results.append((test_layer._tables(model.embedding.embedding),
+    results.append((fh.tables(model.embedding.embedding),
                     int(model.embedding.step.numpy())))
   (eager_tables, eager_step), (jit_tables, jit_step) = results
-  assert eager_step == jit_step == test_layer.STEPS
+  assert eager_step == jit_step == fh.STEPS
   for table, slots in eager_tables.items():
     for name, value in slots.items():
       np.testing.assert_allclose(jit_tables[table][name], value, rtol=1e-5,
