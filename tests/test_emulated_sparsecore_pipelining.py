@@ -108,19 +108,26 @@ def _tables(embedding):
   return {n: embedding.table_variables(n)["parameters"].numpy() for n in VOCAB}
 
 
+def _loop_of_steps(batches):
+  """Inside emulate_tpu: (embedding, iterator over ``batches``, a tf.function
+  running STEPS steps in one tf.range loop, the pipelined form)."""
+  strategy, embedding = _strategy_and_embedding()
+  iterator = iter(_dataset(strategy, batches))
+  step = _replica_step(embedding)
+
+  @tf.function
+  def train(iterator):
+    for _ in tf.range(STEPS):
+      strategy.run(step, args=(next(iterator),))
+
+  return embedding, iterator, train
+
+
 def _train_in_loop(summaries=False, sequential=False, tmp_path=None, record=True):
   """STEPS steps in one tf.function's tf.range loop (the pipelined form)."""
   batches = _batches()
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
-    strategy, embedding = _strategy_and_embedding()
-    iterator = iter(_dataset(strategy, batches))
-    step = _replica_step(embedding)
-
-    @tf.function
-    def train(iterator):
-      for _ in tf.range(STEPS):
-        strategy.run(step, args=(next(iterator),))
-
+    embedding, iterator, train = _loop_of_steps(batches)
     if summaries:
       writer = tf.summary.create_file_writer(str(tmp_path))
       with writer.as_default(), tf.summary.record_if(record):
@@ -221,15 +228,7 @@ def test_summaries_switched_off_keep_the_loop_pipelined(tmp_path):
 def test_a_writer_that_may_record_later_is_not_emulated(tmp_path):
   batches = _batches()
   with tee.emulate_tpu(replicas=REPLICAS, sparsecore=True):
-    strategy, embedding = _strategy_and_embedding()
-    iterator = iter(_dataset(strategy, batches))
-    step = _replica_step(embedding)
-
-    @tf.function
-    def train(iterator):
-      for _ in tf.range(STEPS):
-        strategy.run(step, args=(next(iterator),))
-
+    embedding, iterator, train = _loop_of_steps(batches)
     with tf.summary.create_file_writer(str(tmp_path)).as_default():
       with pytest.raises(tee.emulated_tpu.NotEmulatedError) as e:
         train(iterator)

@@ -28,6 +28,15 @@ def _feature_config(name="t", value=TABLE, output_shape=None, lr=0.5):
   return {"a": _EMB.FeatureConfig(table=table, name="a", output_shape=output_shape)}
 
 
+def _strategy_and_embedding():
+  """Inside emulate_tpu: the strategy and a TPUEmbedding of _feature_config()
+  made in its scope (the tables' own SGD optimizers)."""
+  strategy = emulated_tpu_strategy()
+  with strategy.scope():
+    embedding = _EMB.TPUEmbedding(_feature_config(), None)
+  return strategy, embedding
+
+
 def _iterator(strategy, fetch_to_device=False):
   data = tf.data.Dataset.from_tensor_slices({"a": IDS}).batch(
       8, drop_remainder=True).repeat()
@@ -143,9 +152,7 @@ def test_enqueue_refuses_inputs_on_a_cores_device(inside_run):
   ids prefetched to the cores (experimental_fetch_to_device=True, the default)
   are refused; from the host they train, as numpy says."""
   with emulate_tpu(replicas=2):
-    strategy = emulated_tpu_strategy()
-    with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_feature_config(), None)
+    strategy, embedding = _strategy_and_embedding()
 
     def step(iterator):
       # next() inside the function, the iterator captured (as upstream's test
@@ -187,9 +194,7 @@ def _train_step(embedding, features):
 def test_enqueue_refuses_ids_computed_inside_strategy_run():
   """enqueue_mode_test.test_enqueue_with_outside_compilation_non_direct_input."""
   with emulate_tpu(replicas=2):
-    strategy = emulated_tpu_strategy()
-    with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_feature_config(), None)
+    strategy, embedding = _strategy_and_embedding()
 
     @tf.function
     def step(features):
@@ -207,9 +212,7 @@ def test_enqueue_refuses_ids_computed_inside_strategy_run():
 def test_enqueue_in_a_nested_function_inside_strategy_run_is_refused():
   """enqueue_mode_test.test_enqueue_with_outside_compilation_in_control_flow."""
   with emulate_tpu(replicas=2):
-    strategy = emulated_tpu_strategy()
-    with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_feature_config(), None)
+    strategy, embedding = _strategy_and_embedding()
 
     @tf.function
     def enqueue(features):
@@ -237,9 +240,7 @@ def test_build_without_shapes_needs_fully_defined_output_shapes():
   """hd_invalid_input_test.test_not_fully_defined_output_shapes_in_feature_config:
   build() with no shapes on a TPU needs every output shape fully defined."""
   with emulate_tpu(replicas=2):
-    strategy = emulated_tpu_strategy()
-    with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_feature_config(), None)
+    strategy, embedding = _strategy_and_embedding()
     with pytest.raises(ValueError, match=(
         r"^Input Feature a has output shape set as <unknown> which is not fully "
         r"defined. feature 'a' \(table 't'\): output shape <unknown> is not fully "
@@ -258,9 +259,7 @@ def test_gradients_must_be_float32(dtype):
   """SendTPUEmbeddingGradients takes float32 only; TensorFlow casts nothing
   (apply_gradients passes the gradients to the op as they are)."""
   with emulate_tpu(replicas=2):
-    strategy = emulated_tpu_strategy()
-    with strategy.scope():
-      embedding = _EMB.TPUEmbedding(_feature_config(), None)
+    strategy, embedding = _strategy_and_embedding()
 
     @tf.function
     def step(features):

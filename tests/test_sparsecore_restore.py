@@ -84,19 +84,27 @@ def _expected_activations(tables, batch):
   return out
 
 
+def _restored_tpu_embedding(path, when, name="embedding"):
+  """Inside emulate_tpu: a TPUEmbeddingV2 of the program's tables that
+  ``path`` was restored into, before or after its build (``when``);
+  (strategy, embedding, the restore's status)."""
+  strategy = emulated_tpu_strategy()
+  with strategy.scope():
+    embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
+  if when == "after_build":
+    embedding.build()
+  status = tf.train.Checkpoint(**{name: embedding}).restore(path)
+  embedding.build()
+  return strategy, embedding, status
+
+
 def _restore_and_check(path, when, name="embedding"):
   """Restores ``path`` into a TPUEmbeddingV2 (before or after build), checks
   lookups and slots against the saved values and one step against numpy."""
   saved = _saved(path)
   batch = sc.global_batches()[2]
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    strategy = emulated_tpu_strategy()
-    with strategy.scope():
-      embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
-    if when == "after_build":
-      embedding.build()
-    status = tf.train.Checkpoint(**{name: embedding}).restore(path)
-    embedding.build()
+    strategy, embedding, status = _restored_tpu_embedding(path, when, name)
     assert {l.stack for l in embedding._sparsecore.layouts} == {"item_user"}  # pylint: disable=protected-access
     for table in sc.VOCAB:
       for slot in SLOTS:
@@ -200,13 +208,7 @@ def test_stacked_checkpoint_of_another_topology_is_resharded(tmp_path, when):
   per_table.build()
   _assign(lambda t: per_table.variables[t], _state_after(2))
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
-    strategy = emulated_tpu_strategy()
-    with strategy.scope():
-      embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
-    if when == "after_build":
-      embedding.build()
-    status = tf.train.Checkpoint(embedding=embedding).restore(path)
-    embedding.build()
+    _, embedding, status = _restored_tpu_embedding(path, when)
     status.assert_consumed()  # every stacked object and the layouts matched
     for table in sc.VOCAB:
       for slot in SLOTS:
