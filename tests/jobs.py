@@ -7,9 +7,9 @@ import numpy as np
 import tensorflow as tf
 import yaml
 
-from tpu_embed_ext import __main__ as cli
-from tpu_embed_ext import atomic
-from tpu_embed_ext import train as train_lib
+from tpu_embed_ext.cli import main as cli
+from tpu_embed_ext.host import atomic
+from tpu_embed_ext import job as train_lib
 
 TINY_CONFIG = "configs/tiny.yaml"
 

@@ -5,8 +5,8 @@ import numpy as np
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import layer as layer_lib
-from tpu_embed_ext import serving
+from tpu_embed_ext.keras import layer as layer_lib
+from tpu_embed_ext.keras import serving
 from tests import fixed_head_model as fh
 
 emb_api = tf.tpu.experimental.embedding

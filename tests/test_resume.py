@@ -17,8 +17,8 @@ import yaml
 
 from tests import jobs
 from tests.builders import checkpoint_values
-from tpu_embed_ext import model_dir as model_dir_lib
-from tpu_embed_ext import train as train_lib
+from tpu_embed_ext.host import model_dir as model_dir_lib
+from tpu_embed_ext import job
 
 CONFIG = jobs.TINY_CONFIG
 STEPS = 30
@@ -191,7 +191,7 @@ def test_restore_checks_the_checkpoint_first_and_changes_nothing(
             and "logs" not in p.parts}
   config = _changed_config(tmp_path, edit)
   for call in (lambda: _train(tmp_path / "run", data_dir, STEPS, config=config),
-               lambda: train_lib.export(config, model_dir=str(tmp_path / "run"),
+               lambda: job.export(config, model_dir=str(tmp_path / "run"),
                                         out=str(tmp_path / "serving"),
                                         overrides={"data_dir": data_dir})):
     with pytest.raises(model_dir_lib.CheckpointError) as info:

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from tests import jobs
-from tpu_embed_ext import train as train_lib
+from tpu_embed_ext import job as train_lib
 from tpu_embed_ext.data import pipeline
 from tpu_embed_ext.spec import EmbeddingSpec
 
