@@ -86,6 +86,8 @@ def _require_tensorflow():
 
 def __getattr__(name):
   module = _EXPORTS.get(name)
+  if module is None and name in MOVED:  # `tee.optimizers`: a former module.
+    return importlib.import_module(f"tpu_embed_ext.{name}")
   if module is None:
     raise AttributeError(f"module 'tpu_embed_ext' has no attribute '{name}'")
   if module not in ("errors", "spec.optimizers"):
