@@ -88,14 +88,13 @@ def run(check: checks.Check, items: Sequence[Item],
         raise errors.InputError(check.message.format(
             **item.names, **dict(zip(check.dynamic, shown))))
     return None
-  oks, positions, shown = [], [], []
+  oks, shown = [], []
   for item in items:
     ok = tf.reshape(check.ok(item.values, *item.bounds), [-1])
     # The first failing element, or one past the end when none fails.
     pos = tf.argmax(tf.cast(tf.concat([tf.logical_not(ok), [True]], 0), tf.int32),
                     output_type=tf.int64)
     oks.append(tf.reduce_all(ok))
-    positions.append(pos)
     shown.append(check.shows(item.values, pos, *item.bounds))
   per_item = tf.stack(oks)
   first = tf.argmax(tf.cast(tf.logical_not(per_item), tf.int32),
