@@ -140,7 +140,7 @@ def _run(case, items):
 
 def _graph_text(error) -> str:
   """The assertion's message as the user reads it (Assert escapes quotes)."""
-  found = re.search(r"assertion failed: \[(.*)\]\n\t \[\[\{\{node", str(error), re.S)
+  found = re.search(r"assertion failed: \[(.*?)\]\n\t \[\[\{\{", str(error), re.S)
   assert found, str(error)
   return found.group(1).replace("\\'", "'")
 

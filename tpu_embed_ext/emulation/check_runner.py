@@ -110,8 +110,11 @@ def run(check: checks.Check, items: Sequence[Item],
   assertion = None
   if not in_xla_context():
     with tf.control_dependencies([after] if after is not None else []):
-      assertion = tf.debugging.Assert(
-          ok, [_graph_message(check, items, first, values)])
+      # As tf.debugging.Assert guards its data: the message's string ops run
+      # only when the check fails.
+      assertion = tf.cond(ok, tf.no_op, lambda: tf.debugging.Assert(
+          ok, [_graph_message(check, items, first, values)]), name="CheckGuard")
+    assertion = getattr(assertion, "op", assertion)
   return Verdict(ok, assertion, failure, per_item)
 
 
