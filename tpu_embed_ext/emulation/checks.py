@@ -27,7 +27,7 @@ from typing import Callable, Tuple
 
 import tensorflow as tf
 
-from tpu_embed_ext.numeric_traps import MAX_LEARNING_RATE
+from tpu_embed_ext.spec.numeric_traps import MAX_LEARNING_RATE
 
 __all__ = ["Check", "element", "CHECKS", "SPARSE_INDICES", "WEIGHTS_FINITE",
            "UNSIGNED_IDS", "WEIGHTS_LAYOUT", "IDS_IN_RANGE", "GRADIENT_FINITE",
@@ -147,7 +147,7 @@ UPDATE_FINITE = Check(
     dynamic=(), shows=_nothing)
 
 # A callable's rate is held at every step to the bounds a config's rate is
-# held to when the spec is made (optimizers.py: >= 0; numeric_traps.py).
+# held to when the spec is made (spec/optimizers.py: >= 0; spec/numeric_traps.py).
 RATE_IN_RANGE = Check(
     kind=8, over="table",
     reads="this step's rate of a table whose learning rate is a user's "

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Tuple
 
 import tensorflow as tf
 
-from tpu_embed_ext import optimizers
+from tpu_embed_ext.spec import optimizers
 
 __all__ = ["sgd", "adagrad", "adagrad_momentum", "adam", "ftrl", "apply_update",
            "RULES"]

@@ -21,7 +21,8 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
-from tpu_embed_ext import errors, learning_rates as rates_lib, optimizers
+from tpu_embed_ext import errors
+from tpu_embed_ext.spec import schedules as rates_lib, optimizers
 from tpu_embed_ext.emulation import check_runner, checks, update_rules
 
 __all__ = ["Update", "apply_step", "prepare", "learning_rate", "learning_rates",

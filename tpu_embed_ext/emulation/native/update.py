@@ -25,7 +25,8 @@ from typing import Any, List, NamedTuple, Sequence
 
 import tensorflow as tf
 
-from tpu_embed_ext import errors, optimizers
+from tpu_embed_ext import errors
+from tpu_embed_ext.spec import optimizers
 from tpu_embed_ext.emulation import checks, updates
 from tpu_embed_ext.emulation.native import loader
 
