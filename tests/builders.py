@@ -5,6 +5,7 @@ where its engine differs (other tables, other inputs); then the helper's name
 says how. The numpy optimizer references live in tests/references.py.
 """
 
+import re
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -200,3 +201,8 @@ def scenario_features(**feature_kwargs):
 def scenario_features_by_name(**feature_kwargs):
   """scenario_features() as a dict by feature name."""
   return {f.name: f for f in scenario_features(**feature_kwargs)}
+
+
+def in_graph(message: str) -> str:
+  """A regex of ``message`` as ``tf.debugging.Assert`` prints it (quotes escaped)."""
+  return re.escape(message).replace("'", r"\\'")

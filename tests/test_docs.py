@@ -62,7 +62,7 @@ def test_site_builds_strict(tmp_path):
            for p in (tmp_path / "site").rglob("index.html")} | {pathlib.Path("index")}
   assert pages <= built, sorted(map(str, pages - built))
   bad_inputs = (tmp_path / "site" / "BAD_INPUTS" / "index.html").read_text()
-  assert "Smallest and largest ids:] [1] [6]" in bad_inputs  # brackets kept as text
+  assert "id 9 is out of range [0, 6)" in bad_inputs  # brackets kept as text
 
 
 @pytest.mark.skipif(not _MKDOCS, reason=_NO_MKDOCS)

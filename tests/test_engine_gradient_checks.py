@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tests.builders import assert_same_state, engine_state, single_table_engine, train_step
+from tests.builders import in_graph, assert_same_state, engine_state, single_table_engine, train_step
 
 api = tf.tpu.experimental.embedding
 
@@ -46,8 +46,8 @@ def test_non_finite_gradient_fails_inside_tf_function_naming_the_table():
 
   # Two finite contributions whose per-id sum overflows are rejected too.
   with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r"gradient has NaN or Inf values; no table, slot or step "
-                           r"was changed\. Fix: .* Tables:\] \[table \\?'b\\?'\]"):
+                     match=in_graph("[table 'b': gradient has NaN or Inf values; no "
+                                     "table, slot or step was changed. Fix: ")):
     step(tf.fill([2, 2], 3e38))
   assert_same_state(engine_state(emb), before)
 
@@ -82,10 +82,7 @@ def test_update_that_would_write_inf_changes_nothing(name, mode):
     with pytest.raises(tee.InputError, match=message):
       step(grad)
   else:
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"the update would write NaN or Inf; no table, slot or "
-                             r"step was changed\. .*"
-                             rf"Where:\] \[table \\?'t\\?' {variable}\]"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
       tf.function(step)(tf.constant(grad))
   assert_same_state(engine_state(emb), before)
   assert int(emb.step.numpy()) == 0

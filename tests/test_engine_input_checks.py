@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tests.builders import (SINGLE_TABLE_VALUES, TWO_SAMPLE_IDS, assert_same_state,
+from tests.builders import (in_graph, SINGLE_TABLE_VALUES, TWO_SAMPLE_IDS, assert_same_state,
                             engine_state, single_table_engine, train_step)
 
 api = tf.tpu.experimental.embedding
@@ -45,9 +45,10 @@ def test_out_of_range_ids_fail_inside_tf_function_before_any_write():
     emb.apply_gradients(tf.nest.map_structure(tf.ones_like, acts))
 
   with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r"feature \\?'f\\?' \(table \\?'t\\?'\): ids must be in "
-                           r"\[0, 6\)\. Fix: map ids into the vocabulary or enlarge "
-                           r"vocabulary_size\.\] \[Smallest and largest ids:\] \[1\] \[6\]"):
+                     match=in_graph(
+                         "[feature 'f' (table 't'): id 6 is out of range [0, 6). Fix: map "
+                         "ids into the vocabulary (e.g. hash them modulo 6) or enlarge "
+                         "vocabulary_size.]")):
     step(tf.ragged.constant([[1], [6]], tf.int64))
   assert_same_state(engine_state(emb), before)
 
@@ -127,11 +128,11 @@ def test_dense_ids_for_a_sequence_feature_and_gradient_structure():
 # ids [[1, 2], [3]] of a batch of 2 with one index moved outside dense_shape.
 BAD_SPARSE = {
     "row_too_large": ([[0, 0], [0, 1], [5, 0]], [2, 3], 5,
-                      "[2, 3] (index [5, 0]: 5 is not in [0, 2) in dimension 0)"),
+                      "(5 is not in [0, 2) in dimension 0)"),
     "row_negative": ([[0, 0], [0, 1], [-1, 0]], [2, 3], -1,
-                     "[2, 3] (index [-1, 0]: -1 is not in [0, 2) in dimension 0)"),
+                     "(-1 is not in [0, 2) in dimension 0)"),
     "position_too_large": ([[0, 0], [0, 4], [1, 0]], [2, 3], 4,
-                           "[2, 3] (index [0, 4]: 4 is not in [0, 3) in dimension 1)"),
+                           "(4 is not in [0, 3) in dimension 1)"),
 }
 _SPARSE_REST = ("; its id would be looked up into, and trained by, another output "
                 "row. Fix: build the SparseTensor with every index in "
@@ -145,7 +146,7 @@ def test_sparse_indices_outside_dense_shape_are_named_in_every_mode(case, combin
                                                                     mode):
   """Before: eagerly and in tf.function TensorFlow's "rows[1] = 5 is not in
   [0, 2)" naming no feature; under XLA the id trained on another row's
-  gradient and raise_if_failed() stayed silent."""
+  gradient and raise_if_failed() stayed silent. One message in every mode."""
   indices, shape, value, detail = BAD_SPARSE[case]
   table = api.TableConfig(6, 2, combiner=combiner, name="t",
                           initializer=tf.constant_initializer(
@@ -172,8 +173,7 @@ def test_sparse_indices_outside_dense_shape_are_named_in_every_mode(case, combin
     with pytest.raises(tee.InputError, match=re.escape(head)):
       emb({"f": bad})
   elif mode == "tf_function":
-    graph_head = (r"feature \\'f\\' \(table \\'t\\'\): SparseTensor index \(below\) is "
-                  r"outside the dense_shape of the ids;.*Index outside:\] \[" + str(value))
+    graph_head = in_graph(head + " " + detail + _SPARSE_REST)
     with pytest.raises(tf.errors.InvalidArgumentError, match=graph_head):
       run(bad)
     with pytest.raises(tf.errors.InvalidArgumentError, match=graph_head):
@@ -185,7 +185,8 @@ def test_sparse_indices_outside_dense_shape_are_named_in_every_mode(case, combin
     for key in ("parameters", "accumulators"):
       np.testing.assert_array_equal(after[key], before[f"t/{key}"], err_msg=key)
     with pytest.raises(tee.InputError, match=re.escape(
-        "a step compiled with XLA was rejected and changed nothing: " + head + _SPARSE_REST)):
+        "a step compiled with XLA was rejected and changed nothing: " + head + " " +
+        detail + _SPARSE_REST)):
       emb.raise_if_failed()
   assert_same_state(engine_state(emb), before)
   # The engine goes on: a good step after the rejected one trains as numpy.
@@ -215,8 +216,7 @@ INPUT_CASES = {
     "uint64_id_of_2_63_or_more": (
         lambda: tf.constant(np.array([[1], [_BIG]], np.uint64)), None,
         f"feature 'f' (table 't'): id {_BIG} is out of range [0, 6).",
-        r"feature \\'f\\' \(table \\'t\\'\): ids must be in \[0, 6\)\..*Largest id:\] "
-        rf"\[{_BIG}\]"),
+        in_graph(f"feature 'f' (table 't'): id {_BIG} is out of range [0, 6).")),
     # Before: "table 't': gradient has NaN or Inf values" (blamed on the gradient).
     "nan_weight": (
         lambda: tf.ragged.constant(TWO_SAMPLE_IDS, tf.int64),

@@ -137,8 +137,7 @@ def test_a_callable_learning_rate_out_of_range_changes_nothing(bad, mode):
       run()
   elif mode == "tf_function":
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match="a learning-rate callable gave a rate out of range this "
-                       r"step; .*Tables and rates:\] \[table \\'a\\'\] \[" + re.escape(shown)):
+                       match=eager_message.replace("'", r"\\'")):
       run()
   else:
     run()

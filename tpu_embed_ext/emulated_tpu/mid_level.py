@@ -49,7 +49,7 @@ from tensorflow.python.util import nest
 from tpu_embed_ext import emulated_tpu, errors
 from tpu_embed_ext.emulated_tpu import (embedding_memory, outer_jit, patching,
                                         strategy as strategy_lib, tpu_inputs)
-from tpu_embed_ext.emulation import engine, validation
+from tpu_embed_ext.emulation import engine, structure_checks
 
 __all__ = ["TPUEmbedding", "TPUEmbeddingV2WithoutSparseCore"]
 
@@ -102,7 +102,7 @@ class TPUEmbedding(engine.CPUEmbedding):
       # tpu_embedding_v2.py build -> _check_output_shapes_fully_defined: with
       # no shapes given, every feature needs a fully defined output shape.
       for feature, shape in zip(self._features, self._shapes.stored):
-        validation.check_fully_defined(feature.where, shape)
+        structure_checks.check_fully_defined(feature.where, shape)
     super().build(per_replica_input_shapes, per_replica_batch_size)
     embedding_memory.claim(self, tables)
     for variables in self._table_vars.values():
@@ -120,7 +120,7 @@ class TPUEmbedding(engine.CPUEmbedding):
     """``TPUEmbedding.enqueue`` with the TPU's checks (``tpu_inputs.py``)."""
     strategy = self._replicas.strategy
     in_tpu_context = tpu_inputs.check_control_flow(strategy)
-    validation.check_structure(
+    structure_checks.check_structure(
         self._feature_config, "features", features,
         "pass one entry per FeatureConfig, in the same containers.")
     tpu_inputs.check_inputs_on_host(strategy, nest.flatten(features),
@@ -136,16 +136,16 @@ class TPUEmbedding(engine.CPUEmbedding):
   def apply_gradients(self, gradients, name=None):
     """``TPUEmbedding.apply_gradients``: float32 gradients only, as the TPU's
     ``SendTPUEmbeddingGradients`` op takes them (TensorFlow casts nothing)."""
-    validation.check_structure(
+    structure_checks.check_structure(
         self._feature_config, "gradients", gradients,
         "pass one gradient per feature, shaped like its activation (None "
         "means a zero gradient).")
     flat = nest.flatten(gradients)
     # TensorFlow's order: each gradient's type and shape, then the op's dtype.
     for feature, grad, shape in zip(self._features, flat, self._shapes.stored):
-      validation.check_gradient_type(feature.where, grad)
+      structure_checks.check_gradient_type(feature.where, grad)
       if grad is not None and shape.rank and shape.is_fully_defined():
-        validation.check_gradient(
+        structure_checks.check_gradient(
             feature.where, grad,
             shape.as_list() + [self._tables[feature.table].config.dim])
     wrong = [(f, g) for f, g in zip(self._features, flat)

@@ -51,7 +51,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops
 
 from tpu_embed_ext.emulated_tpu import xla_check
-from tpu_embed_ext.emulation import validation
+from tpu_embed_ext.emulation import check_runner
 
 __all__ = ["replicas_compiled_separately", "replica_function", "check_host_enqueue"]
 
@@ -91,7 +91,7 @@ def replicas_compiled_separately():
   function being traced, and leaves XLA's control-flow context while
   ``strategy.run`` is traced (the engine then takes its non-XLA path).
   """
-  if tf.executing_eagerly() or not validation.in_xla_context():
+  if tf.executing_eagerly() or not check_runner.in_xla_context():
     yield
     return
   graph = ops.get_default_graph()
@@ -144,7 +144,7 @@ def run_eagerly_in_a_graph(strategy, fn, args, kwargs, options):
 
 def check_host_enqueue(replicas):
   """TensorFlow's XLA error for a host-side ``TPUEmbedding.enqueue`` under XLA."""
-  if tf.executing_eagerly() or not validation.in_xla_context():
+  if tf.executing_eagerly() or not check_runner.in_xla_context():
     return
   if replicas.in_replica_fn():
     return  # Inside strategy.run: outside compilation on a TPU.

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import tensorflow as tf
 
-from tpu_embed_ext.emulation import lookups, protocol, validation
+from tpu_embed_ext.emulation import check_runner, lookups, protocol
 
 __all__ = ["PartitionedBatch", "pack", "unpack"]
 
@@ -88,5 +88,5 @@ def unpack(partitioned: Dict[str, Any], feature_stacks: Sequence[str],
   verdict = None
   if checks is not None:
     ok, failure, per_item_ok = checks
-    verdict = validation.Verdict(ok, None, failure, per_item_ok)
+    verdict = check_runner.Verdict(ok, None, failure, per_item_ok)
   return protocol.Pending(feature_config, occurrences, verdict, True)

@@ -10,8 +10,9 @@ checkpoint keys. The work is done by the modules beside it:
 * ``payloads``: what each replica's ``apply_gradients`` hands on, and the
   step run once from all of them (native kernels or TensorFlow ops);
 * ``updates``: one table's step (per-id sums, update rules, writes);
-* ``validation``: ids, weights, gradients and structures, eagerly, in
-  graphs and under XLA;
+* ``checks`` (one row per check of input values, run eagerly, in graphs
+  and under XLA by ``check_runner``) and ``structure_checks`` (structures,
+  shapes and kinds, known when a step is traced);
 * ``replicas``: several replicas and workers under ``tf.distribute``;
 * ``protocol``: the pending batch of every replica between ``enqueue``,
   ``dequeue`` and ``apply_gradients``;
@@ -30,9 +31,10 @@ from tensorflow.python.trackable import autotrackable
 
 from tpu_embed_ext import errors, spec as spec_lib
 from tpu_embed_ext.host import memory
-from tpu_embed_ext.emulation import (lookups, native, payloads, protocol,
-                                      replicas, shapes, sparsecore_limits,
-                                      tables as tables_lib, validation)
+from tpu_embed_ext.emulation import (check_runner, lookups, native, payloads,
+                                      protocol, replicas, shapes,
+                                      sparsecore_limits, structure_checks,
+                                      tables as tables_lib)
 
 __all__ = ["CPUEmbedding"]
 
@@ -119,7 +121,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     with tf.init_scope(), self._replicas.single_copy_variables():
       _untracked(self, step=tf.Variable(0, dtype=tf.int64, trainable=False,
                                         name="step"),
-                 _failure=tf.Variable([0, 0, 0], dtype=tf.int64,
+                 _failure=tf.Variable([0] * check_runner.RECORD, dtype=tf.int64,
                                       trainable=False, name="failure"))
     feature_config = spec_lib.EmbeddingSpec.coerce(feature_config)
     if hasattr(feature_config, "feature_config"):  # An EmbeddingSpec.
@@ -243,7 +245,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
 
   def _native_step(self) -> bool:
     """Whether ops built now use the native kernels (never under XLA)."""
-    return self._kernels == "native" and not validation.in_xla_context()
+    return self._kernels == "native" and not check_runner.in_xla_context()
 
   def raise_if_failed(self):
     """Raises the InputError of a step that XLA could not stop (see class doc).
@@ -253,12 +255,11 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     """
     if not tf.executing_eagerly():
       return
-    kind, index, value = (int(x) for x in self._failure.numpy())
-    if not kind:
+    record = self._failure.numpy()
+    if not record[0]:
       return
-    self._failure.assign([0, 0, 0])
-    message = validation.failure_message(kind, index, value, self._features,
-                                         self._tables)
+    self._failure.assign([0] * check_runner.RECORD)
+    message = check_runner.failure_message(record, self._features, self._tables)
     raise errors.InputError(
         f"a step compiled with XLA was rejected and changed nothing: {message}")
 
@@ -338,7 +339,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     when traced; nothing is recorded.
     """
     self._replicas.check_not_compiled_across_devices()
-    validation.check_structure(
+    structure_checks.check_structure(
         self._feature_config, "features", features,
         "pass one entry per FeatureConfig "
         f"({', '.join(f.path for f in self._features)}), in the same "
@@ -346,7 +347,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     flat = tf.nest.flatten(features, expand_composites=False)
     flat_weights = [None] * len(flat)
     if weights is not None:
-      validation.check_structure(
+      structure_checks.check_structure(
           self._feature_config, "weights", weights,
           "give weights the structure of features (None entries allowed).")
       flat_weights = tf.nest.flatten(weights)
@@ -361,14 +362,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       self._shapes.record(batch_shapes)
     verdict = None
     if self._validate:
-      wheres = [f.where for f in self._features]
-      verdict = validation.combine([
-          validation.check_features([o.checks for o in occurrences]),
-          validation.check_weights(wheres, [o.weights_ok for o in occurrences]),
-          validation.check_ids(
-              wheres, [o.ids for o in occurrences],
-              [self._tables[f.table].config.vocabulary_size
-               for f in self._features])])
+      verdict = check_runner.batch_verdict(occurrences, self._features,
+                                           self._tables)
     if self._sparsecore is not None:
       occurrences = sparsecore_limits.keep(
           self._sparsecore, self._replicas, occurrences, verdict,
@@ -405,15 +400,15 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     tables_lib.check_trainable(self._tables, "apply_gradients()")
     # Upstream's order: the structure, then each gradient
     # (tpu_embedding_v2.py apply_gradients), then our pending batch.
-    validation.check_structure(
+    structure_checks.check_structure(
         self._feature_config, "gradients", gradients,
         "pass one gradient per feature, shaped like its activation (None "
         "means a zero gradient).")
     for feature, grad, shape in zip(self._features, tf.nest.flatten(gradients),
                                     self._shapes.stored):
-      validation.check_gradient_type(feature.where, grad)
+      structure_checks.check_gradient_type(feature.where, grad)
       if grad is not None and shape.rank and shape.is_fully_defined():
-        validation.check_gradient(
+        structure_checks.check_gradient(
             feature.where, grad,
             shape.as_list() + [self._tables[feature.table].config.dim])
     replica = self._local_replica("apply_gradients()")

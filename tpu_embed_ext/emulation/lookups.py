@@ -27,7 +27,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 import tensorflow as tf
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.emulation import validation
+from tpu_embed_ext.emulation import check_runner, checks, structure_checks
 
 __all__ = ["Occurrences", "as_ids", "input_shape", "output_shape",
            "feature_occurrences", "activation", "occurrence_gradients"]
@@ -47,11 +47,11 @@ class Occurrences(NamedTuple):
   num_rows: tf.Tensor         # scalar: rows of the [num_rows, dim] output
   shape: Any                  # the activation shape, without dim
   kept: Optional[tf.Tensor] = None  # [n] bool
-  # In a graph, whether the weights match the ids (validation.check_weights).
+  # In a graph, whether the weights match the ids (checks.WEIGHTS_LAYOUT).
   weights_ok: Optional[tf.Tensor] = None
-  # In a graph, the feature's own input checks (validation.check_features):
+  # In a graph, the feature's own input checks (check_runner.by_feature):
   # sparse indices, uint64 ids, finite weights.
-  checks: Tuple[validation.FeatureCheck, ...] = ()
+  checks: Tuple[check_runner.Verdict, ...] = ()
 
 
 def as_ids(where: str, x):
@@ -81,7 +81,7 @@ def input_shape(where: str, config, x) -> tf.TensorShape:
     if shape.rank is None or shape.rank < 2:
       raise errors.InputError(
           f"{where}: sparse ids must have rank >= 2 [batch, ..., ids], got "
-          f"shape {validation.listed(shape)}. Fix: add a batch dimension.")
+          f"shape {structure_checks.listed(shape)}. Fix: add a batch dimension.")
     dims = shape.as_list()
     # A sequence feature without output_shape gets its length inserted
     # before the ids dimension (rank 2 only; higher ranks ignore it).
@@ -93,7 +93,7 @@ def input_shape(where: str, config, x) -> tf.TensorShape:
     if x.shape.rank != 2:
       raise errors.InputError(
           f"{where}: ragged ids must have rank 2 [batch, (ids)], got shape "
-          f"{validation.listed(x.shape)}. Fix: merge the extra ragged dimensions, or pass a "
+          f"{structure_checks.listed(x.shape)}. Fix: merge the extra ragged dimensions, or pass a "
           "SparseTensor for more dimensions.")
     dims = x.shape.as_list()
     if not config.output_shape and config.max_sequence_length > 0:
@@ -103,10 +103,10 @@ def input_shape(where: str, config, x) -> tf.TensorShape:
   if not dims:
     raise errors.InputError(
         f"{where}: dense ids must have rank >= 1 [batch], got shape "
-        f"{validation.listed(x.shape)}. Fix: add a batch dimension.")
+        f"{structure_checks.listed(x.shape)}. Fix: add a batch dimension.")
   if len(dims) > 1 and dims[-1] != 1:
     raise errors.InputError(
-        f"{where}: dense ids of shape {validation.listed(x.shape)} have a last dimension of "
+        f"{where}: dense ids of shape {structure_checks.listed(x.shape)} have a last dimension of "
         f"{dims[-1]}, but TPUEmbedding needs dense ids of rank >= 2 to end in "
         "a dimension of 1, which it drops ([batch, 1] -> [batch, dim]); it "
         "does not combine several dense ids per row, and padding ids would "
@@ -127,7 +127,7 @@ def output_shape(where: str, config, shape: tf.TensorShape) -> tf.TensorShape:
   """
   if shape.rank is None or shape.rank < 1:
     raise errors.InputError(
-        f"{where}: input shape {validation.listed(shape)} must have rank >= 1. Fix: give "
+        f"{where}: input shape {structure_checks.listed(shape)} must have rank >= 1. Fix: give "
         "[batch, ...] shapes to build(per_replica_input_shapes=...).")
   dims = shape.as_list()
   if (len(dims) == 2 and dims[-1] != 1 and not config.output_shape
@@ -143,7 +143,7 @@ def feature_occurrences(where: str, config, x, w, check: bool,
 
   ``where`` names the feature and table in errors; ``check`` enables the
   checks of weights against ids (eagerly they raise; in a graph their
-  outcome is ``weights_ok``, for ``validation.check_weights``); ``shape`` is the feature's
+  outcome is ``weights_ok``, for ``checks.WEIGHTS_LAYOUT``); ``shape`` is the feature's
   activation shape without ``dim`` (a ``TensorShape``, see ``output_shape``);
   its unknown dimensions are read from ``x`` when the batch runs.
 
@@ -166,7 +166,7 @@ def feature_occurrences(where: str, config, x, w, check: bool,
   v2 = engine == "v2"
   if w is not None and isinstance(x, tf.Tensor) and not v2:
     raise errors.InputError(
-        f"Weight specified for dense input {validation.feature_path(where)}, "
+        f"Weight specified for dense input {structure_checks.feature_path(where)}, "
         "which is not allowed. Weight will always be 1 in this case. "
         f"{where}: weights were given for a dense id tensor. Fix: pass the "
         "ids as a RaggedTensor or SparseTensor to weight them.")
@@ -180,14 +180,14 @@ def feature_occurrences(where: str, config, x, w, check: bool,
         "drop them.")
   if w is not None and type(w) is not type(x):
     tf_phrase = "" if v2 else (
-        f"Weight for {validation.feature_path(where)} is type {type(w)} which "
+        f"Weight for {structure_checks.feature_path(where)} is type {type(w)} which "
         f"does not match type input which is {type(x).__name__}. ")
     raise errors.InputError(
         f"{tf_phrase}{where}: weights are a {type(w).__name__} but ids a "
         f"{type(x).__name__}. Fix: give weights the ids' type and layout.")
-  checks: List[validation.FeatureCheck] = []
+  own: List[check_runner.Verdict] = []
   if x.dtype == tf.uint64:
-    x = _signed(where, config, x, check, checks)
+    x = _signed(where, config, x, check, own)
   shape = _runtime_dims(x, tf.TensorShape(shape))
   if v2 and isinstance(x, tf.RaggedTensor) and x.shape[0] is not None:
     _check_count(where, "rows of ragged ids", x.shape[0], shape)
@@ -196,47 +196,56 @@ def feature_occurrences(where: str, config, x, w, check: bool,
     if x.shape.is_fully_defined() and _is_static(shape):
       _check_count(where, "ids", x.shape.num_elements(), shape)
     if w is not None:  # v2: one weighted id per sample.
-      w = _weights(where, tf.reshape(w, [-1]), check, checks)
+      w = _weights(where, tf.reshape(w, [-1]), check, own)
       return _combined(config, tf.cast(ids, tf.int64),
                        tf.range(tf.size(ids, out_type=tf.int64)), w,
                        tf.size(ids, out_type=tf.int64), shape
-                       )._replace(checks=tuple(checks))
+                       )._replace(checks=tuple(own))
     occ = Occurrences(ids, None, None, tf.size(ids), shape)
   else:
     if check and isinstance(x, tf.SparseTensor):
       # Every op that reads a row computed from the indices waits for the
       # check (a combiner's segment sums, the gradients' gather).
-      indices = _gated(x.indices, validation.check_sparse_indices(where, x), checks)
+      indices = _gated(x.indices, check_runner.run(checks.SPARSE_INDICES, [
+          check_runner.Item(tf.convert_to_tensor(x.indices, tf.int64),
+                            (tf.convert_to_tensor(x.dense_shape, tf.int64),),
+                            {"where": where})]), own)
       x = tf.SparseTensor(indices, x.values, x.dense_shape)
     weights_ok, weight = None, None
     if w is not None:
-      weight = _weights(where, w.values, check, checks)
+      weight = _weights(where, w.values, check, own)
       if check:
-        weights_ok = validation.weights_layout_ok(where, x, w)
+        weights_ok = structure_checks.weights_layout_ok(where, x, w)
+        if tf.executing_eagerly():
+          check_runner.run(checks.WEIGHTS_LAYOUT, [check_runner.Item(
+              weights_ok, names={"where": where})])  # raises if not
+          weights_ok = None
       if weights_ok is not None:
         # Checked when the step runs; until then, one weight per id.
-        weight = validation.aligned_weights(weight, tf.size(x.values, tf.int64))
+        weight = structure_checks.aligned_weights(weight,
+                                                  tf.size(x.values, tf.int64))
     if isinstance(x, tf.RaggedTensor):
       occ = _ragged(where, config, x, weight, shape, native)
     else:
       occ = _sparse(where, config, x, weight, shape)
     occ = occ._replace(weights_ok=weights_ok)
-  return occ._replace(ids=tf.cast(occ.ids, tf.int64), checks=tuple(checks))
+  return occ._replace(ids=tf.cast(occ.ids, tf.int64), checks=tuple(own))
 
 
-def _gated(tensor, feature_check, checks: list):
-  """``tensor``, read only once ``feature_check`` passed (in a graph; its
-  assertion is None eagerly, where the check raised, and under XLA)."""
-  if feature_check is None:
+def _gated(tensor, verdict, own: list):
+  """``tensor``, read only once the feature's check passed (in a graph;
+  ``verdict`` is None eagerly, where the check raised; its assertion is None
+  under XLA)."""
+  if verdict is None:
     return tensor
-  checks.append(feature_check)
-  if feature_check.assertion is None:
+  own.append(verdict)
+  if verdict.assertion is None:
     return tensor
-  with tf.control_dependencies([feature_check.assertion]):
+  with tf.control_dependencies([verdict.assertion]):
     return tf.identity(tensor)
 
 
-def _weights(where, values, check: bool, checks: list) -> tf.Tensor:
+def _weights(where, values, check: bool, own: list) -> tf.Tensor:
   """Weights as float32, checked as inputs of the feature: numbers, finite."""
   if not (values.dtype.is_floating or values.dtype.is_integer):
     raise errors.InputError(
@@ -245,17 +254,20 @@ def _weights(where, values, check: bool, checks: list) -> tf.Tensor:
   values = tf.cast(values, tf.float32)
   if not check:
     return values
-  return _gated(values, validation.check_weights_finite(where, values), checks)
+  return _gated(values, check_runner.run(checks.WEIGHTS_FINITE, [
+      check_runner.Item(values, names={"where": where})]), own)
 
 
-def _signed(where, config, x, check: bool, checks: list):
+def _signed(where, config, x, check: bool, own: list):
   """uint64 ids as int64, checked first: one of 2^63 or more would read as a
   negative id (and be reported as one). Past the check (or under XLA, where
   the step is rejected) such an id saturates at 2^63 - 1."""
   values = x if isinstance(x, tf.Tensor) else x.values
   if check:
-    values = _gated(values, validation.check_unsigned_ids(
-        where, values, config.table.vocabulary_size), checks)
+    vocab = config.table.vocabulary_size
+    values = _gated(values, check_runner.run(checks.UNSIGNED_IDS, [
+        check_runner.Item(values, (vocab,), {"where": where, "vocab": vocab})]),
+                    own)
   values = tf.cast(tf.minimum(values, tf.constant(2 ** 63 - 1, tf.uint64)), tf.int64)
   if isinstance(x, tf.Tensor):
     return values
@@ -303,7 +315,7 @@ def _ragged(where, config, x, weight, shape, native=False) -> Occurrences:
                      config.max_sequence_length, shape)
   size = _prod(shape) if _is_static(shape) else None
   if static_batch is None or size is None or size == static_batch:
-    if native and not validation.in_xla_context():
+    if native and not check_runner.in_xla_context():
       from tpu_embed_ext.emulation.native import lookup as native_lookup  # pylint: disable=import-outside-toplevel
       rows, gains = native_lookup.ragged_gains(x.row_splits, weight,
                                                config.table.combiner)
@@ -363,7 +375,7 @@ def _sequence(ids, row, col, batch, length, shape) -> Occurrences:
   """Sequence lookups: position col of row lands in output row*length+col."""
   keep = col < length
   num_rows = tf.cast(batch, tf.int64) * length
-  if validation.in_xla_context():
+  if check_runner.in_xla_context():
     zero = tf.zeros_like(ids)
     return Occurrences(tf.where(keep, ids, zero),
                        tf.where(keep, row * length + col, tf.zeros_like(row)),

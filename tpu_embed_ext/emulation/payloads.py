@@ -1,7 +1,7 @@
 """A training step's inputs: what each replica's ``apply_gradients`` hands on,
 and the step run once from the payloads of every replica.
 
-A payload is the replica's batch verdict (``validation.status``) plus either
+A payload is the replica's batch verdict (``check_runner.status``) plus either
 the native kernel's per-feature segments (``native.update.segment``) or, per
 table, the occurrence ids and gradients of every feature on it
 (``lookups.occurrence_gradients``). ``replicas.Replicas.merge`` gathers the
@@ -15,7 +15,8 @@ from typing import Any, Dict, List
 
 import tensorflow as tf
 
-from tpu_embed_ext.emulation import lookups, native, updates, validation
+from tpu_embed_ext.emulation import (check_runner, lookups, native,
+                                      structure_checks, updates)
 
 __all__ = ["uses_native", "build", "apply"]
 
@@ -45,12 +46,12 @@ def build(pending, gradients, tables, features, *, native_update: bool
   for feature, occ, grad in zip(features, pending.occurrences, gradients):
     dim = tables[feature.table].config.dim
     if grad is not None:
-      validation.check_gradient(feature.where, grad, list(occ.shape) + [dim])
+      structure_checks.check_gradient(feature.where, grad, list(occ.shape) + [dim])
     if native_update:
       segments.append(native.update.segment(occ, grad, dim))
     else:
       per_table[feature.table].append(lookups.occurrence_gradients(occ, grad, dim))
-  status = validation.status(pending.verdict)
+  status = check_runner.status(pending.verdict)
   if native_update:
     return {"status": status, "segments": segments}
   return {"status": status,

@@ -36,7 +36,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.emulation import lookups, validation
+from tpu_embed_ext.emulation import check_runner, lookups
 
 __all__ = ["Pending", "Batches", "route"]
 
@@ -45,7 +45,7 @@ class Pending(NamedTuple):
   """One replica's enqueued batch."""
   features: Any
   occurrences: List[lookups.Occurrences]
-  verdict: Optional[validation.Verdict]  # the input checks (None when eager)
+  verdict: Optional[check_runner.Verdict]  # the input checks (None when eager)
   training: bool
   graph: Any = None        # where it was enqueued (None: eagerly)
   delivered: bool = False  # dequeued, or handed to apply_gradients

@@ -28,7 +28,7 @@ from tensorflow.python.distribute import distribute_lib, values_util
 from tensorflow.python.ops import resource_variable_ops
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.emulation import validation
+from tpu_embed_ext.emulation import check_runner
 
 __all__ = ["Replicas", "check_strategy"]
 
@@ -92,7 +92,7 @@ class Replicas:
     resource devices (plain Keras models fail the same way). Said here
     first, with the fix.
     """
-    if self.num_local > 1 and validation.in_xla_context():
+    if self.num_local > 1 and check_runner.in_xla_context():
       raise errors.ConfigError(
           f"XLA (jit_compile=True) around {self.num_local} "
           f"{type(self.strategy).__name__} replicas cannot run on CPU: XLA "

@@ -17,7 +17,7 @@ from typing import List
 import tensorflow as tf
 from tensorflow.python.util import nest
 
-from tpu_embed_ext.emulation import lookups, validation
+from tpu_embed_ext.emulation import lookups, structure_checks
 
 __all__ = ["OutputShapes"]
 
@@ -39,7 +39,7 @@ class OutputShapes:
     incoming = None
     if per_replica_input_shapes is not None and not isinstance(
         per_replica_input_shapes, int):
-      validation.check_structure(
+      structure_checks.check_structure(
           [None] * len(self._features), "per_replica_input_shapes",
           nest.flatten(per_replica_input_shapes),
           "give one shape per FeatureConfig, in its flattened order.")
@@ -54,7 +54,7 @@ class OutputShapes:
       self.record(self._checked(incoming, self.stored, strict=True))
     for feature, shape in zip(self._features, self.stored):
       if shape:
-        validation.check_fully_defined(feature.where, shape)
+        structure_checks.check_fully_defined(feature.where, shape)
 
   def for_batch(self, flat_ids, strict: bool, engine: str) -> List[tf.TensorShape]:
     """The activation shapes of a batch of ids (one entry per feature).
@@ -89,9 +89,9 @@ class OutputShapes:
                stored: List[tf.TensorShape], strict: bool) -> List[tf.TensorShape]:
     """``incoming`` checked against ``stored``; a shape already set wins."""
     for feature, old, new in zip(self._features, stored, incoming):
-      validation.check_output_shape(feature.where, old, new)
+      structure_checks.check_output_shape(feature.where, old, new)
       if strict:
-        validation.check_fully_defined(feature.where, old or new)
+        structure_checks.check_fully_defined(feature.where, old or new)
     return [old if old else new for old, new in zip(stored, incoming)]
 
   def record(self, shapes: List[tf.TensorShape]):

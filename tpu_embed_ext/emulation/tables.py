@@ -27,7 +27,7 @@ from tpu_embed_ext.spec import (names as derived_names, schedules as
                                 learning_rates, optimizers)
 from tpu_embed_ext import errors
 from tpu_embed_ext.tf import optimizers as tf_optimizers
-from tpu_embed_ext.emulation import validation
+from tpu_embed_ext.emulation import structure_checks
 
 __all__ = ["Table", "Feature", "resolve_all", "resolve", "slot_names", "check_trainable", "name_of",
            "create_variables", "check_checkpoint"]
@@ -75,7 +75,7 @@ def resolve_all(feature_config, optimizer, engine: str
         raise errors.ConfigError(
             f"{feature.where}: TPUEmbeddingV2 (SparseCore) needs a fully "
             "defined FeatureConfig.output_shape, got "
-            f"{validation.listed(tf.TensorShape(feature.config.output_shape))}. "
+            f"{structure_checks.listed(tf.TensorShape(feature.config.output_shape))}. "
             "Fix: set output_shape (e.g. [per_replica_batch]), or emulate "
             'TPUEmbedding with engine="v1".')
   names = [t.name for t in tables]

@@ -23,9 +23,10 @@ import tensorflow as tf
 
 from tpu_embed_ext import errors
 from tpu_embed_ext.spec import schedules as rates_lib, optimizers
-from tpu_embed_ext.emulation import update_rules, validation
+from tpu_embed_ext.emulation import check_runner, checks, update_rules
 
-__all__ = ["Update", "apply_step", "prepare", "learning_rate", "learning_rates"]
+__all__ = ["Update", "apply_step", "prepare", "learning_rate", "learning_rates",
+           "finite_verdicts"]
 
 
 class Update(NamedTuple):
@@ -69,12 +70,9 @@ def apply_step(payloads, tables, *, engine: str, validate: bool,
     # Each check's assertion runs after the one before: the first failure's
     # message is the one raised (a rate of 1e30 also overflows the update).
     after = rate_verdict.assertion if rate_verdict is not None else None
-    verdicts.append(validation.check_finite(names, [[u.grads] for u in planned],
-                                            after=after))
-    verdicts.append(validation.check_finite(
-        names, [list(u.values) for u in planned], validation.NOT_FINITE_UPDATE,
-        [["parameters", *spec.slot_names] for _, spec, _ in tables],
-        after=verdicts[-1].assertion if verdicts[-1] is not None else None))
+    verdicts += [v for v in finite_verdicts(
+        names, [u.grads for u in planned], [list(u.values) for u in planned],
+        [spec.slot_names for _, spec, _ in tables], after) if v is not None]
 
   def write(accept=None):
     with tf.control_dependencies([w for w in (u.write(accept) for u in planned)
@@ -102,15 +100,35 @@ def apply_step(payloads, tables, *, engine: str, validate: bool,
     write()
 
 
+def finite_verdicts(names, grads, values, slot_names, after=None):
+  """Verdicts (None eagerly, where they raise) that every table's
+  ``grads`` and the ``values`` it would write into its parameters and each
+  of its ``slot_names`` are finite. Each assertion runs after the one
+  before (the first after ``after``): the first failure's message is the
+  one raised."""
+  checked = check_runner.run(checks.GRADIENT_FINITE, [
+      check_runner.Item(g, names={"table": n}, at=i)
+      for i, (n, g) in enumerate(zip(names, grads))], after=after)
+  variables = [(n, v, x) for n, vs, slots in zip(names, values, slot_names)
+               for v, x in zip(("parameters", *slots), vs)]
+  written = check_runner.run(checks.UPDATE_FINITE, [
+      check_runner.Item(x, names={"table": n, "variable": v}, at=i)
+      for i, (n, v, x) in enumerate(variables)],
+      after=checked.assertion if checked is not None else None)
+  return [checked, written]
+
+
 def learning_rates(names, specs):
   """``(rates, verdict)``: this step's rate of every table, and the check
-  that every callable's rate is in range (``validation.check_rates``: eagerly
-  it raises, naming the table, before anything is computed or written)."""
+  that every user's callable rate is in range (``checks.RATE_IN_RANGE``:
+  eagerly it raises, naming the table, before anything is computed or
+  written)."""
   cache = {}
   rates = [learning_rate(spec, cache) for spec in specs]
-  verdict = validation.check_rates(
-      names, [r if _unchecked_callable(s.learning_rate) else None
-              for s, r in zip(specs, rates)])
+  verdict = check_runner.run(checks.RATE_IN_RANGE, [
+      check_runner.Item(tf.cast(r, tf.float32), names={"table": n}, at=i)
+      for i, (n, s, r) in enumerate(zip(names, specs, rates))
+      if _unchecked_callable(s.learning_rate)])
   return rates, verdict
 
 
@@ -153,14 +171,14 @@ def prepare(spec, params, slot_vars, ids, grads, lr, *, engine: str,
     values = _apply(rule, old, g)
     return Update(g, values, functools.partial(_assign_all, variables, values, old))
   if engine == "v1" and not spec.use_gradient_accumulation:
-    if validation.in_xla_context():
+    if check_runner.in_xla_context():
       raise errors.ConfigError(
           f"{where}: use_gradient_accumulation=False cannot be compiled with "
           "XLA by the emulator (its rounds of updates have data-dependent "
           "sizes). Fix: use jit_compile=False, or enable gradient "
           "accumulation (the default).")
     return _in_rounds(rule, variables, ids, grads)
-  if validation.in_xla_context():
+  if check_runner.in_xla_context():
     return _static(rule, variables, ids, grads)
   unique, index = tf.unique(ids)
   g = tf.math.unsorted_segment_sum(grads, index, tf.size(unique))

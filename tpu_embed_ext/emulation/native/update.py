@@ -13,7 +13,7 @@ operations in the same order, so the same numbers bit for bit
 (docs/native_kernels.md).
 
 A step that fails a check writes nothing; the op says which table and
-variable failed, and the engine's own checks (``validation.check_finite``)
+variable failed, and the engine's own checks (``updates.finite_verdicts``)
 then raise the usual message: ``InputError`` eagerly, the failed assertion
 inside ``tf.function``. The step counter advances only after the op
 accepted the step.
@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from tpu_embed_ext import errors
 from tpu_embed_ext.spec import optimizers
-from tpu_embed_ext.emulation import updates, validation
+from tpu_embed_ext.emulation import checks, updates
 from tpu_embed_ext.emulation.native import loader
 
 __all__ = ["Table", "segment", "apply_step"]
@@ -175,14 +175,17 @@ def apply_step(payloads, tables: Sequence[Table], feature_tables: Sequence[int],
   features of each: the order the TF-op path concatenates them in, so the
   per-id sums add in the same order. Returns the step's op in a graph.
   """
-  status = tf.concat([p["status"] for p in payloads], 0)
+  # The kernel reads [ok, kind, item, value] (it refuses a step that failed).
+  status = tf.concat([p["status"] for p in payloads], 0)[:, :4]
   segments = [s for p in payloads for s in p["segments"]]
   segment_table = [feature_tables[i % len(feature_tables)]
                    for i in range(len(segments))]
-  messages = [validation.ids_message(
-      feature_wheres[i % len(feature_wheres)],
-      tables[feature_tables[i % len(feature_tables)]].vocabulary_size, "{id}")
-      for i in range(len(segments))]
+  # The kernel checks ids itself when the engine's checks are off; it fills
+  # in {id}.
+  messages = [checks.IDS_IN_RANGE.message.format(
+      where=feature_wheres[i % len(feature_wheres)],
+      vocab=tables[feature_tables[i % len(feature_tables)]].vocabulary_size,
+      value="{id}") for i in range(len(segments))]
   rates, constant = _learning_rates(tables)
   grappler = _grappler()
   described = [_describe(t.optimizer, engine, grappler, c)
@@ -204,17 +207,14 @@ def apply_step(payloads, tables: Sequence[Table], feature_tables: Sequence[int],
     as assertions. Non-finite flags stand in for the tensors that failed."""
     names = [t.name for t in tables]
     flag = lambda ok: tf.where(ok, 0.0, float("nan"))
-    grads = [[flag(gradient_ok[i])] for i in range(len(tables))]
+    grads = [flag(gradient_ok[i]) for i in range(len(tables))]
     first, values = 0, []
     for t in tables:
       values.append([flag(update_ok[first + j]) for j in range(len(t.variables))])
       first += len(t.variables)
-    checked = validation.check_finite(names, grads)
-    written = validation.check_finite(
-        names, values, validation.NOT_FINITE_UPDATE,
-        [["parameters", *t.optimizer.slot_names] for t in tables],
-        after=checked.assertion if checked is not None else None)
-    return [v.assertion for v in (checked, written) if v is not None]
+    return [v.assertion for v in updates.finite_verdicts(
+        names, grads, values, [t.optimizer.slot_names for t in tables])
+            if v is not None]
 
   if tf.executing_eagerly():
     if not bool(accepted):
