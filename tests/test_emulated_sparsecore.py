@@ -18,6 +18,7 @@ import tpu_embed_ext as tee
 from tpu_embed_ext import errors
 from tpu_embed_ext.sparsecore import checkpoint_layouts, convert_checkpoint
 from tests.jobs import variables as checkpoint_values
+from tests import references
 
 api = tf.tpu.experimental.embedding
 REPLICAS, PER_REPLICA, STEPS, DIM = 2, 8, 3, 4
@@ -87,8 +88,9 @@ def _numpy_reference(batches=None):
           g[i] += activation - 1.0
       grads[name] = g
     for name, g in grads.items():  # a zero gradient changes no row
-      acc[name] += g ** 2
-      params[name] -= LR * g / np.sqrt(acc[name])
+      params[name], slots = references.update(
+          "adagrad", params[name], {"accumulators": acc[name]}, g, LR)
+      acc[name] = slots["accumulators"]
   return params, acc
 
 

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import tpu_embed_ext as tee
 from tpu_embed_ext.emulation import dispatch
+from tests import references
 
 api = tf.tpu.experimental.embedding
 
@@ -67,33 +68,25 @@ def _expected(update):
   return video, user
 
 
-def _adam(w, g, b1=0.9, b2=0.999, eps=1e-7):
-  m, v = (1 - b1) * g, (1 - b2) * g * g
-  return w - LR * m / np.sqrt(v + eps * eps)
-
-
-def _ftrl(w, g, acc0=0.1):  # BT golden: l1 = l2 = beta = 0, lr_power -0.5.
-  acc = acc0 + g * g
-  sigma = (np.sqrt(acc) - np.sqrt(acc0)) / LR
-  lin = g - sigma * w
-  return -lin / (np.sqrt(acc) / LR)
-
-
-def _adagrad_momentum(w, g):  # momentum .9, nesterov, exponent 3, eps .1, beta2 .9
-  acc = 0.1 * g * g
-  sg = (acc + 0.1) ** (-1 / 3) * g
-  mom = sg
-  return w - LR * (0.9 * mom + sg)
+def _one_step(name, **hparams):
+  """The reference's first step of ``name`` from its initial slots (TF's BT
+  goldens: ``tpu_embedding_v2_correctness_base_test``)."""
+  def update(w, g):
+    slots = references.initial_slots(name, w.shape, **hparams)
+    return references.update(name, w, slots, g, LR, **hparams)[0]
+  return update
 
 
 GOLDENS = {
-    "sgd": (api.SGD(LR), lambda w, g: w - LR * g),
-    "adagrad": (api.Adagrad(LR), lambda w, g: w - LR * g / np.sqrt(0.1 + g * g)),
-    "adam": (api.Adam(LR), _adam),
-    "ftrl": (api.FTRL(LR), _ftrl),
+    "sgd": (api.SGD(LR), _one_step("sgd")),
+    "adagrad": (api.Adagrad(LR), _one_step("adagrad")),
+    "adam": (api.Adam(LR), _one_step("adam")),
+    "ftrl": (api.FTRL(LR), _one_step("ftrl")),
     "adagrad_momentum": (api.AdagradMomentum(
         LR, momentum=0.9, use_nesterov=True, exponent=3, epsilon=0.1, beta2=0.9),
-                         _adagrad_momentum),
+                         _one_step("adagrad_momentum", momentum=0.9,
+                                   use_nesterov=True, exponent=3, epsilon=0.1,
+                                   beta2=0.9)),
 }
 
 
@@ -270,15 +263,15 @@ def test_without_gradient_accumulation_duplicates_update_in_rounds():
   # id 1 occurs twice (rows 0 and 1): two sequential Adagrad steps on it.
   _step(emb, [[1], [1, 2]], [[1.0, 2.0], [3.0, -1.0]])
   w0 = np.arange(12.).reshape(6, 2) / 10
-  acc, w = np.full(2, 0.1), w0[1].copy()
+  w, slots = w0[1], references.initial_slots("adagrad", 2)
   for g in (np.array([1.0, 2.0]), np.array([3.0, -1.0])):
-    acc = acc + g * g
-    w = w - 0.5 * g / np.sqrt(acc)
+    w, slots = references.update("adagrad", w, slots, g, 0.5)
   np.testing.assert_allclose(emb.variables["t"]["parameters"][1], w, rtol=1e-6)
-  np.testing.assert_allclose(emb.variables["t"]["accumulators"][1], acc, rtol=1e-6)
-  g2 = np.array([3.0, -1.0])
-  np.testing.assert_allclose(emb.variables["t"]["parameters"][2],
-                             w0[2] - 0.5 * g2 / np.sqrt(0.1 + g2 * g2), rtol=1e-6)
+  np.testing.assert_allclose(emb.variables["t"]["accumulators"][1],
+                             slots["accumulators"], rtol=1e-6)
+  w2, _ = references.update("adagrad", w0[2], references.initial_slots("adagrad", 2),
+                            np.array([3.0, -1.0]), 0.5)
+  np.testing.assert_allclose(emb.variables["t"]["parameters"][2], w2, rtol=1e-6)
 
 
 def test_non_lazy_adam_updates_every_row_lazy_only_touched():
@@ -291,12 +284,12 @@ def test_non_lazy_adam_updates_every_row_lazy_only_touched():
   # which leave m = v = 0 and w unchanged too.
   np.testing.assert_array_equal(lazy.variables["t"]["parameters"][5], w0[5])
   # Row 0, looked up at step 0 only: dense Adam keeps moving it at step 1.
-  m, v = 0.1 * 1.0, 0.001 * 1.0
-  w_after_0 = w0[0] - 0.1 * m / np.sqrt(v + 1e-14)
+  w_after_0, slots = references.update("adam", w0[0], references.initial_slots(
+      "adam", 2), np.ones(2), 0.1)
   np.testing.assert_allclose(lazy.variables["t"]["parameters"][0], w_after_0, rtol=1e-6)
-  m, v = 0.9 * m, 0.999 * v
-  np.testing.assert_allclose(dense.variables["t"]["parameters"][0],
-                             w_after_0 - 0.1 * m / np.sqrt(v + 1e-14), rtol=1e-6)
+  np.testing.assert_allclose(
+      dense.variables["t"]["parameters"][0],
+      references.update("adam", w_after_0, slots, np.zeros(2), 0.1)[0], rtol=1e-6)
 
 
 def test_sparsecore_engine_ignores_clipping_and_rejects_weight_decay():
@@ -322,9 +315,12 @@ def test_none_gradient_is_a_zero_gradient_on_touched_rows():
   emb.enqueue({"f": tf.ragged.constant([[0]], tf.int64)}, training=True)
   emb.dequeue()
   emb.apply_gradients({"f": None})
-  m, v = 0.9 * 0.1, 0.999 * 0.001  # Decayed moments still move row 0.
-  np.testing.assert_allclose(emb.variables["t"]["parameters"][0],
-                             before[0] - 0.1 * m / np.sqrt(v + 1e-14), rtol=1e-6)
+  # Decayed moments still move row 0 (the moments of step 0's gradient of 1).
+  _, slots = references.update("adam", before[0], references.initial_slots(
+      "adam", 2), np.ones(2), 0.1)
+  np.testing.assert_allclose(
+      emb.variables["t"]["parameters"][0],
+      references.update("adam", before[0], slots, np.zeros(2), 0.1)[0], rtol=1e-6)
   np.testing.assert_array_equal(emb.variables["t"]["parameters"][1:], before[1:])
 
 
@@ -629,17 +625,6 @@ def test_protocol_misuse_is_named_and_changes_nothing(case, mode):
       np.testing.assert_array_equal(after[key], before[key], err_msg=key)
 
 
-def _adagrad_reference(table, acc, ids, grad_rows, lr=0.1):
-  """numpy: per-id sums of the rows' gradients (sum combiner), one update each."""
-  sums = {}
-  for row, sample in enumerate(ids):
-    for i in sample:
-      sums[i] = sums.get(i, 0) + np.asarray(grad_rows[row], np.float64)
-  for i, g in sums.items():
-    acc[i] += g * g
-    table[i] -= lr * g / np.sqrt(acc[i])
-
-
 @pytest.mark.parametrize("mode", ["eager", "tf_function"])
 def test_rejected_apply_gradients_keeps_the_batch_for_a_corrected_retry(mode):
   """Wrong shape, wrong structure, non-tensor and NaN gradients are rejected with
@@ -647,7 +632,7 @@ def test_rejected_apply_gradients_keeps_the_batch_for_a_corrected_retry(mode):
   batch. Three steps against numpy Adagrad."""
   emb = _single_table(api.Adagrad(0.1))
   table = np.arange(12.).reshape(6, 2) / 10
-  acc = np.full((6, 2), 0.1)
+  slots = references.initial_slots("adagrad", (6, 2))
   wrap = (lambda f: f) if mode == "eager" else tf.function
   bad = [({"f": tf.ones([3, 2])}, tee.InputError,
           "feature 'f' (table 't'): gradient shape [3, 2] does not match its "
@@ -689,11 +674,13 @@ def test_rejected_apply_gradients_keeps_the_batch_for_a_corrected_retry(mode):
             emb.apply_gradients(g)
         emb.apply_gradients(gradients)
       tf.function(full)({"f": tf.constant(grad)})
-    _adagrad_reference(table, acc, ids, grad)
+    # numpy: per-id sums of the rows' gradients (sum combiner), one update each.
+    references.train_step("adagrad", table, slots, [i for s in ids for i in s],
+                          [g for s, g in zip(ids, grad) for _ in s], 0.1)
     np.testing.assert_allclose(emb.variables["t"]["parameters"].numpy(), table,
                                rtol=1e-6)
-    np.testing.assert_allclose(emb.variables["t"]["accumulators"].numpy(), acc,
-                               rtol=1e-6)
+    np.testing.assert_allclose(emb.variables["t"]["accumulators"].numpy(),
+                               slots["accumulators"], rtol=1e-6)
     assert int(emb.step.numpy()) == step + 1
 
 
@@ -913,12 +900,11 @@ def test_sparse_indices_outside_dense_shape_are_named_in_every_mode(case, combin
 def _adagrad_twice(combiner):
   """Two Adagrad(0.1) steps of ids [[1, 2], [3]] with dL/dact = 1 (numpy)."""
   table = np.arange(12.).reshape(6, 2) / 10
-  acc = np.full((6, 2), 0.1)
+  slots = references.initial_slots("adagrad", (6, 2))
   gain = {1: 1.0, 2: 1.0, 3: 1.0} if combiner == "sum" else {1: 0.5, 2: 0.5, 3: 1.0}
   for _ in range(2):
-    for i, g in gain.items():
-      acc[i] += g * g
-      table[i] -= 0.1 * g / np.sqrt(acc[i])
+    references.train_step("adagrad", table, slots, list(gain),
+                          [np.full(2, g) for g in gain.values()], 0.1)
   return table
 
 
@@ -1008,11 +994,11 @@ def test_a_keras_schedule_as_learning_rate_follows_the_engine_step(kind, mode):
     emb.apply_gradients({"f": tf.ones_like(acts["f"])})
 
   run = tf.function(step) if mode == "tf_function" else step
-  want, acc = np.zeros(2), np.full(2, 0.1)
+  want, slots = np.zeros(2), references.initial_slots("adagrad", 2)
   for t in range(4):
     run()
-    acc += 1.0
-    want -= 0.1 * 0.5 ** (t / 2) / np.sqrt(acc)
+    want, slots = references.update("adagrad", want, slots, np.ones(2),
+                                    0.1 * 0.5 ** (t / 2))
     np.testing.assert_allclose(emb.variables["t"]["parameters"].numpy()[[1, 4]],
                                [want, want], rtol=1e-6)
 

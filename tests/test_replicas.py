@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tests import test_engine, test_engine_contract as contract
+from tests import references, test_engine, test_engine_contract as contract
 
 api = tf.tpu.experimental.embedding
 
@@ -186,20 +186,21 @@ SPEC = {
     "features": {f"f_{t}": {"table": t} for t in
                  ("ada", "sgd_t", "mom", "adam_t", "ftrl_t")},
 }
-# table: (numpy rule, hyperparameters, slots and their initial values)
+# table: (optimizer in tests/references.py, hyperparameters, slots and their
+# initial values)
 RULES = {
-    "ada": (contract.ref_adagrad, {}, {"accumulators": 0.2}),
-    "sgd_t": (contract.ref_sgd, {}, {}),
-    "mom": (contract.ref_adagrad_momentum,
+    "ada": ("adagrad", {}, {"accumulators": 0.2}),
+    "sgd_t": ("sgd", {}, {}),
+    "mom": ("adagrad_momentum",
             {"momentum": 0.9, "use_nesterov": True, "exponent": 3.0, "beta2": 0.9,
              "epsilon": 0.1}, {"accumulators": 0.0, "momenta": 0.0}),
-    "adam_t": (contract.ref_adam, {"beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-3,
-                                   "sum_inside_sqrt": True},
+    "adam_t": ("adam", {"beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-3,
+                        "sum_inside_sqrt": True},
                {"momenta": 0.0, "velocities": 0.0}),
-    "ftrl_t": (contract.ref_ftrl, {"learning_rate_power": -0.5,
-                                   "l1_regularization_strength": 0.01,
-                                   "l2_regularization_strength": 0.02, "beta": 0.1,
-                                   "multiply_linear_by_learning_rate": False},
+    "ftrl_t": ("ftrl", {"learning_rate_power": -0.5,
+                        "l1_regularization_strength": 0.01,
+                        "l2_regularization_strength": 0.02, "beta": 0.1,
+                        "multiply_linear_by_learning_rate": False},
                {"accumulators": 0.1, "linears": 0.0}),
 }
 SCHEDULED = {"ada", "sgd_t", "adam_t"}
@@ -235,7 +236,7 @@ def test_ids_in_one_or_several_replicas_are_updated_once_with_the_summed_gradien
         for r in range(2)]),))
     # numpy: per-id sums over both replicas, one update per touched id.
     lr_decay = 0.2 * 0.7 ** (t / 3)
-    for table, (rule, hparams, _) in RULES.items():
+    for table, (optimizer, hparams, _) in RULES.items():
       name = f"f_{table}"
       grads = {}
       for r in range(2):
@@ -245,8 +246,9 @@ def test_ids_in_one_or_several_replicas_are_updated_once_with_the_summed_gradien
             grads[i] = grads.get(i, 0) + act + constant[name][r, b]
       lr = lr_decay if table in SCHEDULED else 0.1
       for i, g in grads.items():
-        w, slots = rule(E[table][i], {s: S[table][s][i] for s in S[table]}, g, lr,
-                        hparams)
+        w, slots = references.update(
+            optimizer, E[table][i], {s: S[table][s][i] for s in S[table]}, g, lr,
+            **hparams)
         E[table][i] = np.clip(w, -0.6, 0.6) if table == "sgd_t" else w
         for s, v in slots.items():
           S[table][s][i] = v

@@ -22,7 +22,8 @@
 //      training ops do, training_op_helpers.h), so no reader sees a row in
 //      between.
 // A step that fails a check changes nothing and says which table and
-// variable failed (outputs); update.py raises the engine's usual messages.
+// variable failed (outputs); the step's pipeline (step_pipeline.py) raises
+// the engine's usual messages.
 
 #ifndef EIGEN_USE_THREADS
 #define EIGEN_USE_THREADS
@@ -58,7 +59,10 @@ namespace {
 
 using CPUDevice = Eigen::ThreadPoolDevice;
 
-// Keep in sync with update.py (_KINDS, _MODES, _FLAGS, _PARAMS).
+// Keep in sync with optimizer_rows.py: one Kind per row (its native_kind),
+// and the Mode, Flag and Param constants there. A row's native_params fill
+// kA, kB, ... and its native_flags set its own flags; its case in ApplyRow
+// reads them.
 enum Kind { kSGD = 0, kAdagrad = 1, kAdagradMomentum = 2, kAdam = 3, kFTRL = 4 };
 enum Mode { kSums = 0, kRounds = 1, kEveryRow = 2 };
 enum Flag {
@@ -66,13 +70,13 @@ enum Flag {
   kWeightMin = 16, kWeightMax = 32, kBeta2IsOne = 64, kNesterov = 128,
   kSumInsideSqrt = 256, kLinearTimesLr = 512, kL1 = 1024,
   // Inside tf.function, Grappler rewrites the TF-op path's arithmetic
-  // before it runs; update.py sets these when it would (see GraphPow).
+  // before it runs; update.py sets these when it would (see PowLikeTf).
   kGraphPow = 2048,       // arithmetic optimizer: pow(x, c) for some c
   kRsqrtMul = 4096,       // arithmetic optimizer: x / sqrt(y) -> x * rsqrt(y)
   kReciprocalLr = 8192,   // constant folding: x / lr -> x * (1 / lr)
 };
-// Per-table float parameters (update.py computes each as TensorFlow rounds
-// it: a Python expression first, then float32).
+// Per-table float parameters (optimizer_rows.py computes each as
+// TensorFlow rounds it: a Python expression first, then float32).
 enum Param {
   kClipLowValue = 0, kClipHighValue, kDecayValue, kWeightMinValue,
   kWeightMaxValue, kA, kB, kC, kD, kE, kF, kNumParams
