@@ -126,10 +126,13 @@ def _constant_name(camel):
   return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", camel).upper()
 
 
+def _source():
+  return (pathlib.Path(native.__file__).parent / "update_op.cc").read_text()
+
+
 def _cc_enum(name):
   """update_op.cc's ``enum name``: Python constant name -> value."""
-  source = (pathlib.Path(native.__file__).parent / "update_op.cc").read_text()
-  body = re.search(r"enum %s \{(.*?)\};" % name, source, re.S).group(1)
+  body = re.search(r"enum %s \{(.*?)\};" % name, _source(), re.S).group(1)
   body = re.sub(r"//[^\n]*", "", body)
   values, last = {}, -1
   for entry in filter(None, (e.strip() for e in body.split(","))):
@@ -141,8 +144,13 @@ def _cc_enum(name):
 
 def test_the_kernels_enums_agree_with_the_row_table():
   kinds = _cc_enum("Kind")
+  assert kinds.pop("NUM_KINDS") == len(optimizer_rows.ROWS)
   assert kinds == {_constant_name(row.spec.__name__): row.native_kind
                    for row in optimizer_rows.ROWS.values()}
+  slots = re.search(r"kNumSlots\[kNumKinds\] = \{(.*?)\}", _source()).group(1)
+  assert [int(n) for n in slots.split(",")] == [
+      len(row.slot_names) for row in sorted(optimizer_rows.ROWS.values(),
+                                            key=lambda r: r.native_kind)]
   for enum in ("Mode", "Flag"):
     for key, value in _cc_enum(enum).items():
       assert getattr(optimizer_rows, key) == value, key

@@ -59,11 +59,14 @@ namespace {
 
 using CPUDevice = Eigen::ThreadPoolDevice;
 
-// Keep in sync with optimizer_rows.py: one Kind per row (its native_kind),
-// and the Mode, Flag and Param constants there. A row's native_params fill
-// kA, kB, ... and its native_flags set its own flags; its case in ApplyRow
-// reads them.
-enum Kind { kSGD = 0, kAdagrad = 1, kAdagradMomentum = 2, kAdam = 3, kFTRL = 4 };
+// Keep in sync with optimizer_rows.py: one Kind per row (its native_kind)
+// with its number of slots, and the Mode, Flag and Param constants there. A
+// row's native_params fill kA, kB, ... and its native_flags set its own
+// flags; its case in ApplyRow reads them (tests/test_optimizer_rows.py
+// compares these enums with the rows).
+enum Kind { kSGD = 0, kAdagrad = 1, kAdagradMomentum = 2, kAdam = 3, kFTRL = 4,
+            kNumKinds };
+constexpr int kNumSlots[kNumKinds] = {0, 1, 2, 2, 2};  // by Kind
 enum Mode { kSums = 0, kRounds = 1, kEveryRow = 2 };
 enum Flag {
   kClipLow = 1, kClipHigh = 2, kDecay = 4, kDecayTimesLr = 8,
@@ -113,8 +116,6 @@ REGISTER_OP("TpuEmbedExtApplyStep")
       c->set_output(2, c->Vector(num_variables));
       return absl::OkStatus();
     });
-
-int NumSlots(int kind) { return kind == kSGD ? 0 : (kind == kAdagrad ? 1 : 2); }
 
 // Id -> slot (first-occurrence order); open addressing over one array of
 // {key, slot, stamp} entries (one cache line per probe), cleared in O(1) by
@@ -508,10 +509,10 @@ class ApplyStepOp : public OpKernel {
                 errors::InvalidArgument("segment attributes disagree in length"));
     int variables = 0;
     for (size_t i = 0; i < t; ++i) {
-      OP_REQUIRES(c, kind_[i] >= kSGD && kind_[i] <= kFTRL &&
+      OP_REQUIRES(c, kind_[i] >= 0 && kind_[i] < kNumKinds &&
                          mode_[i] >= kSums && mode_[i] <= kEveryRow,
                   errors::InvalidArgument("bad optimizer kind or mode"));
-      variables += 1 + NumSlots(kind_[i]);
+      variables += 1 + kNumSlots[kind_[i]];
     }
     OP_REQUIRES(c, variables == num_variables_,
                 errors::InvalidArgument("num_variables does not match the tables"));
@@ -567,7 +568,7 @@ class ApplyStepOp : public OpKernel {
       t.p = params_.data() + i * kNumParams;
       t.lr = lr_t.flat<float>()(i);
       t.first_variable = next_variable;
-      t.num_variables = 1 + NumSlots(t.kind);
+      t.num_variables = 1 + kNumSlots[t.kind];
       next_variable += t.num_variables;
       t.segments.clear();
       const Tensor* w = vars[t.first_variable]->tensor();
