@@ -407,8 +407,8 @@ def test_enqueue_per_device_equals_the_per_replica_path(replicas):
         for i in row:  # d(sum act^2)/d act = 2 act, spread by the mean
           grads[i] = grads.get(i, 0) + 2 * act / len(row)
     for i, g in grads.items():  # lazy TPU Adam: touched rows only
-      table[i], slots = contract.ref_adam(
-          table[i], {"momenta": m[i], "velocities": v[i]}, g, 0.1, ADAM)
+      table[i], slots = references.update(
+          "adam", table[i], {"momenta": m[i], "velocities": v[i]}, g, 0.1, **ADAM)
       m[i], v[i] = slots["momenta"], slots["velocities"]
     for engine in (per_replica, per_device):
       np.testing.assert_allclose(engine.variables["video"]["parameters"].numpy(),
@@ -493,8 +493,8 @@ def test_protocol_misuse_and_retry_under_two_replicas():
         grads[i] = grads.get(i, 0) + 1.0 / len(row)
   table = before["parameters"].astype(np.float64)
   for i, g in grads.items():
-    table[i], _ = contract.ref_adam(table[i], {"momenta": 0.0, "velocities": 0.0},
-                                    g, 0.1, ADAM)
+    table[i], _ = references.update(
+        "adam", table[i], {"momenta": 0.0, "velocities": 0.0}, g, 0.1, **ADAM)
   np.testing.assert_allclose(engine.variables["video"]["parameters"].numpy(), table,
                              rtol=1e-5)
   with pytest.raises(tee.InputError, match=re.escape(
