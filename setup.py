@@ -35,7 +35,7 @@ setuptools.setup(
     + ["tpu_embed_ext.configs"],
     # The shipped configs stay in the clone's top-level configs/ and install as
     # tpu_embed_ext/configs/, so `--config tiny` works wherever the package
-    # is installed (tpu_embed_ext/config_files.py: shipped_configs).
+    # is installed (tpu_embed_ext/spec/files.py: shipped_configs).
     package_dir={"tpu_embed_ext.configs": "configs"},
     # The native kernels' sources, compiled on first use against the
     # installed TensorFlow (tpu_embed_ext/emulation/native/loader.py).
@@ -81,7 +81,7 @@ setuptools.setup(
             *_DOCS,
         ],
     },
-    entry_points={"console_scripts": ["tpu-embed=tpu_embed_ext.__main__:run"],
+    entry_points={"console_scripts": ["tpu-embed=tpu_embed_ext.cli.main:run"],
                   # `pytest --emulate-tpu=N` and the emulated_tpu fixture.
                   "pytest11": ["tpu_embed_ext = tpu_embed_ext.emulated_tpu.pytest_plugin"]},
 )

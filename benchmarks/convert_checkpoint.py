@@ -30,7 +30,7 @@ import tempfile
 import numpy as np
 
 from benchmarks.run_all import HERE, _run_python
-from tpu_embed_ext import atomic
+from tpu_embed_ext.host import atomic
 
 _PRELUDE = (
     "import time, json\n"

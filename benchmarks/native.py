@@ -188,7 +188,7 @@ def fit(repeats: int, warmup: int, batch: int = 1024):
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   import tpu_embed_ext as tee  # pylint: disable=import-outside-toplevel
   from tpu_embed_ext.emulation import native  # pylint: disable=import-outside-toplevel
-  from tpu_embed_ext.model import RankingModel  # pylint: disable=import-outside-toplevel
+  from tpu_embed_ext.keras.model import RankingModel  # pylint: disable=import-outside-toplevel
   spec = tee.EmbeddingSpec.from_file(os.path.join(os.path.dirname(HERE),
                                                   "configs", "ranking.yaml"))
   rng = np.random.default_rng(0)
@@ -240,7 +240,7 @@ def _keras_ranking(spec, multi, loss):
   """RankingModel's architecture on keras.layers.Embedding + one Keras Adagrad."""
   import keras  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tpu_embed_ext import model as model_lib  # pylint: disable=import-outside-toplevel
+  from tpu_embed_ext.keras import model as model_lib  # pylint: disable=import-outside-toplevel
   tables = {t.name: t for t in spec.tables}
 
   class KerasRanking(keras.Model):
@@ -287,7 +287,7 @@ def _call(function: str, *args) -> dict:
 
 
 def main():
-  from tpu_embed_ext import atomic  # pylint: disable=import-outside-toplevel
+  from tpu_embed_ext.host import atomic  # pylint: disable=import-outside-toplevel
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--optimizers", default="sgd,adagrad,adam,ftrl")

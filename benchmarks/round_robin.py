@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from tpu_embed_ext import atomic
+from tpu_embed_ext.host import atomic
 
 __all__ = ["time_steps", "write_section", "write_json"]
 

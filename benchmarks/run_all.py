@@ -36,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from benchmarks import workloads
-from tpu_embed_ext import atomic
+from tpu_embed_ext.host import atomic
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MARK = "<!-- results -->"

@@ -72,7 +72,7 @@ os.dup2(log_file.fileno(), 2)  # the C++ lines, while the libraries load
 try:
   import tensorflow as tf
   import tensorflow_datasets as tfds
-  import tpu_embed_ext.train
+  import tpu_embed_ext.job
 finally:
   os.dup2(stderr_fd, 2)
   os.close(stderr_fd)

@@ -51,7 +51,7 @@ extra = [
   ("no checkpoint reads back", "CheckpointError (CLI: one line, exit 2)", "no checkpoint in <dir>/checkpoints can be read (<dir>/checkpoints/ckpt-10.index). Fix: move them away to train from step 0, or restore a copy; nothing was overwritten.", "tests/test_resume.py::test_no_readable_checkpoint_is_an_error_that_overwrites_nothing, tests/test_cli.py::test_damaged_checkpoints_are_one_line"),
   ("a resumed run with another batch_size or steps_per_checkpoint", "(valid, reported)", "This run changed batch_size 128 -> 64, steps_per_checkpoint 10 -> 2 since the checkpoint. From here the input order differs from an uninterrupted run ...", "tests/test_resume.py::test_resume_with_other_settings_says_what_changed"),
   ("re-running a finished job", "(valid, no-op)", "Already trained to step 30 (asked for 30): nothing to do; metrics.json left as it was.", "tests/test_resume.py::test_rerunning_a_finished_job_keeps_its_metrics"),
-  ("checkpoint of another Keras model (the call for EmbeddingLayer users: `tpu_embed_ext.model_dir.check_checkpoint`)", "CheckpointError", "variable model/...kernel: checkpoint <path> holds shape [2, 3], this model has [2, 4].", "tests/test_resume.py::test_check_checkpoint_is_a_call_for_any_keras_model"),
+  ("checkpoint of another Keras model (the call for EmbeddingLayer users: `tpu_embed_ext.host.model_dir.check_checkpoint`)", "CheckpointError", "variable model/...kernel: checkpoint <path> holds shape [2, 3], this model has [2, 4].", "tests/test_resume.py::test_check_checkpoint_is_a_call_for_any_keras_model"),
   ("out-of-vocabulary id sent to the exported model (single-hot, multi-hot, -1 in a single-hot input)", "InvalidArgumentError (at serving)", "feature c5: ids must be in [0, 24); out-of-vocabulary ids are refused. Fix: map unknown ids to a row of the vocabulary before serving. First bad ids: [24]", "tests/test_train.py::test_export_serves_the_trained_model"),
   ("`convert-checkpoint` on a checkpoint with two embeddings holding the config's tables, no `--prefix`", "ConfigError (CLI: one line, exit 2)", "checkpoint <path> holds 2 embeddings with these tables: backup, embedding. Fix: pass --prefix with one of them.", "tests/test_sparsecore_convert.py::test_two_embeddings_need_a_prefix_and_the_error_lists_them"),
   ("a SparseCore checkpoint of other tables restored into TPUEmbeddingV2 (emulated) or CPUEmbedding(engine=\"v2\")", "ValueError (TensorFlow's phrase; nothing restored)", "Layouts in checkpoint and embedding must have the same keys. found ['extra', 'item', 'user'] and ['item', 'user'] (checkpoint <path>: its SparseCore tables are not this embedding's). Fix: restore a checkpoint of the same tables, or one saved per table.", "tests/test_sparsecore_restore.py::test_stacked_checkpoint_of_other_tables_is_refused_as_tensorflow_does"),
@@ -376,6 +376,6 @@ out = ["# Bad inputs and their errors", "",
        "it found: lists given where a name belongs, a string as a schedule argument).", "",
        "| bad input | error | message (start) | test |", "|---|---|---|---|"]
 out += [f"| {text(a)} | {text(b)} | {text(c)} | `{esc(d)}` |" for a, b, c, d in rows]
-from tpu_embed_ext import atomic
+from tpu_embed_ext.host import atomic
 atomic.write_text("docs/BAD_INPUTS.md", "\n".join(out) + "\n")
 print(len(rows))

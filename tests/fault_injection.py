@@ -239,7 +239,7 @@ def serve(path):
 
 def recover(path):
   sys.path.insert(0, ROOT)
-  from tpu_embed_ext import atomic
+  from tpu_embed_ext.host import atomic
   atomic.recover(path)
 
 

@@ -5,8 +5,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tpu_embed_ext import __main__ as cli
-from tpu_embed_ext import atomic
+from tpu_embed_ext.cli import main as cli
+from tpu_embed_ext.host import atomic
 
 _SUFFIX = " (--verbose shows the traceback)"
 

@@ -1,5 +1,5 @@
 """Outputs appear whole or not at all, never overwrite inputs, and I/O faults
-are one-line errors (tpu_embed_ext/atomic.py, checkpoint conversion).
+are one-line errors (tpu_embed_ext/host/atomic.py, checkpoint conversion).
 
 Kills are real: a child process SIGKILLs itself right after its N-th
 ``rename`` of the swap, for every N, and the output found afterwards (after
@@ -20,8 +20,8 @@ import tensorflow as tf
 
 import tpu_embed_ext as tee
 from tests import mounts
-from tpu_embed_ext import atomic
-from tpu_embed_ext import model_dir as model_dir_lib
+from tpu_embed_ext.host import atomic
+from tpu_embed_ext.host import model_dir as model_dir_lib
 from tpu_embed_ext.sparsecore import convert_checkpoint
 
 TINY = "configs/tiny.yaml"
@@ -49,7 +49,7 @@ _KILL_AFTER_RENAMES = textwrap.dedent("""
   package = types.ModuleType("tpu_embed_ext")
   package.__path__ = [sys.argv[5]]
   sys.modules["tpu_embed_ext"] = package
-  from tpu_embed_ext import atomic
+  from tpu_embed_ext.host import atomic
   mode, target, n, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
   count = [0]
   real = os.rename

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from tests import jobs
-from tpu_embed_ext import console
-from tpu_embed_ext import model_dir as model_dir_lib
+from tpu_embed_ext.cli import console
+from tpu_embed_ext.host import model_dir as model_dir_lib
 
 TINY = "configs/tiny.yaml"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -397,7 +397,7 @@ def test_a_missing_extra_is_named_before_anything_is_made(capsys, monkeypatch,
 
 
 def test_a_module_missing_while_running_names_the_extra(capsys, monkeypatch):
-  from tpu_embed_ext import __main__ as cli
+  from tpu_embed_ext.cli import main as cli
 
   def run(*_):
     raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")

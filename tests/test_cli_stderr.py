@@ -76,7 +76,7 @@ import logging, os, subprocess, sys, warnings
 def command(f, config, progress):
   import tensorflow as tf
   from absl import logging as absl_logging
-  from tpu_embed_ext import numeric_traps
+  from tpu_embed_ext.spec import numeric_traps
   os.write(2, b"I0000 00:00:1.0 1 fake.cc:1] a C++ line on fd 2\\n")
   print("a Python line on sys.stderr", file=sys.stderr)
   print("a line on sys.__stderr__", file=sys.__stderr__, flush=True)
@@ -197,7 +197,7 @@ def test_a_planted_symlink_cannot_redirect_the_log(tmp_path):
 def test_the_private_log_is_created_exclusively(monkeypatch, tmp_path):
   """mkstemp (O_CREAT | O_EXCL): a name taken by a symlink is skipped."""
   import tempfile
-  from tpu_embed_ext import library_log
+  from tpu_embed_ext.host import library_log
   victim = tmp_path / "victim"
   victim.write_text("precious\n")
   monkeypatch.setenv("TPU_EMBED_EXT_CACHE_DIR", str(tmp_path))

@@ -14,7 +14,7 @@ import yaml
 
 import tpu_embed_ext as tee
 from tests import jobs
-from tpu_embed_ext import config_files, derived_names
+from tpu_embed_ext.spec import files as config_files, names as derived_names
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.topology import Topology, parse_topology
 

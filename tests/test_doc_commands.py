@@ -17,7 +17,7 @@ data_dir (tests/conftest.py), like a fresh machine would.
 A command with a placeholder (``FILE``, ``N``, ``DIR``, ``[--optional]``,
 ``a|b``) fails: the docs write commands as they run, and describe the flags
 in tables. A command that succeeds prints nothing to stderr: other libraries'
-log lines go to a log file (``tpu_embed_ext/library_log.py``), whatever
+log lines go to a log file (``tpu_embed_ext/host/library_log.py``), whatever
 ``TF_CPP_MIN_LOG_LEVEL`` says: every command runs with it at 0, where
 TensorFlow logs at start-up on any CPU.
 
@@ -149,7 +149,7 @@ def test_plan_data_works_for_every_shipped_config(config, tmp_path):
   if config == "movielens.yaml":
     import tensorflow_datasets as tfds
     from tests import test_train
-    from tpu_embed_ext import __main__ as cli
+    from tpu_embed_ext.cli import main as cli
     argv = ["tpu_embed_ext", "plan", "--config", f"configs/{config}",
             "--engine", "v2", "--topology", "v5p:4", "--data", "2"]
     with tfds.testing.mock_data(as_dataset_fn=test_train._movielens_examples):  # pylint: disable=protected-access

@@ -1016,7 +1016,7 @@ def test_a_keras_schedule_out_of_range_is_refused_naming_the_table():
 
 def test_tables_larger_than_memory_are_refused_by_build_naming_the_table(monkeypatch):
   """Before: ResourceExhaustedError from build() naming no table (2^40 rows)."""
-  from tpu_embed_ext import host_memory  # pylint: disable=g-import-not-at-top
+  from tpu_embed_ext.host import memory as host_memory  # pylint: disable=g-import-not-at-top
   huge = api.TableConfig(2 ** 40, 8, name="huge")
   small = api.TableConfig(6, 2, name="small")
   emb = tee.CPUEmbedding({"f": api.FeatureConfig(huge, name="f"),

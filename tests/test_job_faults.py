@@ -22,9 +22,9 @@ import tensorflow as tf
 import yaml
 
 from tests import jobs, mounts
-from tpu_embed_ext import atomic
-from tpu_embed_ext import model_dir as model_dir_lib
-from tpu_embed_ext import train as train_lib
+from tpu_embed_ext.host import atomic
+from tpu_embed_ext.host import model_dir as model_dir_lib
+from tpu_embed_ext import job as train_lib
 
 CONFIG = "configs/tiny.yaml"
 

@@ -6,7 +6,8 @@ import tensorflow as tf
 import keras
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import optimizers, tf_optimizers
+from tpu_embed_ext.spec import optimizers
+from tpu_embed_ext.tf import optimizers as tf_optimizers
 
 api = tf.tpu.experimental.embedding
 SCHEDULE = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)

@@ -14,7 +14,8 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import errors, layer_weights
+from tpu_embed_ext import errors
+from tpu_embed_ext.keras import weights as layer_weights
 from tests.test_layer import _logits
 
 USER_VOCAB, ITEM_VOCAB, DIM, BATCH, STEPS = 12, 10, 4, 6, 5
@@ -635,7 +636,7 @@ def test_a_step_whose_gradients_never_all_arrive_is_reported():
 
 def test_tpu_engine_called_twice_in_one_step_is_rejected(monkeypatch):
   from tests.test_layer import _RecordingV2, _feature_config  # pylint: disable=import-outside-toplevel
-  from tpu_embed_ext import layer as layer_lib
+  from tpu_embed_ext.keras import layer as layer_lib
   monkeypatch.setattr(layer_lib.dispatch, "create_embedding",
                       lambda *a, **k: _RecordingV2())
   monkeypatch.setattr(layer_lib, "_engine_kind", lambda e: "tpu_v2")

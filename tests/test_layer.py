@@ -6,8 +6,8 @@ import numpy as np
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import layer as layer_lib
-from tpu_embed_ext import serving
+from tpu_embed_ext.keras import layer as layer_lib
+from tpu_embed_ext.keras import serving
 
 emb_api = tf.tpu.experimental.embedding
 VOCAB, DIM, BATCH, STEPS = 12, 4, 6, 5

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import learning_rates
+from tpu_embed_ext.spec import schedules as learning_rates
 
 api = tf.tpu.experimental.embedding
 

@@ -17,7 +17,9 @@ from tensorflow.python.trackable import trackable_utils
 
 import tpu_embed_ext as tee
 from tests import jobs
-from tpu_embed_ext import derived_names, errors, serving
+from tpu_embed_ext.spec import names as derived_names
+from tpu_embed_ext import errors
+from tpu_embed_ext.keras import serving
 from tpu_embed_ext.sparsecore.checkpoint import find_embedding
 
 api = tf.tpu.experimental.embedding

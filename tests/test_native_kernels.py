@@ -293,7 +293,7 @@ def test_xla_always_runs_tensorflow_ops():
 @needs_native
 def test_exported_savedmodel_needs_no_custom_op(tmp_path, monkeypatch):
   from tests import test_layer  # pylint: disable=import-outside-toplevel
-  from tpu_embed_ext import serving  # pylint: disable=import-outside-toplevel
+  from tpu_embed_ext.keras import serving  # pylint: disable=import-outside-toplevel
   monkeypatch.setenv(native.ENV, "native")
   model = test_layer.FixedHead(test_layer._feature_config())
   batches = test_layer._batches(4)

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import optimizers as opt
+from tpu_embed_ext.spec import optimizers
 from tpu_embed_ext.emulation import native
 from tests import references
 
@@ -169,24 +169,24 @@ def _run_mirrored(emb, strategy, seed, steps=STEPS):
 # --- every optimizer x every input kind x {1 device, MirroredStrategy(2)} ---------
 
 OPTIMIZERS = {
-    "sgd": lambda: opt.SGD(learning_rate=0.1),
-    "adagrad": lambda: opt.Adagrad(learning_rate=0.1),
-    "adagrad_momentum": lambda: opt.AdagradMomentum(
+    "sgd": lambda: optimizers.SGD(learning_rate=0.1),
+    "adagrad": lambda: optimizers.Adagrad(learning_rate=0.1),
+    "adagrad_momentum": lambda: optimizers.AdagradMomentum(
         learning_rate=0.05, momentum=0.9, use_nesterov=True, exponent=3.0,
         beta2=0.99, epsilon=1e-6),
-    "adagrad_momentum_plain": lambda: opt.AdagradMomentum(
+    "adagrad_momentum_plain": lambda: optimizers.AdagradMomentum(
         learning_rate=0.05, momentum=0.5),
-    "adam_lazy": lambda: opt.Adam(learning_rate=0.01),
-    "adam_dense": lambda: opt.Adam(learning_rate=0.01, lazy_adam=False,
+    "adam_lazy": lambda: optimizers.Adam(learning_rate=0.01),
+    "adam_dense": lambda: optimizers.Adam(learning_rate=0.01, lazy_adam=False,
                                    sum_inside_sqrt=False),
-    "ftrl": lambda: opt.FTRL(learning_rate=0.2, l1_regularization_strength=0.01,
+    "ftrl": lambda: optimizers.FTRL(learning_rate=0.2, l1_regularization_strength=0.01,
                              l2_regularization_strength=0.02, beta=0.1,
                              learning_rate_power=-0.6),
-    "ftrl_linear_times_lr": lambda: opt.FTRL(
+    "ftrl_linear_times_lr": lambda: optimizers.FTRL(
         learning_rate=0.2, multiply_linear_by_learning_rate=True,
         l1_regularization_strength=0.01, l2_regularization_strength=0.02,
         beta=0.1),
-    "ftrl_no_l1": lambda: opt.FTRL(learning_rate=0.2),
+    "ftrl_no_l1": lambda: optimizers.FTRL(learning_rate=0.2),
 }
 
 
@@ -221,39 +221,39 @@ def _decayed(base):
 
 
 def _bias_corrected():
-  from tpu_embed_ext import learning_rates
-  spec = opt.Adam(learning_rate=0.01, bias_correction=True)
-  return spec.replace(learning_rate=learning_rates.RateBinder(_STEP).rate(spec),
+  from tpu_embed_ext.spec import schedules
+  spec = optimizers.Adam(learning_rate=0.01, bias_correction=True)
+  return spec.replace(learning_rate=schedules.RateBinder(_STEP).rate(spec),
                       bias_correction=False)
 
 
 OPTIONS = {
-    "clipvalue": lambda: opt.Adagrad(learning_rate=0.1, clipvalue=0.3),
-    "clipvalue_one_sided": lambda: opt.SGD(learning_rate=0.1, clipvalue=(-0.2, None)),
-    "clip_weights": lambda: opt.FTRL(learning_rate=0.2, clip_weight_min=-0.4,
+    "clipvalue": lambda: optimizers.Adagrad(learning_rate=0.1, clipvalue=0.3),
+    "clipvalue_one_sided": lambda: optimizers.SGD(learning_rate=0.1, clipvalue=(-0.2, None)),
+    "clip_weights": lambda: optimizers.FTRL(learning_rate=0.2, clip_weight_min=-0.4,
                                      clip_weight_max=0.3),
-    "weight_decay": lambda: opt.Adam(learning_rate=0.01, weight_decay_factor=0.05),
-    "weight_decay_times_lr": lambda: opt.AdagradMomentum(
+    "weight_decay": lambda: optimizers.Adam(learning_rate=0.01, weight_decay_factor=0.05),
+    "weight_decay_times_lr": lambda: optimizers.AdagradMomentum(
         learning_rate=0.05, momentum=0.9, weight_decay_factor=0.3,
         multiply_weight_decay_factor_by_learning_rate=True),
-    "dynamic_lr": lambda: opt.FTRL(learning_rate=_decayed(0.3),
+    "dynamic_lr": lambda: optimizers.FTRL(learning_rate=_decayed(0.3),
                                    l1_regularization_strength=0.01),
     "adam_bias_correction": _bias_corrected,
-    "no_accumulation_sgd": lambda: opt.SGD(learning_rate=0.1,
+    "no_accumulation_sgd": lambda: optimizers.SGD(learning_rate=0.1,
                                            use_gradient_accumulation=False),
-    "no_accumulation_adagrad": lambda: opt.Adagrad(
+    "no_accumulation_adagrad": lambda: optimizers.Adagrad(
         learning_rate=0.1, use_gradient_accumulation=False, clip_weight_max=0.5),
-    "no_accumulation_ftrl": lambda: opt.FTRL(
+    "no_accumulation_ftrl": lambda: optimizers.FTRL(
         learning_rate=0.2, use_gradient_accumulation=False,
         l1_regularization_strength=0.01, weight_decay_factor=0.01),
     # Grappler rewrites pow(x, c) inside tf.function for these c.
-    "momentum_exponent_2": lambda: opt.AdagradMomentum(learning_rate=0.05,
+    "momentum_exponent_2": lambda: optimizers.AdagradMomentum(learning_rate=0.05,
                                                        momentum=0.9),
-    "momentum_exponent_1": lambda: opt.AdagradMomentum(learning_rate=0.05,
+    "momentum_exponent_1": lambda: optimizers.AdagradMomentum(learning_rate=0.05,
                                                        exponent=1.0),
-    "ftrl_power_1": lambda: opt.FTRL(learning_rate=0.2, learning_rate_power=-1.0),
-    "ftrl_power_2": lambda: opt.FTRL(learning_rate=0.2, learning_rate_power=-2.0),
-    "ftrl_power_3": lambda: opt.FTRL(learning_rate=0.2, learning_rate_power=-3.0),
+    "ftrl_power_1": lambda: optimizers.FTRL(learning_rate=0.2, learning_rate_power=-1.0),
+    "ftrl_power_2": lambda: optimizers.FTRL(learning_rate=0.2, learning_rate_power=-2.0),
+    "ftrl_power_3": lambda: optimizers.FTRL(learning_rate=0.2, learning_rate_power=-3.0),
 }
 
 
@@ -333,20 +333,20 @@ def _bad_step(emb, grad_b, ids_b=(3, 3), function=False):
 
 REJECTIONS = {
     # name: (optimizer, gradient of table b, eager message, graph message)
-    "nan_gradient": (lambda: opt.Adagrad(learning_rate=0.1), [[np.nan, 1.0], [1.0, 1.0]],
+    "nan_gradient": (lambda: optimizers.Adagrad(learning_rate=0.1), [[np.nan, 1.0], [1.0, 1.0]],
                      "table 'b': gradient has NaN or Inf values; no table, slot or "
                      "step was changed.",
                      r"gradient has NaN or Inf values; no table, slot or step was "
                      r"changed\. Fix: .* Tables:\] \[table \\?'b\\?'\]"),
-    "overflowing_sum": (lambda: opt.Adagrad(learning_rate=0.1), [[3e38, 3e38]] * 2,
+    "overflowing_sum": (lambda: optimizers.Adagrad(learning_rate=0.1), [[3e38, 3e38]] * 2,
                         "table 'b': gradient has NaN or Inf values",
                         r"Tables:\] \[table \\?'b\\?'\]"),
-    "sgd_parameters": (lambda: opt.SGD(learning_rate=1e6), [[1e33, 1e33]] * 2,
+    "sgd_parameters": (lambda: optimizers.SGD(learning_rate=1e6), [[1e33, 1e33]] * 2,
                        "table 'b': the update would write NaN or Inf into its "
                        "parameters; no table, slot or step was changed.",
                        r"the update would write NaN or Inf; no table, slot or step "
                        r"was changed\. .*Where:\] \[table \\?'b\\?' parameters\]"),
-    "adagrad_accumulators": (lambda: opt.Adagrad(learning_rate=0.1), [[1e20, 1e20]] * 2,
+    "adagrad_accumulators": (lambda: optimizers.Adagrad(learning_rate=0.1), [[1e20, 1e20]] * 2,
                              "table 'b': the update would write NaN or Inf into "
                              "its accumulators",
                              r"Where:\] \[table \\?'b\\?' accumulators\]"),
@@ -381,7 +381,7 @@ def test_rejected_step_changes_no_table_and_says_the_same(name, mode):
 @pytest.mark.parametrize("mode", ["eager", "tf_function"])
 def test_out_of_range_ids_rejected_with_the_same_message(mode):
   for kernels in ("native", "tf"):
-    emb = tee.CPUEmbedding(_two_tables(), opt.SGD(learning_rate=0.1), kernels=kernels)
+    emb = tee.CPUEmbedding(_two_tables(), optimizers.SGD(learning_rate=0.1), kernels=kernels)
     before = _state(emb)
     if mode == "eager":
       with pytest.raises(tee.InputError,
@@ -400,7 +400,7 @@ def test_out_of_range_ids_rejected_with_the_same_message(mode):
 def test_kernel_checks_ids_itself_when_validation_is_off():
   """validate=False skips the engine's id check; the op still refuses the
   step, naming the feature, before any write."""
-  emb = tee.CPUEmbedding(_two_tables(), opt.SGD(learning_rate=0.1),
+  emb = tee.CPUEmbedding(_two_tables(), optimizers.SGD(learning_rate=0.1),
                          kernels="native", validate=False)
   before = _state(emb)
   emb.enqueue({"x": tf.constant([1, 2], tf.int64),
@@ -417,10 +417,10 @@ def test_kernel_checks_ids_itself_when_validation_is_off():
 # --- an independent numpy reference -------------------------------------------
 
 REFERENCE = {
-    "sgd": lambda: opt.SGD(learning_rate=0.1),
-    "adagrad": lambda: opt.Adagrad(learning_rate=0.1),
-    "ftrl": lambda: opt.FTRL(learning_rate=0.2, l1_regularization_strength=0.01,
-                             l2_regularization_strength=0.02, beta=0.1),
+    "sgd": lambda: optimizers.SGD(learning_rate=0.1),
+    "adagrad": lambda: optimizers.Adagrad(learning_rate=0.1),
+    "ftrl": lambda: optimizers.FTRL(learning_rate=0.2, l1_regularization_strength=0.01,
+                                    l2_regularization_strength=0.02, beta=0.1),
 }
 
 

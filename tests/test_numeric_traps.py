@@ -17,8 +17,10 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import numeric_traps, optimizers, tf_optimizers
-from tpu_embed_ext.numeric_traps import NumericTrapError, NumericTrapWarning
+from tpu_embed_ext.spec import numeric_traps, optimizers
+from tpu_embed_ext.tf import optimizers as tf_optimizers
+from tpu_embed_ext.spec.numeric_traps import (NumericTrapError,
+                                              NumericTrapWarning)
 from tpu_embed_ext.spec import EmbeddingSpec
 from tests import references
 

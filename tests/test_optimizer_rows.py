@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tpu_embed_ext import optimizers as opt
+from tpu_embed_ext.spec import optimizers as opt
 from tpu_embed_ext.emulation import (native, optimizer_rows, step_pipeline,
                                      updates, validation)
 from tests import references

@@ -9,7 +9,8 @@ import tensorflow as tf
 from tensorflow.core.protobuf.tpu import optimization_parameters_pb2 as pb
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import optimizers, tf_optimizers
+from tpu_embed_ext.spec import optimizers
+from tpu_embed_ext.tf import optimizers as tf_optimizers
 
 api = tf.tpu.experimental.embedding
 COMMON = dict(learning_rate=0.3, use_gradient_accumulation=True, clip_weight_min=-2.0,

@@ -16,7 +16,9 @@ import keras
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import optimizers, serving, tf_optimizers
+from tpu_embed_ext.spec import optimizers
+from tpu_embed_ext.keras import serving
+from tpu_embed_ext.tf import optimizers as tf_optimizers
 from tests import references
 
 api = tf.tpu.experimental.embedding

@@ -16,8 +16,8 @@ import tensorflow as tf
 import yaml
 
 from tests import jobs
-from tpu_embed_ext import model_dir as model_dir_lib
-from tpu_embed_ext import train as train_lib
+from tpu_embed_ext.host import model_dir as model_dir_lib
+from tpu_embed_ext import job
 
 CONFIG = "configs/tiny.yaml"
 STEPS = 30
@@ -31,7 +31,7 @@ def data_dir(tiny_data_dir):
 
 def _run(model_dir, data_dir, steps, config=CONFIG, **overrides):
   lines = []
-  metrics = train_lib.train(
+  metrics = job.train(
       config, model_dir=str(model_dir), steps=steps, tpu="none", verbose=2,
       log=lines.append,
       overrides={"data_dir": data_dir, "steps_per_checkpoint": BLOCK, **overrides})
@@ -194,7 +194,7 @@ def test_restore_checks_the_checkpoint_first_and_changes_nothing(
             and "logs" not in p.parts}
   config = _changed_config(tmp_path, edit)
   for call in (lambda: _run(tmp_path / "run", data_dir, STEPS, config=config),
-               lambda: train_lib.export(config, model_dir=str(tmp_path / "run"),
+               lambda: job.export(config, model_dir=str(tmp_path / "run"),
                                         out=str(tmp_path / "serving"),
                                         overrides={"data_dir": data_dir})):
     with pytest.raises(model_dir_lib.CheckpointError) as info:

@@ -9,7 +9,8 @@ import tensorflow as tf
 from tensorflow.python.tpu import tpu_embedding_v3_utils
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import errors, tf_optimizers
+from tpu_embed_ext import errors
+from tpu_embed_ext.tf import optimizers as tf_optimizers
 from tpu_embed_ext.sparsecore import checkpoint as sparsecore_checkpoint
 from tpu_embed_ext.sparsecore import convert_checkpoint, checkpoint_layouts
 from tpu_embed_ext.sparsecore.topology import Topology

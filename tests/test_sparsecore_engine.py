@@ -5,7 +5,8 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import derived_names, errors
+from tpu_embed_ext.spec import names
+from tpu_embed_ext import errors
 from tests import jobs
 from tpu_embed_ext.sparsecore import checkpoint_layouts, convert_checkpoint
 from tests.test_sparsecore_convert import OPTIMIZERS, _config, _train, _values
@@ -180,7 +181,7 @@ def test_stacked_checkpoint_holding_nan_is_refused_naming_the_stack(tmp_path):
   layouts = checkpoint_layouts(path)
   stack = layouts[0].stack
   tables = ", ".join(f"'{l.table}'" for l in layouts if l.stack == stack)
-  key = derived_names.checkpoint_key("embedding", stack, "accumulators")
+  key = names.checkpoint_key("embedding", stack, "accumulators")
   jobs.rewrite_checkpoint(path, key, np.nan)
   with pytest.raises(tee.Error) as info:
     emb.check_checkpoint(path)

@@ -12,7 +12,8 @@ import tensorflow as tf
 
 from tpu_embed_ext import errors
 from tpu_embed_ext.sparsecore import layout as sc_layout
-from tpu_embed_ext.sparsecore.limits import FeatureIds, Limits, check_limits, count_ids
+from tpu_embed_ext.sparsecore.limits import (FeatureIds, Limits, check_limits,
+                                             count_ids)
 from tpu_embed_ext.sparsecore.topology import Topology
 
 TOPOLOGY = Topology(2, 2)  # 4 SparseCores
@@ -129,7 +130,7 @@ def test_count_slots_without_limits():
 
 
 def test_measure_reports_maxima_and_suggests_limits():
-  from tpu_embed_ext.sparsecore import report
+  from tpu_embed_ext.cli import sparsecore_report
   api = tf.tpu.experimental.embedding
   tables = {n: api.TableConfig(vocabulary_size=r, dim=8, name=n, optimizer=api.SGD(0.1))
             for n, r in (("a", 64), ("b", 32))}
@@ -141,7 +142,7 @@ def test_measure_reports_maxima_and_suggests_limits():
   ragged = lambda f: tf.RaggedTensor.from_value_rowids(f.ids, f.samples, f.sample_count)
   step = {"fa": ragged(FA), "fb": ragged(FB)}
   doubled = {"fa": ragged(FA._replace(ids=FA.ids * 0)), "fb": ragged(FB)}
-  out = report.measure(config, [step, doubled], TOPOLOGY,
+  out = sparsecore_report.measure(config, [step, doubled], TOPOLOGY,
                        Limits(max_ids_per_table={"a_b": 2}))
   assert out.steps == 2
   # Step 2 sends all of a's ids to id 0 (SparseCore 0): chip 1 source 0 gets

@@ -54,7 +54,7 @@ def test_plan_command_prints_stacks(tmp_path):
 
 
 def test_plan_data_counts_a_single_hot_table_like_numpy():
-  from tpu_embed_ext import train
+  from tpu_embed_ext import job
   out = subprocess.run(
       [sys.executable, "-m", "tpu_embed_ext", "plan", "--config", "configs/tiny.yaml",
        "--engine", "v2", "--topology", "2x4", "--data", "2"], capture_output=True,
@@ -62,8 +62,8 @@ def test_plan_data_counts_a_single_hot_table_like_numpy():
   data = out.split("SparseCore input per step", 1)[1]
   row = next(l for l in data.splitlines() if l.startswith("t_c9 ")).split()
   spec = tee.EmbeddingSpec.from_file("configs/tiny.yaml")
-  cfg = train.TrainConfig.from_dict(spec.train)
-  dataset, _ = train.input_datasets(spec, cfg)
+  cfg = job.TrainConfig.from_dict(spec.train)
+  dataset, _ = job.input_datasets(spec, cfg)
   # t_c9 stacks alone (its own Adam optimizer), rotation 0, one id per sample:
   # each (source SparseCore, destination) gets the samples whose id % 8 is the
   # destination, each once; unique ids are the distinct ids among them.

@@ -6,7 +6,8 @@ import tensorflow as tf
 from tensorflow.python.trackable import autotrackable
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import errors, tf_optimizers
+from tpu_embed_ext import errors
+from tpu_embed_ext.tf import optimizers
 from tpu_embed_ext.sparsecore import convert_checkpoint
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.topology import Topology
@@ -19,7 +20,7 @@ api = tf.tpu.experimental.embedding
 def _stacked_holder(emb, optimizer, topology):
   layouts = sc_layout.compute_layouts(sc_layout.stacking_inputs(
       _config(optimizer), OPTIMIZERS[optimizer]()), topology)
-  spec = tf_optimizers.as_spec(OPTIMIZERS[optimizer]())
+  spec = optimizers.as_spec(OPTIMIZERS[optimizer]())
   fill = {"parameters": 0.0, **dict(zip(spec.slot_names, spec.slot_initial_values()))}
   # The per-table variables, copied: the holder saves and restores them.
   variables = {t: {s: tf.Variable(v) for s, v in slots.items()}

@@ -8,7 +8,7 @@ import tensorflow as tf
 import yaml
 
 import tpu_embed_ext as tee
-from tpu_embed_ext import optimizers
+from tpu_embed_ext.spec import optimizers
 
 BASE = {
     "optimizer": {"type": "adagrad", "learning_rate": 0.05},

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tpu_embed_ext import train as train_lib
+from tpu_embed_ext import job as train_lib
 from tpu_embed_ext.data import pipeline
 from tpu_embed_ext.spec import EmbeddingSpec
 

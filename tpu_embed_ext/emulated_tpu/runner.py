@@ -283,7 +283,7 @@ def _start(stack: contextlib.ExitStack, shape, owns_process: bool) -> None:
   script's own stderr is the terminal again before it runs."""
   log = None
   if owns_process:
-    from tpu_embed_ext import library_log  # pylint: disable=g-import-not-at-top
+    from tpu_embed_ext.host import library_log  # pylint: disable=g-import-not-at-top
     log = library_log.LibraryLog("emulate")
   try:
     from tpu_embed_ext import emulated_tpu  # pylint: disable=g-import-not-at-top

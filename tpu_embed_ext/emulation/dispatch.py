@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tpu_embed_ext import optimizers, tf_optimizers
+from tpu_embed_ext.spec import optimizers
+from tpu_embed_ext.tf import optimizers as tf_optimizers
 from tpu_embed_ext.spec import EmbeddingSpec
 from tpu_embed_ext.emulation import engine as engine_lib
 

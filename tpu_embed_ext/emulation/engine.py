@@ -28,7 +28,8 @@ from typing import Any, Dict, List, Optional
 import tensorflow as tf
 from tensorflow.python.trackable import autotrackable
 
-from tpu_embed_ext import errors, host_memory, spec as spec_lib
+from tpu_embed_ext import errors, spec as spec_lib
+from tpu_embed_ext.host import memory
 from tpu_embed_ext.emulation import (lookups, native, payloads, protocol,
                                       replicas, shapes, sparsecore_limits,
                                       tables as tables_lib, validation)
@@ -150,7 +151,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     if self._table_vars is not None:
       return
     self._shapes.build(per_replica_input_shapes, per_replica_batch_size)
-    host_memory.check_tables([(t.name, t.config.vocabulary_size, t.config.dim,
+    memory.check_tables([(t.name, t.config.vocabulary_size, t.config.dim,
                                len(tables_lib.slot_names(t))) for t in self._tables])
     with tf.init_scope(), self._replicas.single_copy_variables():
       _untracked(self, _table_vars={

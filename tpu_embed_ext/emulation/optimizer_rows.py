@@ -1,9 +1,10 @@
 """One row per optimizer: what the engine knows of each, in one table.
 
 A row holds
-- ``spec``: the spec class (tpu_embed_ext.optimizers). Its ``slot_names``
-  and ``slot_initial_values()`` are the row's slots: the spec owns them, as
-  checkpoints, plans and the Keras layer name slots without the engine;
+- ``spec``: the spec class (tpu_embed_ext.spec.optimizers). Its
+  ``slot_names`` and ``slot_initial_values()`` are the row's slots: the spec
+  owns them, as checkpoints, plans and the Keras layer name slots without
+  the engine;
 - ``rule``: the pure update of update_rules.py, which the TF-op back end
   runs (updates.py);
 - ``native_kind``, ``native_params`` and ``native_flags``: the ``Kind`` of
@@ -22,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
-from tpu_embed_ext import optimizers
+from tpu_embed_ext.spec import optimizers
 from tpu_embed_ext.emulation import update_rules
 
 __all__ = ["OptimizerRow", "ROWS", "row", "mode", "native_encoding",

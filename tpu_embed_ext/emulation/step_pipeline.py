@@ -25,7 +25,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from tpu_embed_ext import learning_rates as rates_lib
+from tpu_embed_ext.spec import schedules as rates_lib
 from tpu_embed_ext.emulation import validation
 
 __all__ = ["Table", "Computed", "apply_step", "learning_rate", "learning_rates"]

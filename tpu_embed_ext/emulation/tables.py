@@ -23,8 +23,10 @@ import keras
 import tensorflow as tf
 from tensorflow.python.util import nest
 
-from tpu_embed_ext import (derived_names, errors, learning_rates, optimizers,
-                           tf_optimizers)
+from tpu_embed_ext.spec import (names as derived_names, schedules as
+                                learning_rates, optimizers)
+from tpu_embed_ext import errors
+from tpu_embed_ext.tf import optimizers as tf_optimizers
 from tpu_embed_ext.emulation import validation
 
 __all__ = ["Table", "Feature", "resolve_all", "resolve", "slot_names", "check_trainable", "name_of",
@@ -199,7 +201,7 @@ def check_checkpoint(tables: List[Table], path: str, prefix: str):
   table's variable is never taken for one). A lookup-only table needs its
   parameters only (its slots, if stored, are not read).
   """
-  from tpu_embed_ext import checkpoint_scan  # pylint: disable=g-import-not-at-top
+  from tpu_embed_ext.host import checkpoint_scan  # pylint: disable=g-import-not-at-top
   stored = dict(tf.train.list_variables(path))
   ours = {derived_names.checkpoint_key(prefix, t.name, s)
           for t in tables for s in (None,) + slot_names(t)}

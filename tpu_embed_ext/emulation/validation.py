@@ -30,7 +30,7 @@ from tensorflow.python.ops import control_flow_util
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.numeric_traps import MAX_LEARNING_RATE
+from tpu_embed_ext.spec.numeric_traps import MAX_LEARNING_RATE
 
 __all__ = ["Verdict", "in_xla_context", "check_structure", "check_ids",
            "check_finite", "check_gradient", "check_output_shape",

@@ -14,8 +14,9 @@ from typing import Any, Dict, Mapping, Optional
 import keras
 import tensorflow as tf
 
-from tpu_embed_ext import atomic, errors
-from tpu_embed_ext import model_dir as model_dir_lib
+from tpu_embed_ext.host import atomic
+from tpu_embed_ext import errors
+from tpu_embed_ext.host import model_dir as model_dir_lib
 from tpu_embed_ext.job.building import build_model, build_variables, restore
 from tpu_embed_ext.job.config import TrainConfig, check_steps, in_file, load
 from tpu_embed_ext.job.data import first_batch, input_datasets
@@ -130,14 +131,14 @@ def _already_done(config_path, model_dir, steps, overrides, log):
   from metrics.json, the config's steps and the newest checkpoint (read back
   whole), before any dataset, model or strategy is built, and without
   starting TensorFlow (an emulated TPU could still be made after this)."""
-  from tpu_embed_ext import config_files  # pylint: disable=g-import-not-at-top
+  from tpu_embed_ext.spec import files  # pylint: disable=g-import-not-at-top
   metrics = _finished(os.path.join(model_dir, "metrics.json"))
   if not isinstance(metrics, dict) or not isinstance(metrics.get("steps"), int):
     return None
   if not os.path.exists(os.path.join(model_dir, "learning_curve.png")):
     return None  # The full path completes the outputs.
   with in_file(config_path):
-    data = config_files.load(config_files.resolve(config_path, flag=None))
+    data = files.load(files.resolve(config_path, flag=None))
     train_section = {**((data or {}).get("train") or {}), **(overrides or {})}
     total = check_steps(steps, train_section.get("steps", TrainConfig.steps))
   if not isinstance(total, int) or metrics["steps"] < total:
@@ -146,7 +147,7 @@ def _already_done(config_path, model_dir, steps, overrides, log):
   if not newest or newest[0] != metrics["steps"]:
     return None
   with model_dir_lib.lock(model_dir):  # Not while another run writes it.
-    from tpu_embed_ext import checkpoint_scan  # pylint: disable=g-import-not-at-top
+    from tpu_embed_ext.host import checkpoint_scan  # pylint: disable=g-import-not-at-top
     prefix = os.path.join(model_dir, "checkpoints", f"ckpt-{newest[0]}")
     if checkpoint_scan.scan(prefix).error is not None:
       return None  # The full path falls back to an older checkpoint.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from tpu_embed_ext.host_memory import MemoryLimitError, available_memory, gib as _gib
+from tpu_embed_ext.host.memory import MemoryLimitError, available_memory
+from tpu_embed_ext.host.memory import gib as _gib
 from tpu_embed_ext.spec import EmbeddingSpec
 
 __all__ = ["MemoryLimitError", "available_memory", "memory_shortfall", "check_memory"]
@@ -13,20 +14,19 @@ __all__ = ["MemoryLimitError", "available_memory", "memory_shortfall", "check_me
 def memory_shortfall(spec: EmbeddingSpec, available: Optional[int] = None
                      ) -> Optional[str]:
   """Why the tables do not fit into host memory for CPU emulation, or None."""
-  # Through the package: importing the submodule `tpu_embed_ext.plan` first
-  # would shadow the package's `plan` function with the module.
-  import tpu_embed_ext
   available = available_memory() if available is None else available
-  tables = tpu_embed_ext.plan(spec).tables
-  total = sum(t.total_bytes for t in tables)
+  # A table's parameters and each of its optimizer's slots: float32 rows x dim.
+  sizes = {t.name: t.vocabulary_size * t.dim * 4
+           * (1 + len(spec.optimizer_for(t.name).slot_names)) for t in spec.tables}
+  total = sum(sizes.values())
   if total <= available:
     return None
-  big = max(tables, key=lambda t: t.total_bytes)
+  big = max(spec.tables, key=lambda t: sizes[t.name])
   return (f"the tables and optimizer slots need {_gib(total)} (float32) "
           f"but this machine has {_gib(available)} available; the "
-          f"largest is table '{big.name}' ({big.rows:,} x {big.dim}, "
-          f"{len(big.optimizer.slot_names)} slot(s): "
-          f"{_gib(big.total_bytes)}). Fix: lower its vocabulary_size "
+          f"largest is table '{big.name}' ({big.vocabulary_size:,} x {big.dim}, "
+          f"{len(spec.optimizer_for(big.name).slot_names)} slot(s): "
+          f"{_gib(sizes[big.name])}). Fix: lower its vocabulary_size "
           "for CPU emulation, or train on a TPU (--tpu).")
 
 

@@ -17,7 +17,7 @@ import weakref
 import tensorflow as tf
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.layer import PAD_ID
+from tpu_embed_ext.keras.layer import PAD_ID
 
 __all__ = ["call_model", "rows", "fit_dataset"]
 

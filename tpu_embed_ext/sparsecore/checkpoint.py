@@ -25,7 +25,7 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2
 from tensorflow.python.trackable import constants
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.derived_names import LAYOUTS_NAME, variable_key
+from tpu_embed_ext.spec.names import LAYOUTS_NAME, variable_key
 
 __all__ = ["LAYOUTS_NAME", "BundleWriter", "ObjectGraph", "embedding_paths", "find_objects",
            "find_embedding", "read_rows", "slice_spec", "variable_key"]

@@ -28,16 +28,18 @@ import tensorflow as tf
 from tensorflow.python.trackable import constants
 from tensorflow.python.util import nest
 
-from tpu_embed_ext import (atomic, derived_names, errors, host_memory,
-                           tf_optimizers)
-from tpu_embed_ext import model_dir as model_dir_lib
+from tpu_embed_ext.host import atomic, memory as host_memory
+from tpu_embed_ext.spec import names as derived_names
+from tpu_embed_ext import errors
+from tpu_embed_ext.tf import optimizers
+from tpu_embed_ext.host import model_dir as model_dir_lib
 from tpu_embed_ext.sparsecore import from_checkpoint
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.checkpoint import (LAYOUTS_NAME, BundleWriter, ObjectGraph,
                                                  find_embedding, read_rows, slice_spec,
                                                  variable_key)
 from tpu_embed_ext.sparsecore.topology import parse_topology
-from tpu_embed_ext.text_table import human_bytes
+from tpu_embed_ext.host.memory import human_bytes
 
 __all__ = ["convert_checkpoint", "checkpoint_layouts", "resolve_checkpoint"]
 
@@ -72,7 +74,7 @@ def _feature_config(config, optimizer):
     t = feature.table
     if any(t is seen for seen, _ in tables):
       continue
-    spec = tf_optimizers.as_spec(t.optimizer or optimizer)
+    spec = optimizers.as_spec(t.optimizer or optimizer)
     tables.append((t, _Table(t.name, t.vocabulary_size, t.dim, tuple(spec.slot_names),
                              tuple(spec.slot_initial_values()))))
   return config, [t for _, t in tables]

@@ -18,9 +18,11 @@ from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
-from tpu_embed_ext import derived_names, errors
+from tpu_embed_ext.spec import names as derived_names
+from tpu_embed_ext import errors
 from tpu_embed_ext.sparsecore import layout as sc_layout
-from tpu_embed_ext.sparsecore.checkpoint import LAYOUTS_NAME, ObjectGraph, _graph, find_objects
+from tpu_embed_ext.sparsecore.checkpoint import (LAYOUTS_NAME, ObjectGraph,
+                                                 _graph, find_objects)
 
 __all__ = ["StoredTable", "DEFAULT_SLOT_INITIAL", "find_embedding_object",
            "stored_tables"]

@@ -31,7 +31,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from tpu_embed_ext import derived_names, errors
+from tpu_embed_ext.spec import names
+from tpu_embed_ext import errors
 from tpu_embed_ext.sparsecore.topology import Topology
 
 __all__ = ["StackingInput", "TableLayout", "compute_layouts", "layouts_by_stack",
@@ -203,7 +204,7 @@ def compute_layouts(tables: Sequence[StackingInput], topology: Topology, *,
   layouts = _stack_with_tensorflow(*args) if use_tensorflow else None
   if layouts is None:
     layouts = _stack_with_formula(*args)
-  derived_names.check_stack_names(layouts)
+  names.check_stack_names(layouts)
   return layouts
 
 

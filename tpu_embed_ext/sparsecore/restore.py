@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable_base
 
-from tpu_embed_ext import derived_names
+from tpu_embed_ext.spec import names as derived_names
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.checkpoint import LAYOUTS_NAME
 

@@ -14,7 +14,8 @@ from typing import Dict, List, Mapping, Sequence
 
 import numpy as np
 
-from tpu_embed_ext import errors, tf_optimizers
+from tpu_embed_ext import errors
+from tpu_embed_ext.tf import optimizers
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore import limits as sc_limits
 from tpu_embed_ext.sparsecore import restore as sc_restore
@@ -49,7 +50,7 @@ class SparseCoreState:
     self._features = [f for _, f in paths]
     self.padding: Dict[str, Dict[str, float]] = {}
     for f in self._features:
-      spec = tf_optimizers.as_spec(f.table.optimizer or optimizer)
+      spec = optimizers.as_spec(f.table.optimizer or optimizer)
       self.padding[f.table.name] = {
           "parameters": 0.0, **dict(zip(spec.slot_names, spec.slot_initial_values()))}
     self.router = sc_restore.Router(self.layouts)

@@ -17,7 +17,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable_base
 
-from tpu_embed_ext import derived_names, errors
+from tpu_embed_ext.spec import names
+from tpu_embed_ext import errors
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.checkpoint import LAYOUTS_NAME
 
@@ -123,7 +124,7 @@ def check_checkpoint(path: str, layouts: Sequence[sc_layout.TableLayout],
   Stricter than ``tf.train.Checkpoint``'s restore (``restore.Router``), which
   also reads a checkpoint saved per table or of another layout: ``train``
   resumes its own checkpoints only."""
-  from tpu_embed_ext import checkpoint_scan  # pylint: disable=g-import-not-at-top
+  from tpu_embed_ext.host import checkpoint_scan  # pylint: disable=g-import-not-at-top
   from tpu_embed_ext.sparsecore.convert import checkpoint_layouts  # pylint: disable=g-import-not-at-top
   stored = checkpoint_layouts(path, prefix)
   if stored is None:
@@ -134,9 +135,9 @@ def check_checkpoint(path: str, layouts: Sequence[sc_layout.TableLayout],
   described = {}
   for stack, members in sc_layout.layouts_by_stack(layouts).items():
     tables = ", ".join(f"'{l.table}'" for l in members)
-    for slot in (None, *derived_names.SLOT_NAMES):
+    for slot in (None, *names.SLOT_NAMES):
       what = "" if slot is None else f" (slot '{slot}')"
-      described[derived_names.checkpoint_key(prefix, stack, slot)] = (
+      described[names.checkpoint_key(prefix, stack, slot)] = (
           f"SparseCore stack '{stack}' of table(s) {tables}{what}")
   checkpoint_scan.check_finite(path, described)
 

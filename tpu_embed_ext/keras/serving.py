@@ -31,9 +31,10 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import keras
 import tensorflow as tf
 
-from tpu_embed_ext import atomic, errors
+from tpu_embed_ext.host import atomic
+from tpu_embed_ext import errors
 from tpu_embed_ext.emulation.engine import CPUEmbedding
-from tpu_embed_ext.layer import PAD_ID, EmbeddingLayer
+from tpu_embed_ext.keras.layer import PAD_ID, EmbeddingLayer
 
 __all__ = ["PAD_ID", "export_for_serving", "ragged_from_padded", "check_ids",
            "serving_signature", "checked_inputs"]

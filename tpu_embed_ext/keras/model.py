@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.layer import PAD_ID, EmbeddingLayer
+from tpu_embed_ext.keras.layer import PAD_ID, EmbeddingLayer
 
 __all__ = ["RankingModel"]
 

@@ -45,7 +45,8 @@ import re
 import unicodedata
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
-from tpu_embed_ext import errors, optimizers
+from tpu_embed_ext import errors
+from tpu_embed_ext.spec import optimizers
 
 __all__ = ["SLOT_NAMES", "LAYOUTS_NAME", "STEP_KEY", "SINK_KEY", "local_name",
            "escape_local_name", "variable_key", "checkpoint_key", "weights_key",

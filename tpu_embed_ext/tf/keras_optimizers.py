@@ -33,7 +33,8 @@ from typing import Any, Callable, Dict, Tuple
 import keras
 import numpy as np
 
-from tpu_embed_ext import errors, learning_rates, optimizers
+from tpu_embed_ext import errors
+from tpu_embed_ext.spec import schedules as learning_rates, optimizers
 
 __all__ = ["from_keras_optimizer"]
 

@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional
 import tensorflow as tf
 from tensorflow.python.util import nest
 
-from tpu_embed_ext import learning_rates, tf_optimizers
+from tpu_embed_ext.spec import schedules as learning_rates
+from tpu_embed_ext.tf import optimizers
 
 __all__ = ["feature_config", "table_order", "config_proto", "tags"]
 
@@ -50,7 +51,7 @@ def feature_config(spec, step=None, binder=None) -> Dict[str, Any]:
     tables[t.name] = _api.TableConfig(
         vocabulary_size=t.vocabulary_size, dim=t.dim,
         initializer=_initializer(t),
-        optimizer=tf_optimizers.to_tf(resolved, learning_rate=binder.rate(resolved)),
+        optimizer=optimizers.to_tf(resolved, learning_rate=binder.rate(resolved)),
         combiner=t.combiner, name=t.name, quantization_config=quantization)
   return {f.name: _api.FeatureConfig(
       tables[f.table], max_sequence_length=f.max_sequence_length,

@@ -38,8 +38,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import keras
 import tensorflow as tf
 
-from tpu_embed_ext import atomic, checkpoint_scan, errors
-from tpu_embed_ext.checkpoint_scan import CheckpointError
+from tpu_embed_ext.host import atomic, checkpoint_scan
+from tpu_embed_ext import errors
+from tpu_embed_ext.host.checkpoint_scan import CheckpointError
 
 __all__ = ["CheckpointError", "ModelDirError", "lock", "made_here", "check_writable",
            "checkpoint_steps", "resume_point", "repair_state", "check_checkpoint",

@@ -10,8 +10,9 @@ from __future__ import annotations
 import numbers
 from typing import Optional
 
-from tpu_embed_ext import errors, numeric_traps
-from tpu_embed_ext.optimizers import (FTRL, SGD, Adagrad, AdagradMomentum, Adam,
+from tpu_embed_ext import errors
+from tpu_embed_ext.spec import numeric_traps
+from tpu_embed_ext.spec.optimizers import (FTRL, SGD, Adagrad, AdagradMomentum, Adam,
                                       LearningRate, OptimizerSpec, field_names)
 
 __all__ = ["to_tf", "from_tf", "as_spec"]

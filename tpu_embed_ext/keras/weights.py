@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.derived_names import SINK_KEY, SLOT_NAMES, STEP_KEY, weights_key
+from tpu_embed_ext.spec.names import SINK_KEY, SLOT_NAMES, STEP_KEY, weights_key
 
 __all__ = ["keyed_variables", "save", "load", "STEP_KEY", "SINK_KEY"]
 

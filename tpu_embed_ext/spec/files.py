@@ -37,7 +37,7 @@ def shipped_configs() -> Dict[str, str]:
   ``tpu_embed_ext/configs/`` (setup.py); a source checkout that is not
   installed reads them from ``configs/`` beside the package.
   """
-  package = os.path.dirname(os.path.abspath(__file__))
+  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   for directory in (os.path.join(package, "configs"),
                     os.path.join(os.path.dirname(package), "configs")):
     if os.path.isdir(directory):

@@ -12,7 +12,8 @@ from typing import Mapping
 
 import numpy as np
 
-from tpu_embed_ext import derived_names, errors
+from tpu_embed_ext.spec import names as derived_names
+from tpu_embed_ext import errors
 
 __all__ = ["require_mapping", "entries", "require_fields", "check_keys",
            "positive_int", "number", "size", "parse_initializer", "parse_quantization",

@@ -19,7 +19,7 @@ import re
 import shlex
 from typing import Dict, List, Optional, Sequence
 
-from tpu_embed_ext import console
+from tpu_embed_ext.cli import console
 
 __all__ = ["EXTRAS", "clone_root", "missing_line"]
 
@@ -42,7 +42,7 @@ _OTHER_TF = {"clone": " (or [tf], or [tpu] on a Cloud TPU VM)",
 def clone_root() -> Optional[str]:
   """The clone this package runs from (editable install or PYTHONPATH), or
   None for an installed wheel."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   if os.path.exists(os.path.join(root, "setup.py")) and os.path.isdir(
       os.path.join(root, "configs")):
     return root

@@ -36,8 +36,8 @@ from tensorflow.python.eager import record
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
-from tpu_embed_ext import layer_gradients
-from tpu_embed_ext import layer_weights
+from tpu_embed_ext.keras import gradients as layer_gradients
+from tpu_embed_ext.keras import weights as layer_weights
 from tpu_embed_ext.emulation import dispatch
 from tpu_embed_ext.emulation import engine as engine_lib
 from tpu_embed_ext.spec import EmbeddingSpec

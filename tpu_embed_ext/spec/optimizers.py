@@ -21,7 +21,8 @@ import numbers
 import sys
 from typing import Any, Callable, ClassVar, Mapping, Optional, Tuple, Union
 
-from tpu_embed_ext import errors, numeric_traps
+from tpu_embed_ext import errors
+from tpu_embed_ext.spec import numeric_traps
 
 # A learning rate: a constant, a zero-arg callable, or a schedule (a Keras 3
 # LearningRateSchedule or learning_rates.Schedule, both called with a step).

@@ -123,7 +123,7 @@ def rate_samples(learning_rate, betas=None) -> Optional[List[Tuple[int, float]]]
   # Here, not at the top: learning_rates imports TensorFlow, and optimizers.py
   # (which imports this module) stays importable without it. No cycle:
   # learning_rates imports neither module (tests/test_import_graph.py).
-  from tpu_embed_ext import learning_rates  # pylint: disable=g-import-not-at-top
+  from tpu_embed_ext.spec import schedules as learning_rates  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
   schedule = getattr(learning_rate, "schedule", learning_rate)
   betas = getattr(learning_rate, "bias_correction", None) or betas

@@ -9,7 +9,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from tpu_embed_ext import text_table
+from tpu_embed_ext.cli import text_table
+from tpu_embed_ext.host.memory import human_bytes
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore import limits
 from tpu_embed_ext.sparsecore.topology import Topology
@@ -56,10 +57,10 @@ class StackingPlan:
       for i, l in enumerate(tables):
         rows.append((stack if i == 0 else "", l.table, f"{l.rows:,} x {l.dim}",
                      f"{l.padded_rows:,} x {l.padded_dim}", l.row_offset, l.rotation,
-                     text_table.human_bytes(memory["parameters"]) if i == 0 else "",
-                     text_table.human_bytes(memory["slots"]) if i == 0 else ""))
+                     human_bytes(memory["parameters"]) if i == 0 else "",
+                     human_bytes(memory["slots"]) if i == 0 else ""))
     rows.append((f"{len(self.stacks)} stacks", f"{len(self.layouts)} tables", "", "",
-                 "", "", "", text_table.human_bytes(self.bytes_per_chip) + " per chip"))
+                 "", "", "", human_bytes(self.bytes_per_chip) + " per chip"))
     return "\n".join([f"SparseCore (TPUEmbeddingV2) layout on {self.topology}, "
                       f"{self.topology.num_sparse_cores} SparseCores:"]
                      + text_table.lines(header, rows))

@@ -12,7 +12,8 @@ from typing import Optional, Sequence, Tuple
 
 from tpu_embed_ext import errors
 
-__all__ = ["MemoryLimitError", "available_memory", "gib", "check_tables"]
+__all__ = ["MemoryLimitError", "available_memory", "gib", "check_tables",
+           "human_bytes"]
 
 
 class MemoryLimitError(errors.Error, MemoryError):
@@ -54,3 +55,11 @@ def check_tables(tables: Sequence[Tuple[str, int, int, int]],
       f"(float32), and all tables and slots {gib(total)}, but this machine has "
       f"{gib(available)} available; nothing was allocated. Fix: lower its "
       "vocabulary_size for CPU emulation, or run on a TPU.")
+
+
+def human_bytes(n: int) -> str:
+  """``n`` bytes as people read them: ``1.5 GiB``."""
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+    n /= 1024

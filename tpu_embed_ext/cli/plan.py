@@ -8,10 +8,12 @@ from typing import Dict, List, Optional
 
 import tensorflow as tf
 
-from tpu_embed_ext import errors, learning_rates, numeric_traps, optimizers, tf_config
+from tpu_embed_ext import errors
+from tpu_embed_ext.spec import schedules, numeric_traps, optimizers
+from tpu_embed_ext.tf import config as tf_config
 from tpu_embed_ext.spec import EmbeddingSpec
-from tpu_embed_ext.text_table import human_bytes as _human
-from tpu_embed_ext.text_table import lines as _table_lines
+from tpu_embed_ext.host.memory import human_bytes as _human
+from tpu_embed_ext.cli.text_table import lines as _table_lines
 
 __all__ = ["Plan", "plan"]
 
@@ -112,8 +114,9 @@ class Plan:
   def sparsecore(self, topology, batch_size: int = 0):
     """The stacked layout ``TPUEmbeddingV2`` gives these tables on ``topology``
     (a ``sparsecore.Topology`` or its spelling, "v5p:4"): a ``StackingPlan``."""
-    from tpu_embed_ext.sparsecore import report, topology as sc_topology  # pylint: disable=g-import-not-at-top
-    return report.stacking_plan(
+    from tpu_embed_ext.cli import sparsecore_report  # pylint: disable=g-import-not-at-top
+    from tpu_embed_ext.sparsecore import topology as sc_topology
+    return sparsecore_report.stacking_plan(
         self._config, sc_topology.parse_topology(topology),
         {t.name: t.optimizer.slot_names for t in self.tables}, batch_size=batch_size)
 
@@ -166,7 +169,7 @@ class Plan:
     out = _table_lines(header, rows)
     if self._rates:
       out += ["", "dynamic learning rates:"]
-      out += [f"  tag {tag}: {learning_rates.describe(rate)}"
+      out += [f"  tag {tag}: {schedules.describe(rate)}"
               for tag, rate in sorted(self._rates.items())]
     out += ["", "numeric checks passed (values that would write NaN or Inf; "
             "docs/numeric-traps.md):"]
