@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 import tpu_embed_ext as tee
+from tests import references
 
 api = tf.tpu.experimental.embedding
 REPLICAS, PER_REPLICA, STEPS, DIM = 2, 8, 3, 4
@@ -78,8 +79,9 @@ def numpy_reference(batches=None):
           g[i] += activation - 1.0
       grads[name] = g
     for name, g in grads.items():  # a zero gradient changes no row
-      acc[name] += g ** 2
-      params[name] -= LR * g / np.sqrt(acc[name])
+      params[name], slots = references.update(
+          "adagrad", params[name], {"accumulators": acc[name]}, g, LR)
+      acc[name] = slots["accumulators"]
   return params, acc
 
 

@@ -18,6 +18,7 @@ from tensorflow.python.tpu import embedding_context_utils as ecu
 from tensorflow.python.tpu import tpu_embedding_v3 as tf_v3
 
 import tpu_embed_ext as tee
+from tests import references
 
 api = tf.tpu.experimental.embedding
 REPLICAS, PER_REPLICA, STEPS, DIM = 2, 4, 5, 3
@@ -65,11 +66,13 @@ def _numpy_loop(params, acc, batches, pipelined):
       grad = np.zeros_like(params[n])
       for i in batch[n]:  # every replica's samples; gradient a - 1
         grad[i] += seen[n][i] - 1.0
+      # In place: the caller's dicts hold the loop's state.
       if n == "a":
-        params[n] -= SGD_LR * grad
+        params[n][:] = references.update("sgd", params[n], {}, grad, SGD_LR)[0]
       else:
-        acc[n] += grad ** 2
-        params[n] -= ADAGRAD_LR * grad / np.sqrt(acc[n])
+        params[n][:], slots = references.update(
+            "adagrad", params[n], {"accumulators": acc[n]}, grad, ADAGRAD_LR)
+        acc[n][:] = slots["accumulators"]
 
 
 def _numpy_reference(batches, pipelined):

@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
+from tests import references
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = os.path.join(ROOT, "tests", "tpu_programs")
@@ -69,9 +70,11 @@ def numpy_reference(steps=STEPS):
         for i in favorited:
           g["video"][i] += g_favorited / len(favorited)
       g["user"][friend] += w["user"][friend] - y
-    accumulator += g["video"] ** 2
-    w["video"] -= ADAGRAD_LR * g["video"] / np.sqrt(accumulator)
-    w["user"] -= SGD_LR * g["user"]
+    # Every row at once: a zero gradient leaves an Adagrad or SGD row as it is.
+    w["video"], slots = references.update(
+        "adagrad", w["video"], {"accumulators": accumulator}, g["video"], ADAGRAD_LR)
+    accumulator = slots["accumulators"]
+    w["user"], _ = references.update("sgd", w["user"], {}, g["user"], SGD_LR)
   return w, accumulator
 
 

@@ -10,13 +10,14 @@ is adding one row to OPTIMIZERS.
 """
 
 import dataclasses
-from typing import Callable, Dict
+from typing import Dict
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
+from tests import references
 
 api = tf.tpu.experimental.embedding
 STEPS = 10
@@ -32,89 +33,43 @@ FEATURES = {"watched": ("video", 0, "ragged"), "favorited": ("video", 0, "sparse
 WEIGHTED = {"watched", "friends", "terms"}
 
 
-# --- numpy reference, from docs/semantics.md ------------------------------
-
-def ref_sgd(w, s, g, lr, o):                                  # SGD
-  return w - lr * g, s
-
-
-def ref_adagrad(w, s, g, lr, o):                              # Adagrad
-  acc = s["accumulators"] + g ** 2
-  return w - lr * g / np.sqrt(acc), {"accumulators": acc}
-
-
-def ref_adagrad_momentum(w, s, g, lr, o):                     # AdagradMomentum
-  acc, mom = s["accumulators"], s["momenta"]
-  acc = acc + g ** 2 if o["beta2"] == 1 else o["beta2"] * acc + (1 - o["beta2"]) * g ** 2
-  sg = (acc + o["epsilon"]) ** (-1.0 / o["exponent"]) * g
-  mom = o["momentum"] * mom + sg
-  upd = o["momentum"] * mom + sg if o["use_nesterov"] else mom
-  return w - lr * upd, {"accumulators": acc, "momenta": mom}
-
-
-def ref_adam(w, s, g, lr, o):                                 # Adam
-  m = o["beta_1"] * s["momenta"] + (1 - o["beta_1"]) * g
-  v = o["beta_2"] * s["velocities"] + (1 - o["beta_2"]) * g ** 2
-  den = (np.sqrt(v + o["epsilon"] ** 2) if o["sum_inside_sqrt"]
-         else np.sqrt(v) + o["epsilon"])
-  return w - lr * m / den, {"momenta": m, "velocities": v}
-
-
-def ref_ftrl(w, s, g, lr, o):                                 # FTRL
-  acc, lin = s["accumulators"], s["linears"]
-  k = -o["learning_rate_power"]
-  l1, l2, beta = (o["l1_regularization_strength"],
-                  o["l2_regularization_strength"], o["beta"])
-  acc_new = acc + g ** 2
-  dp = acc_new ** k - acc ** k
-  if o["multiply_linear_by_learning_rate"]:
-    lin = lin + lr * g - dp * w
-    n = -lin if l1 == 0 else np.clip(lin, -lr * l1, lr * l1) - lin
-    d = acc_new ** k + 2 * lr * l2 + beta
-  else:
-    lin = lin + g - dp / lr * w
-    n = -lin if l1 == 0 else np.clip(lin, -l1, l1) - lin
-    d = (acc_new ** k + beta) / lr + 2 * l2
-  return n / d, {"accumulators": acc_new, "linears": lin}
-
-
 @dataclasses.dataclass
 class Row:
   tf_class: type
   hparams: dict
-  rule: Callable
+  reference: str           # its rule in tests/references.py
   slots: Dict[str, float]  # slot name -> initial value
 
 
 OPTIMIZERS = {
-    "sgd": Row(api.SGD, {}, ref_sgd, {}),
-    "adagrad": Row(api.Adagrad, {"initial_accumulator_value": 0.2}, ref_adagrad,
+    "sgd": Row(api.SGD, {}, "sgd", {}),
+    "adagrad": Row(api.Adagrad, {"initial_accumulator_value": 0.2}, "adagrad",
                    {"accumulators": 0.2}),
     "adagrad_momentum": Row(
         api.AdagradMomentum,
         {"momentum": 0.9, "use_nesterov": True, "exponent": 3.0, "beta2": 0.9,
-         "epsilon": 0.1}, ref_adagrad_momentum,
+         "epsilon": 0.1}, "adagrad_momentum",
         {"accumulators": 0.0, "momenta": 0.0}),
     "adagrad_momentum_plain": Row(
         api.AdagradMomentum,
         {"momentum": 0.5, "use_nesterov": False, "exponent": 2.0, "beta2": 1.0,
-         "epsilon": 1e-3}, ref_adagrad_momentum,
+         "epsilon": 1e-3}, "adagrad_momentum",
         {"accumulators": 0.0, "momenta": 0.0}),
     "adam": Row(api.Adam, {"beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-3,
-                           "sum_inside_sqrt": True}, ref_adam,
+                           "sum_inside_sqrt": True}, "adam",
                 {"momenta": 0.0, "velocities": 0.0}),
     "adam_eps_outside": Row(api.Adam, {"beta_1": 0.9, "beta_2": 0.99,
                                        "epsilon": 0.01, "sum_inside_sqrt": False},
-                            ref_adam, {"momenta": 0.0, "velocities": 0.0}),
+                            "adam", {"momenta": 0.0, "velocities": 0.0}),
     "ftrl": Row(api.FTRL, {"learning_rate_power": -0.5, "l1_regularization_strength": 0.01,
                            "l2_regularization_strength": 0.02, "beta": 0.1,
-                           "initial_accumulator_value": 0.1}, ref_ftrl,
+                           "initial_accumulator_value": 0.1}, "ftrl",
                 {"accumulators": 0.1, "linears": 0.0}),
     "ftrl_linear_times_lr": Row(
         api.FTRL, {"learning_rate_power": -0.3, "l1_regularization_strength": 0.0,
                    "l2_regularization_strength": 0.05, "beta": 0.0,
                    "initial_accumulator_value": 0.3,
-                   "multiply_linear_by_learning_rate": True}, ref_ftrl,
+                   "multiply_linear_by_learning_rate": True}, "ftrl",
         {"accumulators": 0.3, "linears": 0.0}),
 }
 
@@ -202,10 +157,9 @@ def upstream_gradient(acts, step):
 
 
 def reference_run(row, options):
-  o = {"multiply_linear_by_learning_rate": False, **row.hparams}
+  o = references.hparams(row.reference, **row.hparams)
   E = {t: initial_table(t) for t in TABLES}
   S = {t: {s: np.full(E[t].shape, v) for s, v in row.slots.items()} for t in TABLES}
-  lo, hi = options.get("clipvalue", (None, None))
   for step in range(STEPS):
     _, _, raw, weights = make_batch(step)
     acts, occurrences = reference_forward(E, raw, weights)
@@ -216,15 +170,9 @@ def reference_run(row, options):
     lr = learning_rate(step)
     for table, gs in per_id.items():
       for i, g in gs.items():
-        g = np.clip(g, -np.inf if lo is None else lo, np.inf if hi is None else hi)
-        w = E[table][i]
-        wd = options.get("weight_decay_factor")
-        if wd:
-          w = w - wd * (lr if options.get(
-              "multiply_weight_decay_factor_by_learning_rate") else 1) * w
-        w, slots = row.rule(w, {s: S[table][s][i] for s in row.slots}, g, lr, o)
-        w = np.clip(w, options.get("clip_weight_min", -np.inf),
-                    options.get("clip_weight_max", np.inf))
+        w, slots = references.apply(
+            row.reference, E[table][i], {s: S[table][s][i] for s in row.slots},
+            g, lr, o, **options)
         E[table][i] = w
         for s, v in slots.items():
           S[table][s][i] = v

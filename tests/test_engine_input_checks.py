@@ -12,6 +12,7 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tests.builders import (in_graph, SINGLE_TABLE_VALUES, TWO_SAMPLE_IDS, assert_same_state,
                             engine_state, single_table_engine, train_step)
+from tests import references
 
 api = tf.tpu.experimental.embedding
 
@@ -199,12 +200,11 @@ def test_sparse_indices_outside_dense_shape_are_named_in_every_mode(case, combin
 def _adagrad_twice(combiner):
   """Two Adagrad(0.1) steps of ids [[1, 2], [3]] with dL/dact = 1 (numpy)."""
   table = SINGLE_TABLE_VALUES.copy()
-  acc = np.full((6, 2), 0.1)
+  slots = references.initial_slots("adagrad", (6, 2))
   gain = {1: 1.0, 2: 1.0, 3: 1.0} if combiner == "sum" else {1: 0.5, 2: 0.5, 3: 1.0}
   for _ in range(2):
-    for i, g in gain.items():
-      acc[i] += g * g
-      table[i] -= 0.1 * g / np.sqrt(acc[i])
+    references.train_step("adagrad", table, slots, list(gain),
+                          [np.full(2, g) for g in gain.values()], 0.1)
   return table
 
 

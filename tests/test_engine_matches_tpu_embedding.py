@@ -20,6 +20,7 @@ from tpu_embed_ext.spec import optimizers
 from tpu_embed_ext.keras import serving
 from tpu_embed_ext.tf import optimizers as tf_optimizers
 from tests.builders import (SCENARIO_IDS, SCENARIO_USER, SCENARIO_VIDEO, scenario_features,
+from tests import references
                             scenario_tables)
 
 api = tf.tpu.experimental.embedding
@@ -600,9 +601,10 @@ def test_v1_gradient_clipping_trains_like_clipvalue():
     emb.enqueue({"f": tf.constant([[1]])}, training=True)
     emb.dequeue()
     emb.apply_gradients({"f": tf.constant(g, tf.float32)})
-    clipped = np.clip(g[0], -0.3, 0.2)
-    acc[1] += clipped ** 2
-    w[1] -= 0.1 * clipped / np.sqrt(acc[1])
+    w[1], slots = references.apply("adagrad", w[1], {"accumulators": acc[1]}, g[0],
+                                   0.1, references.hparams("adagrad"),
+                                   clipvalue=(-0.3, 0.2))
+    acc[1] = slots["accumulators"]
   np.testing.assert_allclose(emb.variables["t"]["parameters"], w, rtol=1e-6)
   np.testing.assert_allclose(emb.variables["t"]["accumulators"], acc, rtol=1e-6)
 

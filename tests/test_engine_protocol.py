@@ -11,6 +11,7 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tests.builders import (SINGLE_TABLE_VALUES, assert_same_state, engine_state,
                             single_table_engine, two_sample_ids)
+from tests import references
 
 api = tf.tpu.experimental.embedding
 
@@ -68,17 +69,6 @@ def test_protocol_misuse_is_named_and_changes_nothing(case, mode):
       np.testing.assert_array_equal(after[key], before[key], err_msg=key)
 
 
-def _adagrad_reference(table, acc, ids, grad_rows, lr=0.1):
-  """numpy: per-id sums of the rows' gradients (sum combiner), one update each."""
-  sums = {}
-  for row, sample in enumerate(ids):
-    for i in sample:
-      sums[i] = sums.get(i, 0) + np.asarray(grad_rows[row], np.float64)
-  for i, g in sums.items():
-    acc[i] += g * g
-    table[i] -= lr * g / np.sqrt(acc[i])
-
-
 @pytest.mark.parametrize("mode", ["eager", "tf_function"])
 def test_rejected_apply_gradients_keeps_the_batch_for_a_corrected_retry(mode):
   """Wrong shape, wrong structure, non-tensor and NaN gradients are rejected with
@@ -86,7 +76,7 @@ def test_rejected_apply_gradients_keeps_the_batch_for_a_corrected_retry(mode):
   batch. Three steps against numpy Adagrad."""
   emb = single_table_engine(api.Adagrad(0.1))
   table = SINGLE_TABLE_VALUES.copy()
-  acc = np.full((6, 2), 0.1)
+  slots = references.initial_slots("adagrad", (6, 2))
   wrap = (lambda f: f) if mode == "eager" else tf.function
   bad = [({"f": tf.ones([3, 2])}, tee.InputError,
           "feature 'f' (table 't'): gradient shape [3, 2] does not match its "
@@ -126,11 +116,13 @@ def test_rejected_apply_gradients_keeps_the_batch_for_a_corrected_retry(mode):
             emb.apply_gradients(g)
         emb.apply_gradients(gradients)
       tf.function(full)({"f": tf.constant(grad)})
-    _adagrad_reference(table, acc, ids, grad)
+    # numpy: per-id sums of the rows' gradients (sum combiner), one update each.
+    references.train_step("adagrad", table, slots, [i for s in ids for i in s],
+                          [g for s, g in zip(ids, grad) for _ in s], 0.1)
     np.testing.assert_allclose(emb.variables["t"]["parameters"].numpy(), table,
                                rtol=1e-6)
-    np.testing.assert_allclose(emb.variables["t"]["accumulators"].numpy(), acc,
-                               rtol=1e-6)
+    np.testing.assert_allclose(emb.variables["t"]["accumulators"].numpy(),
+                               slots["accumulators"], rtol=1e-6)
     assert int(emb.step.numpy()) == step + 1
 
 

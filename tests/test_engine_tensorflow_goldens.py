@@ -7,6 +7,7 @@ import tensorflow as tf
 
 import tpu_embed_ext as tee
 from tests.builders import SCENARIO_IDS, scenario_features_by_name
+from tests import references
 
 api = tf.tpu.experimental.embedding
 REPLICAS = 2
@@ -48,33 +49,25 @@ def _expected(update):
   return video, user
 
 
-def _adam(w, g, b1=0.9, b2=0.999, eps=1e-7):
-  m, v = (1 - b1) * g, (1 - b2) * g * g
-  return w - LR * m / np.sqrt(v + eps * eps)
-
-
-def _ftrl(w, g, acc0=0.1):  # BT golden: l1 = l2 = beta = 0, lr_power -0.5.
-  acc = acc0 + g * g
-  sigma = (np.sqrt(acc) - np.sqrt(acc0)) / LR
-  lin = g - sigma * w
-  return -lin / (np.sqrt(acc) / LR)
-
-
-def _adagrad_momentum(w, g):  # momentum .9, nesterov, exponent 3, eps .1, beta2 .9
-  acc = 0.1 * g * g
-  sg = (acc + 0.1) ** (-1 / 3) * g
-  mom = sg
-  return w - LR * (0.9 * mom + sg)
+def _one_step(name, **hparams):
+  """The reference's first step of ``name`` from its initial slots (TF's BT
+  goldens: ``tpu_embedding_v2_correctness_base_test``)."""
+  def update(w, g):
+    slots = references.initial_slots(name, w.shape, **hparams)
+    return references.update(name, w, slots, g, LR, **hparams)[0]
+  return update
 
 
 GOLDENS = {
-    "sgd": (api.SGD(LR), lambda w, g: w - LR * g),
-    "adagrad": (api.Adagrad(LR), lambda w, g: w - LR * g / np.sqrt(0.1 + g * g)),
-    "adam": (api.Adam(LR), _adam),
-    "ftrl": (api.FTRL(LR), _ftrl),
+    "sgd": (api.SGD(LR), _one_step("sgd")),
+    "adagrad": (api.Adagrad(LR), _one_step("adagrad")),
+    "adam": (api.Adam(LR), _one_step("adam")),
+    "ftrl": (api.FTRL(LR), _one_step("ftrl")),
     "adagrad_momentum": (api.AdagradMomentum(
         LR, momentum=0.9, use_nesterov=True, exponent=3, epsilon=0.1, beta2=0.9),
-                         _adagrad_momentum),
+                         _one_step("adagrad_momentum", momentum=0.9,
+                                   use_nesterov=True, exponent=3, epsilon=0.1,
+                                   beta2=0.9)),
 }
 
 

@@ -12,6 +12,7 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tests.builders import (SINGLE_TABLE_VALUES, assert_same_state, engine_state,
                             single_table_engine, train_step)
+from tests import references
 
 api = tf.tpu.experimental.embedding
 
@@ -23,15 +24,15 @@ def test_without_gradient_accumulation_duplicates_update_in_rounds():
   # id 1 occurs twice (rows 0 and 1): two sequential Adagrad steps on it.
   train_step(emb, [[1], [1, 2]], [[1.0, 2.0], [3.0, -1.0]])
   w0 = SINGLE_TABLE_VALUES.copy()
-  acc, w = np.full(2, 0.1), w0[1].copy()
+  w, slots = w0[1], references.initial_slots("adagrad", 2)
   for g in (np.array([1.0, 2.0]), np.array([3.0, -1.0])):
-    acc = acc + g * g
-    w = w - 0.5 * g / np.sqrt(acc)
+    w, slots = references.update("adagrad", w, slots, g, 0.5)
   np.testing.assert_allclose(emb.variables["t"]["parameters"][1], w, rtol=1e-6)
-  np.testing.assert_allclose(emb.variables["t"]["accumulators"][1], acc, rtol=1e-6)
-  g2 = np.array([3.0, -1.0])
-  np.testing.assert_allclose(emb.variables["t"]["parameters"][2],
-                             w0[2] - 0.5 * g2 / np.sqrt(0.1 + g2 * g2), rtol=1e-6)
+  np.testing.assert_allclose(emb.variables["t"]["accumulators"][1],
+                             slots["accumulators"], rtol=1e-6)
+  w2, _ = references.update("adagrad", w0[2], references.initial_slots("adagrad", 2),
+                            np.array([3.0, -1.0]), 0.5)
+  np.testing.assert_allclose(emb.variables["t"]["parameters"][2], w2, rtol=1e-6)
 
 
 def test_non_lazy_adam_updates_every_row_lazy_only_touched():
@@ -45,12 +46,12 @@ def test_non_lazy_adam_updates_every_row_lazy_only_touched():
   # which leave m = v = 0 and w unchanged too.
   np.testing.assert_array_equal(lazy.variables["t"]["parameters"][5], w0[5])
   # Row 0, looked up at step 0 only: dense Adam keeps moving it at step 1.
-  m, v = 0.1 * 1.0, 0.001 * 1.0
-  w_after_0 = w0[0] - 0.1 * m / np.sqrt(v + 1e-14)
+  w_after_0, slots = references.update("adam", w0[0], references.initial_slots(
+      "adam", 2), np.ones(2), 0.1)
   np.testing.assert_allclose(lazy.variables["t"]["parameters"][0], w_after_0, rtol=1e-6)
-  m, v = 0.9 * m, 0.999 * v
-  np.testing.assert_allclose(dense.variables["t"]["parameters"][0],
-                             w_after_0 - 0.1 * m / np.sqrt(v + 1e-14), rtol=1e-6)
+  np.testing.assert_allclose(
+      dense.variables["t"]["parameters"][0],
+      references.update("adam", w_after_0, slots, np.zeros(2), 0.1)[0], rtol=1e-6)
 
 
 def test_sparsecore_engine_ignores_clipping_and_rejects_weight_decay():
@@ -78,9 +79,12 @@ def test_none_gradient_is_a_zero_gradient_on_touched_rows():
   emb.enqueue({"f": tf.ragged.constant([[0]], tf.int64)}, training=True)
   emb.dequeue()
   emb.apply_gradients({"f": None})
-  m, v = 0.9 * 0.1, 0.999 * 0.001  # Decayed moments still move row 0.
-  np.testing.assert_allclose(emb.variables["t"]["parameters"][0],
-                             before[0] - 0.1 * m / np.sqrt(v + 1e-14), rtol=1e-6)
+  # Decayed moments still move row 0 (the moments of step 0's gradient of 1).
+  _, slots = references.update("adam", before[0], references.initial_slots(
+      "adam", 2), np.ones(2), 0.1)
+  np.testing.assert_allclose(
+      emb.variables["t"]["parameters"][0],
+      references.update("adam", before[0], slots, np.zeros(2), 0.1)[0], rtol=1e-6)
   np.testing.assert_array_equal(emb.variables["t"]["parameters"][1:], before[1:])
 
 
@@ -179,11 +183,11 @@ def test_a_keras_schedule_as_learning_rate_follows_the_engine_step(kind, mode):
     emb.apply_gradients({"f": tf.ones_like(acts["f"])})
 
   run = tf.function(step) if mode == "tf_function" else step
-  want, acc = np.zeros(2), np.full(2, 0.1)
+  want, slots = np.zeros(2), references.initial_slots("adagrad", 2)
   for t in range(4):
     run()
-    acc += 1.0
-    want -= 0.1 * 0.5 ** (t / 2) / np.sqrt(acc)
+    want, slots = references.update("adagrad", want, slots, np.ones(2),
+                                    0.1 * 0.5 ** (t / 2))
     np.testing.assert_allclose(emb.variables["t"]["parameters"].numpy()[[1, 4]],
                                [want, want], rtol=1e-6)
 

@@ -20,6 +20,7 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tpu_embed_ext import errors
 from tpu_embed_ext.emulation import native
+from tests import references
 
 api = tf.tpu.experimental.embedding
 
@@ -111,22 +112,11 @@ def test_huge_pages_off_by_the_environment_and_on_the_tf_path(monkeypatch):
   assert _anon_huge_mib() - before < 4, "huge pages were used though turned off"
 
 
-def _adagrad(w, acc, ids, grads, lr=0.1):
-  """The TPU's Adagrad on numpy (docs/semantics.md): per-id sums, then
-  acc += g^2, w -= lr * g / sqrt(acc)."""
-  sums = {}
-  for i, g in zip(ids, grads):
-    sums[i] = sums[i] + g if i in sums else g.copy()
-  for i, g in sums.items():
-    acc[i] = acc[i] + g * g
-    w[i] = w[i] - lr * g / np.sqrt(acc[i])
-
-
 def test_a_large_table_trains_bit_identically_and_rejects_unchanged():
   rng = np.random.RandomState(7)
   engines = {k: _big_table_engine(k) for k in ("native", "tf")}
   w = engines["native"].variables["big"]["parameters"].numpy()
-  acc = np.full_like(w, 0.1)
+  slots = references.initial_slots("adagrad", w.shape)
   for _ in range(5):
     ids = rng.randint(0, VOCAB, 64).astype(np.int64)
     ids[:8] = ids[8:16]  # repeated ids: per-id sums
@@ -135,13 +125,14 @@ def test_a_large_table_trains_bit_identically_and_rejects_unchanged():
       emb.enqueue({"f": tf.constant(ids)})
       emb.dequeue()
       emb.apply_gradients({"f": tf.constant(grads)})
-    _adagrad(w, acc, ids, grads)
+    references.train_step("adagrad", w, slots, ids, grads, 0.1)
   native_vars = engines["native"].variables["big"]
   tf_vars = engines["tf"].variables["big"]
   for name in ("parameters", "accumulators"):
     np.testing.assert_array_equal(native_vars[name].numpy(), tf_vars[name].numpy())
   np.testing.assert_allclose(native_vars["parameters"].numpy(), w, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(native_vars["accumulators"].numpy(), acc, rtol=1e-5)
+  np.testing.assert_allclose(native_vars["accumulators"].numpy(),
+                             slots["accumulators"], rtol=1e-5)
 
   # A step whose last update overflows is rejected: every row it had
   # already written in place comes back from the undo log.

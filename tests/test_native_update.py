@@ -16,6 +16,7 @@ import tpu_embed_ext as tee
 from tpu_embed_ext.spec import optimizers
 from tpu_embed_ext.emulation import native
 from tests.builders import engine_state, mirrored_strategy
+from tests import references
 
 api = tf.tpu.experimental.embedding
 
@@ -408,41 +409,23 @@ def test_kernel_checks_ids_itself_when_validation_is_off():
 
 # --- an independent numpy reference -------------------------------------------
 
-def _numpy_step(name, w, slots, ids, rows, gains, grad, lr):
-  """The per-id sums and the rule of docs/semantics.md, in float64."""
-  g = {}
-  for i, r, c in zip(ids, rows, gains):
-    g[i] = g.get(i, 0.0) + c * grad[r]
-  for i, gi in g.items():
-    if name == "sgd":
-      w[i] -= lr * gi
-    elif name == "adagrad":
-      slots[0][i] += gi * gi
-      w[i] -= lr * gi / np.sqrt(slots[0][i])
-    elif name == "ftrl":  # lr_power -0.5, l1 0.01, l2 0.02, beta 0.1
-      acc, lin = slots[0][i], slots[1][i]
-      acc_new = acc + gi * gi
-      lin[:] = lin + gi - (np.sqrt(acc_new) - np.sqrt(acc)) / lr * w[i]
-      slots[0][i] = acc_new
-      w[i] = (np.clip(lin, -0.01, 0.01) - lin) / ((np.sqrt(acc_new) + 0.1) / lr + 0.04)
-
-
 REFERENCE = {
-    "sgd": (lambda: optimizers.SGD(learning_rate=0.1), []),
-    "adagrad": (lambda: optimizers.Adagrad(learning_rate=0.1), [0.1]),
-    "ftrl": (lambda: optimizers.FTRL(learning_rate=0.2, l1_regularization_strength=0.01,
-                              l2_regularization_strength=0.02, beta=0.1), [0.1, 0.0]),
+    "sgd": lambda: optimizers.SGD(learning_rate=0.1),
+    "adagrad": lambda: optimizers.Adagrad(learning_rate=0.1),
+    "ftrl": lambda: optimizers.FTRL(learning_rate=0.2, l1_regularization_strength=0.01,
+                                    l2_regularization_strength=0.02, beta=0.1),
 }
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE))
 def test_native_matches_numpy_reference_over_steps(name):
-  make, slot_init = REFERENCE[name]
+  spec = REFERENCE[name]()
+  hparams = references.hparams_of(name, spec)
   table = api.TableConfig(8, 4, initializer=_init(8, 4, 9), combiner="mean", name="t")
-  emb = tee.CPUEmbedding({"f": api.FeatureConfig(table, name="f")}, make(),
+  emb = tee.CPUEmbedding({"f": api.FeatureConfig(table, name="f")}, spec,
                          kernels="native")
   w = emb.variables["t"]["parameters"].numpy().astype(np.float64)
-  slots = [np.full((8, 4), v) for v in slot_init]
+  slots = references.initial_slots(name, (8, 4), **hparams)
   lr = 0.1 if name != "ftrl" else 0.2
   rng = np.random.RandomState(4)
   for _ in range(5):
@@ -453,14 +436,13 @@ def test_native_matches_numpy_reference_over_steps(name):
     emb.apply_gradients({"f": tf.constant(grad)})
     lengths = ids.row_lengths().numpy()
     rows = np.repeat(np.arange(BATCH), lengths)
-    _numpy_step(name, w, slots, ids.values.numpy(), rows, 1.0 / lengths[rows],
-                grad.astype(np.float64), lr)
+    # The mean combiner: occurrence k of sample r sends grad[r] / length.
+    references.train_step(name, w, slots, ids.values.numpy(),
+                          grad.astype(np.float64)[rows] / lengths[rows, None],
+                          lr, **hparams)
   np.testing.assert_allclose(emb.variables["t"]["parameters"].numpy(), w,
                              rtol=2e-5, atol=1e-6)
-  for s, value in zip(opt_slots(make()), slots):
+  assert set(slots) == set(spec.slot_names)
+  for s, value in slots.items():
     np.testing.assert_allclose(emb.variables["t"][s].numpy(), value, rtol=2e-5,
                                atol=1e-6)
-
-
-def opt_slots(spec):
-  return spec.slot_names

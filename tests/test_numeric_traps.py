@@ -2,7 +2,7 @@
 
 Each test (a) pins the error (or warning) raised when the spec is made, and
 (b) shows on CPU that the TPU's formula, as docs/semantics.md writes it, would
-indeed write NaN or Inf: in numpy float32 (the formula, written here), and
+indeed write NaN or Inf: in numpy float32 (tests/references.py's formula), and
 through ``CPUEmbedding`` built from TensorFlow optimizer objects, which are
 taken as ``TPUEmbedding`` takes them (without the spec's checks), so the
 engine's own rejection of a non-finite update fires and nothing is written.
@@ -23,6 +23,7 @@ from tpu_embed_ext.spec.numeric_traps import (NumericTrapError,
                                               NumericTrapWarning)
 from tpu_embed_ext.spec import EmbeddingSpec
 from tests.builders import assert_same_state, engine_state
+from tests import references
 
 api = tf.tpu.experimental.embedding
 f32 = np.float32
@@ -67,48 +68,42 @@ def _finite(*xs):
     return all(np.all(np.isfinite(np.asarray(x, f32))) for x in xs)
 
 
-# --- the formulas of docs/semantics.md, in float32 ------------------------------
+# --- tests/references.py's rules in float32 ------------------------------------
+
+def _f32_update(name, w, slots, g, lr, **given):
+  """The reference rule with every value and hyperparameter in float32, as
+  the engine computes (NumPy keeps float32 through the formulas)."""
+  cast = lambda x: f32(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x
+  with np.errstate(all="ignore"):
+    return references.update(name, f32(w), {k: f32(v) for k, v in slots.items()},
+                             f32(g), f32(lr), **{k: cast(v) for k, v in given.items()})
+
 
 def ftrl_np(w, acc, lin, g, lr, power, l1=0.0, l2=0.0, beta=0.0, linear_x_lr=False):
-  with np.errstate(all="ignore"):
-    w, acc, lin, g, lr = map(f32, (w, acc, lin, g, lr))
-    k = f32(-power)
-    acc_new = acc + g * g
-    dp = acc_new ** k - acc ** k
-    if linear_x_lr:
-      lin = lin + lr * g - dp * w
-      n = np.clip(lin, -lr * l1, lr * l1) - lin
-      d = acc_new ** k + f32(2) * lr * f32(l2) + f32(beta)
-    else:
-      lin = lin + g - (dp / lr) * w
-      n = np.clip(lin, -l1, l1) - lin
-      d = (acc_new ** k + f32(beta)) / lr + f32(2) * f32(l2)
-    return n / d, acc_new, lin
+  w, s = _f32_update("ftrl", w, {"accumulators": acc, "linears": lin}, g, lr,
+                     learning_rate_power=power, l1_regularization_strength=l1,
+                     l2_regularization_strength=l2, beta=beta,
+                     multiply_linear_by_learning_rate=linear_x_lr)
+  return w, s["accumulators"], s["linears"]
 
 
 def adagrad_np(w, acc, g, lr):
-  with np.errstate(all="ignore"):
-    acc = f32(acc) + f32(g) * f32(g)
-    return f32(w) - f32(lr) * f32(g) / np.sqrt(acc), acc
+  w, s = _f32_update("adagrad", w, {"accumulators": acc}, g, lr)
+  return w, s["accumulators"]
 
 
 def adagrad_momentum_np(w, acc, m, g, lr, momentum, exponent, epsilon, beta2=1.0):
-  with np.errstate(all="ignore"):
-    g = f32(g)
-    acc = (f32(acc) + g * g if f32(beta2) == 1
-           else f32(beta2) * f32(acc) + (f32(1) - f32(beta2)) * g * g)
-    s = (acc + f32(epsilon)) ** f32(-1.0 / exponent) * g
-    m = f32(momentum) * f32(m) + s
-    return f32(w) - f32(lr) * m, acc, m
+  w, s = _f32_update("adagrad_momentum", w, {"accumulators": acc, "momenta": m}, g,
+                     lr, momentum=momentum, exponent=exponent, epsilon=epsilon,
+                     beta2=beta2)
+  return w, s["accumulators"], s["momenta"]
 
 
 def adam_np(w, m, v, g, lr, beta_1, beta_2, epsilon, sum_inside_sqrt=True):
-  with np.errstate(all="ignore"):
-    b1, b2, eps, g = f32(beta_1), f32(beta_2), f32(epsilon), f32(g)
-    m = b1 * f32(m) + (f32(1) - b1) * g
-    v = b2 * f32(v) + (f32(1) - b2) * g * g
-    d = np.sqrt(v + eps * eps) if sum_inside_sqrt else np.sqrt(v) + eps
-    return f32(w) - f32(lr) * m / d, m, v
+  w, s = _f32_update("adam", w, {"momenta": m, "velocities": v}, g, lr,
+                     beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
+                     sum_inside_sqrt=sum_inside_sqrt)
+  return w, s["momenta"], s["velocities"]
 
 
 # --- FTRL divides by the learning rate --------------------------------------------

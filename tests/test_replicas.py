@@ -19,6 +19,7 @@ from tests import test_engine_contract as contract
 from tests import test_engine_tensorflow_goldens as goldens
 from tests.builders import SCENARIO_IDS, scenario_features_by_name
 from tests.builders import mirrored_strategy
+from tests import references
 
 api = tf.tpu.experimental.embedding
 
@@ -178,20 +179,21 @@ SPEC = {
     "features": {f"f_{t}": {"table": t} for t in
                  ("ada", "sgd_t", "mom", "adam_t", "ftrl_t")},
 }
-# table: (numpy rule, hyperparameters, slots and their initial values)
+# table: (optimizer in tests/references.py, hyperparameters, slots and their
+# initial values)
 RULES = {
-    "ada": (contract.ref_adagrad, {}, {"accumulators": 0.2}),
-    "sgd_t": (contract.ref_sgd, {}, {}),
-    "mom": (contract.ref_adagrad_momentum,
+    "ada": ("adagrad", {}, {"accumulators": 0.2}),
+    "sgd_t": ("sgd", {}, {}),
+    "mom": ("adagrad_momentum",
             {"momentum": 0.9, "use_nesterov": True, "exponent": 3.0, "beta2": 0.9,
              "epsilon": 0.1}, {"accumulators": 0.0, "momenta": 0.0}),
-    "adam_t": (contract.ref_adam, {"beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-3,
-                                   "sum_inside_sqrt": True},
+    "adam_t": ("adam", {"beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-3,
+                        "sum_inside_sqrt": True},
                {"momenta": 0.0, "velocities": 0.0}),
-    "ftrl_t": (contract.ref_ftrl, {"learning_rate_power": -0.5,
-                                   "l1_regularization_strength": 0.01,
-                                   "l2_regularization_strength": 0.02, "beta": 0.1,
-                                   "multiply_linear_by_learning_rate": False},
+    "ftrl_t": ("ftrl", {"learning_rate_power": -0.5,
+                        "l1_regularization_strength": 0.01,
+                        "l2_regularization_strength": 0.02, "beta": 0.1,
+                        "multiply_linear_by_learning_rate": False},
                {"accumulators": 0.1, "linears": 0.0}),
 }
 SCHEDULED = {"ada", "sgd_t", "adam_t"}
@@ -227,7 +229,7 @@ def test_ids_in_one_or_several_replicas_are_updated_once_with_the_summed_gradien
         for r in range(2)]),))
     # numpy: per-id sums over both replicas, one update per touched id.
     lr_decay = 0.2 * 0.7 ** (t / 3)
-    for table, (rule, hparams, _) in RULES.items():
+    for table, (optimizer, hparams, _) in RULES.items():
       name = f"f_{table}"
       grads = {}
       for r in range(2):
@@ -237,8 +239,9 @@ def test_ids_in_one_or_several_replicas_are_updated_once_with_the_summed_gradien
             grads[i] = grads.get(i, 0) + act + constant[name][r, b]
       lr = lr_decay if table in SCHEDULED else 0.1
       for i, g in grads.items():
-        w, slots = rule(E[table][i], {s: S[table][s][i] for s in S[table]}, g, lr,
-                        hparams)
+        w, slots = references.update(
+            optimizer, E[table][i], {s: S[table][s][i] for s in S[table]}, g, lr,
+            **hparams)
         E[table][i] = np.clip(w, -0.6, 0.6) if table == "sgd_t" else w
         for s, v in slots.items():
           S[table][s][i] = v
@@ -397,8 +400,8 @@ def test_enqueue_per_device_equals_the_per_replica_path(replicas):
         for i in row:  # d(sum act^2)/d act = 2 act, spread by the mean
           grads[i] = grads.get(i, 0) + 2 * act / len(row)
     for i, g in grads.items():  # lazy TPU Adam: touched rows only
-      table[i], slots = contract.ref_adam(
-          table[i], {"momenta": m[i], "velocities": v[i]}, g, 0.1, ADAM)
+      table[i], slots = references.update(
+          "adam", table[i], {"momenta": m[i], "velocities": v[i]}, g, 0.1, **ADAM)
       m[i], v[i] = slots["momenta"], slots["velocities"]
     for engine in (per_replica, per_device):
       np.testing.assert_allclose(engine.variables["video"]["parameters"].numpy(),
@@ -483,8 +486,8 @@ def test_protocol_misuse_and_retry_under_two_replicas():
         grads[i] = grads.get(i, 0) + 1.0 / len(row)
   table = before["parameters"].astype(np.float64)
   for i, g in grads.items():
-    table[i], _ = contract.ref_adam(table[i], {"momenta": 0.0, "velocities": 0.0},
-                                    g, 0.1, ADAM)
+    table[i], _ = references.update(
+        "adam", table[i], {"momenta": 0.0, "velocities": 0.0}, g, 0.1, **ADAM)
   np.testing.assert_allclose(engine.variables["video"]["parameters"].numpy(), table,
                              rtol=1e-5)
   with pytest.raises(tee.InputError, match=re.escape(

@@ -13,6 +13,7 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tests import test_engine_contract as contract
 from tests import fixed_head_model as fh
+from tests import references
 
 api = tf.tpu.experimental.embedding
 
@@ -44,7 +45,7 @@ LENGTHS = [3, 2, 4, 1]  # fixed, so XLA compiles the step once
 def test_xla_optimizers_over_ten_steps(name):
   """Every optimizer row, 10 steps with duplicate ids, against numpy."""
   row = contract.OPTIMIZERS[name]
-  o = {"multiply_linear_by_learning_rate": False, **row.hparams}
+  o = references.hparams(row.reference, **row.hparams)
   init = np.random.RandomState(3).uniform(-1, 1, (10, 3))
   table = api.TableConfig(10, 3, name="t", combiner="sum",
                           initializer=tf.constant_initializer(init))
@@ -73,7 +74,8 @@ def test_xla_optimizers_over_ten_steps(name):
       for i in r:
         g[i] = g.get(i, 0) + acts[b] + c[b]
     for i, gi in g.items():
-      E[i], slots = row.rule(E[i], {s: S[s][i] for s in S}, gi, 0.1, o)
+      E[i], slots = references.REFERENCES[row.reference].rule(
+          E[i], {s: S[s][i] for s in S}, gi, 0.1, o)
       for s, v in slots.items():
         S[s][i] = v
   np.testing.assert_allclose(engine.variables["t"]["parameters"].numpy(), E,

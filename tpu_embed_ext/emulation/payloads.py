@@ -15,8 +15,8 @@ from typing import Any, Dict, List
 
 import tensorflow as tf
 
-from tpu_embed_ext.emulation import (check_runner, lookups, native,
-                                      structure_checks, updates)
+from tpu_embed_ext.emulation import (check_runner, lookups, native, step_pipeline,
+                                     structure_checks, updates)
 
 __all__ = ["uses_native", "build", "apply"]
 
@@ -61,16 +61,17 @@ def build(pending, gradients, tables, features, *, native_update: bool
 
 def apply(payloads, tables, features, variables, *, engine: str, validate: bool,
           step: tf.Variable, failure: tf.Variable):
-  """The step, once, from the payloads of every replica: native or TF ops."""
-  def table_variables(t):
-    return [variables[t.name][s] for s in ("parameters", *t.optimizer.slot_names)]
-
+  """The step, once, from the payloads of every replica: one pipeline, on
+  the native kernel or TF ops."""
+  step_tables = [
+      step_pipeline.Table(t.name, t.optimizer,
+                          [variables[t.name][s]
+                           for s in ("parameters", *t.optimizer.slot_names)],
+                          t.config.vocabulary_size) for t in tables]
   if "segments" in payloads[0]:
-    return native.update.apply_step(
-        payloads, [native.update.Table(t.name, t.optimizer, table_variables(t),
-                                       t.config.vocabulary_size) for t in tables],
-        [f.table for f in features], [f.where for f in features],
-        engine=engine, validate=validate, step=step)
-  return updates.apply_step(
-      payloads, [(t.name, t.optimizer, table_variables(t)) for t in tables],
-      engine=engine, validate=validate, step=step, failure=failure)
+    backend = native.update.kernel([f.table for f in features],
+                                   [f.where for f in features])
+  else:
+    backend = updates.compute
+  return step_pipeline.apply_step(payloads, step_tables, backend, engine=engine,
+                                  validate=validate, step=step, failure=failure)

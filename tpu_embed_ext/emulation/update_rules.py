@@ -5,20 +5,19 @@ are ``[n, dim]`` float32 rows (only the rows being updated), ``g`` the
 accumulated per-id gradient of those rows, ``lr`` this step's learning rate (a
 float32 scalar) and ``opt`` the optimizer spec holding the hyperparameters.
 No variables, no I/O: the engine gathers, calls, and scatters.
+optimizer_rows.py pairs each rule with its spec class, slots and native
+encoding; ``apply_update`` wraps a rule in the steps every optimizer shares.
 
 docs/semantics.md is the specification these follow, one section per rule.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Tuple
 
 import tensorflow as tf
 
-from tpu_embed_ext.spec import optimizers
-
-__all__ = ["sgd", "adagrad", "adagrad_momentum", "adam", "ftrl", "apply_update",
-           "RULES"]
+__all__ = ["sgd", "adagrad", "adagrad_momentum", "adam", "ftrl", "apply_update"]
 
 Rows = tf.Tensor
 Slots = Tuple[tf.Tensor, ...]
@@ -112,15 +111,6 @@ def ftrl(w, slots, g, lr, opt):
   return numerator / denominator, (acc_new, lin)
 
 
-RULES: Dict[type, Callable] = {
-    optimizers.SGD: sgd,
-    optimizers.Adagrad: adagrad,
-    optimizers.AdagradMomentum: adagrad_momentum,
-    optimizers.Adam: adam,
-    optimizers.FTRL: ftrl,
-}
-
-
 def _clip(x, lower, upper):
   if lower is not None:
     x = tf.maximum(x, lower)
@@ -129,8 +119,9 @@ def _clip(x, lower, upper):
   return x
 
 
-def apply_update(opt, w, slots, g, lr, *, engine: str = "v1"):
-  """One table step on the touched rows: the whole per-row pipeline.
+def apply_update(rule: Callable, opt, w, slots, g, lr, *, engine: str = "v1"):
+  """One table step on the touched rows: the whole per-row pipeline around
+  ``rule`` (one of the rules above, the row of ``opt``'s optimizer).
 
   Engine ``"v1"`` (TPUEmbedding; docs/semantics.md, the step): gradient
   clipping -> decoupled weight decay ``w <- w - wd_eff w`` (``wd_eff = wd * lr`` when
@@ -150,7 +141,7 @@ def apply_update(opt, w, slots, g, lr, *, engine: str = "v1"):
       decay = opt.weight_decay_factor * (
           lr if opt.multiply_weight_decay_factor_by_learning_rate else 1.0)
       w = w - decay * w
-  w, slots = RULES[type(opt)](w, tuple(slots), g, lr, opt)
+  w, slots = rule(w, tuple(slots), g, lr, opt)
   if engine == "v1":
     w = _clip(w, opt.clip_weight_min, opt.clip_weight_max)
   return w, tuple(slots)

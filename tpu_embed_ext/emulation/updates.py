@@ -1,12 +1,13 @@
-"""One table's step: per-id sums, the update rule on touched rows, writes.
+"""The step's TF-op back end: per-id sums, the update rule on touched rows,
+writes (step_pipeline.py runs it; native/update.py is the other back end).
 
 Per table, the gradients of every occurrence (all features on the table, all
 replicas) are summed per id (``tf.unique`` + ``unsorted_segment_sum``) and
-each touched id is updated once by ``update_rules.apply_update``
-(docs/semantics.md, the step). Only touched rows of the table and its slots
-are gathered and scattered, so a step costs O(ids in the batch) whatever the
-vocabulary; non-lazy Adam is the exception, it updates every row by
-definition.
+each touched id is updated once by ``update_rules.apply_update`` with the
+rule of its optimizer's row (optimizer_rows.py; docs/semantics.md, the
+step). Only touched rows of the table and its slots are gathered and
+scattered, so a step costs O(ids in the batch) whatever the vocabulary;
+non-lazy Adam is the exception, it updates every row by definition.
 
 Tables are written independently, not batched by optimizer: measured on W2
 (benchmarks/), concatenating same-optimizer tables into one update cost more
@@ -22,11 +23,10 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 import tensorflow as tf
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.spec import schedules as rates_lib, optimizers
-from tpu_embed_ext.emulation import check_runner, checks, update_rules
+from tpu_embed_ext.emulation import (check_runner, optimizer_rows, step_pipeline,
+                                     update_rules)
 
-__all__ = ["Update", "apply_step", "prepare", "learning_rate", "learning_rates",
-           "finite_verdicts"]
+__all__ = ["Update", "compute", "prepare"]
 
 
 class Update(NamedTuple):
@@ -44,111 +44,29 @@ class Update(NamedTuple):
   write: Callable[..., Optional[Any]]
 
 
-def apply_step(payloads, tables, *, engine: str, validate: bool,
-               step: tf.Variable, failure: tf.Variable):
-  """The step with TensorFlow ops, once, from every replica's payload.
+def compute(payloads, tables, status, rates, rate_verdict, *, engine: str,
+            validate: bool) -> step_pipeline.Computed:
+  """The back end of ``step_pipeline.apply_step`` with TensorFlow ops.
 
-  The TF-op twin of ``native.update.apply_step``. Each payload holds
-  ``status`` (the lookup's id check) and, per table, the occurrences' ``ids``
-  and ``grads``; ``tables`` lists ``(name, optimizer spec, [parameters,
-  *slots])``. Every table is prepared and checked before the first write, so
-  the tables, slots and ``step`` change together or not at all.
+  Each payload holds, per table, the occurrences' ``ids`` and ``grads``.
+  Every table is prepared before the first write, and each row read after
+  the id check (``status``), so a bad id fails with its message.
   """
-  status = tf.concat([p["status"] for p in payloads], 0)
-  names = [name for name, _, _ in tables]
-  rates, rate_verdict = learning_rates(names, [spec for _, spec, _ in tables])
+  del rate_verdict, validate  # the pipeline checks what this computes
   planned = []
-  # Rows are read after the id check: a bad id fails with its message.
   with tf.control_dependencies([] if tf.executing_eagerly() else [status]):
-    for i, (name, spec, variables) in enumerate(tables):
+    for i, table in enumerate(tables):
       ids = tf.concat([p["ids"][i] for p in payloads], 0)
       grads = tf.concat([p["grads"][i] for p in payloads], 0)
-      planned.append(prepare(spec, variables[0], variables[1:], ids, grads,
-                             rates[i], engine=engine, where=f"table '{name}'"))
-  verdicts = [rate_verdict] if rate_verdict is not None else []
-  if validate:
-    # Each check's assertion runs after the one before: the first failure's
-    # message is the one raised (a rate of 1e30 also overflows the update).
-    after = rate_verdict.assertion if rate_verdict is not None else None
-    verdicts += [v for v in finite_verdicts(
-        names, [u.grads for u in planned], [list(u.values) for u in planned],
-        [spec.slot_names for _, spec, _ in tables], after) if v is not None]
+      planned.append(prepare(table.optimizer, table.variables[0],
+                             table.variables[1:], ids, grads, rates[i],
+                             engine=engine, where=f"table '{table.name}'"))
 
   def write(accept=None):
-    with tf.control_dependencies([w for w in (u.write(accept) for u in planned)
-                                  if w is not None]):
-      if accept is None:
-        return step.assign_add(1)
-      return step.assign_add(tf.cast(accept, tf.int64))
+    return [w for w in (u.write(accept) for u in planned) if w is not None]
 
-  if tf.executing_eagerly():
-    write()
-    return
-  if verdicts and verdicts[0].assertion is None:
-    # XLA: no assertion can stop the step, so it is gated instead, and the
-    # first failure (ids, gradients, new values) recorded for
-    # raise_if_failed.
-    accept = tf.reduce_all(status[:, 0] > 0)
-    first = tf.gather(status, tf.argmin(status[:, 0]))[1:]
-    for verdict in verdicts:
-      first = tf.where(accept, verdict.failure, first)
-      accept = tf.logical_and(accept, verdict.ok)
-    with tf.control_dependencies([write(accept)]):
-      failure.assign(tf.where(accept, failure, first))
-    return
-  with tf.control_dependencies([status] + [v.assertion for v in verdicts]):
-    write()
-
-
-def finite_verdicts(names, grads, values, slot_names, after=None):
-  """Verdicts (None eagerly, where they raise) that every table's
-  ``grads`` and the ``values`` it would write into its parameters and each
-  of its ``slot_names`` are finite. Each assertion runs after the one
-  before (the first after ``after``): the first failure's message is the
-  one raised."""
-  checked = check_runner.run(checks.GRADIENT_FINITE, [
-      check_runner.Item(g, names={"table": n}, at=i)
-      for i, (n, g) in enumerate(zip(names, grads))], after=after)
-  variables = [(n, v, x) for n, vs, slots in zip(names, values, slot_names)
-               for v, x in zip(("parameters", *slots), vs)]
-  written = check_runner.run(checks.UPDATE_FINITE, [
-      check_runner.Item(x, names={"table": n, "variable": v}, at=i)
-      for i, (n, v, x) in enumerate(variables)],
-      after=checked.assertion if checked is not None else None)
-  return [checked, written]
-
-
-def learning_rates(names, specs):
-  """``(rates, verdict)``: this step's rate of every table, and the check
-  that every user's callable rate is in range (``checks.RATE_IN_RANGE``:
-  eagerly it raises, naming the table, before anything is computed or
-  written)."""
-  cache = {}
-  rates = [learning_rate(spec, cache) for spec in specs]
-  verdict = check_runner.run(checks.RATE_IN_RANGE, [
-      check_runner.Item(tf.cast(r, tf.float32), names={"table": n}, at=i)
-      for i, (n, s, r) in enumerate(zip(names, specs, rates))
-      if _unchecked_callable(s.learning_rate)])
-  return rates, verdict
-
-
-def _unchecked_callable(lr) -> bool:
-  """A user's callable rate: constants and schedules (``learning_rates``'s
-  bound callables carry theirs as ``.schedule``) were checked over their
-  whole range when the spec was made. Under Adam's bias correction a user's
-  callable is checked times the correction factor, the rate applied."""
-  return callable(lr) and not isinstance(getattr(lr, "schedule", None),
-                                         rates_lib.Schedule)
-
-
-def learning_rate(spec, cache: dict) -> tf.Tensor:
-  """This step's learning rate; one evaluation per distinct callable (tag)."""
-  lr = spec.learning_rate
-  if not callable(lr):
-    return tf.constant(lr, tf.float32)
-  if id(lr) not in cache:
-    cache[id(lr)] = tf.cast(lr(), tf.float32)
-  return cache[id(lr)]
+  checked = ([[u.grads] for u in planned], [list(u.values) for u in planned])
+  return step_pipeline.Computed(lambda: checked, write)
 
 
 def prepare(spec, params, slot_vars, ids, grads, lr, *, engine: str,
@@ -162,15 +80,18 @@ def prepare(spec, params, slot_vars, ids, grads, lr, *, engine: str,
   order) of every id that has one.
   """
   variables = (params,) + tuple(slot_vars)
-  rule = functools.partial(update_rules.apply_update, spec, lr=lr, engine=engine)
-  if engine == "v1" and isinstance(spec, optimizers.Adam) and not spec.lazy_adam:
+  rule = functools.partial(update_rules.apply_update,
+                           optimizer_rows.row(spec).rule, spec, lr=lr,
+                           engine=engine)
+  mode = optimizer_rows.mode(spec, engine)
+  if mode == optimizer_rows.EVERY_ROW:
     # Every row steps, untouched ones with g = 0; negative ids (occurrences
     # that do not count) touch nothing.
     g = tf.math.unsorted_segment_sum(grads, ids, tf.shape(params)[0])
     old = tuple(v.read_value() for v in variables)
     values = _apply(rule, old, g)
     return Update(g, values, functools.partial(_assign_all, variables, values, old))
-  if engine == "v1" and not spec.use_gradient_accumulation:
+  if mode == optimizer_rows.ROUNDS:
     if check_runner.in_xla_context():
       raise errors.ConfigError(
           f"{where}: use_gradient_accumulation=False cannot be compiled with "

@@ -22,7 +22,8 @@
 //      training ops do, training_op_helpers.h), so no reader sees a row in
 //      between.
 // A step that fails a check changes nothing and says which table and
-// variable failed (outputs); update.py raises the engine's usual messages.
+// variable failed (outputs); the step's pipeline (step_pipeline.py) raises
+// the engine's usual messages.
 
 #ifndef EIGEN_USE_THREADS
 #define EIGEN_USE_THREADS
@@ -58,21 +59,27 @@ namespace {
 
 using CPUDevice = Eigen::ThreadPoolDevice;
 
-// Keep in sync with update.py (_KINDS, _MODES, _FLAGS, _PARAMS).
-enum Kind { kSGD = 0, kAdagrad = 1, kAdagradMomentum = 2, kAdam = 3, kFTRL = 4 };
+// Keep in sync with optimizer_rows.py: one Kind per row (its native_kind)
+// with its number of slots, and the Mode, Flag and Param constants there. A
+// row's native_params fill kA, kB, ... and its native_flags set its own
+// flags; its case in ApplyRow reads them (tests/test_optimizer_rows.py
+// compares these enums with the rows).
+enum Kind { kSGD = 0, kAdagrad = 1, kAdagradMomentum = 2, kAdam = 3, kFTRL = 4,
+            kNumKinds };
+constexpr int kNumSlots[kNumKinds] = {0, 1, 2, 2, 2};  // by Kind
 enum Mode { kSums = 0, kRounds = 1, kEveryRow = 2 };
 enum Flag {
   kClipLow = 1, kClipHigh = 2, kDecay = 4, kDecayTimesLr = 8,
   kWeightMin = 16, kWeightMax = 32, kBeta2IsOne = 64, kNesterov = 128,
   kSumInsideSqrt = 256, kLinearTimesLr = 512, kL1 = 1024,
   // Inside tf.function, Grappler rewrites the TF-op path's arithmetic
-  // before it runs; update.py sets these when it would (see GraphPow).
+  // before it runs; update.py sets these when it would (see PowLikeTf).
   kGraphPow = 2048,       // arithmetic optimizer: pow(x, c) for some c
   kRsqrtMul = 4096,       // arithmetic optimizer: x / sqrt(y) -> x * rsqrt(y)
   kReciprocalLr = 8192,   // constant folding: x / lr -> x * (1 / lr)
 };
-// Per-table float parameters (update.py computes each as TensorFlow rounds
-// it: a Python expression first, then float32).
+// Per-table float parameters (optimizer_rows.py computes each as
+// TensorFlow rounds it: a Python expression first, then float32).
 enum Param {
   kClipLowValue = 0, kClipHighValue, kDecayValue, kWeightMinValue,
   kWeightMaxValue, kA, kB, kC, kD, kE, kF, kNumParams
@@ -109,8 +116,6 @@ REGISTER_OP("TpuEmbedExtApplyStep")
       c->set_output(2, c->Vector(num_variables));
       return absl::OkStatus();
     });
-
-int NumSlots(int kind) { return kind == kSGD ? 0 : (kind == kAdagrad ? 1 : 2); }
 
 // Id -> slot (first-occurrence order); open addressing over one array of
 // {key, slot, stamp} entries (one cache line per probe), cleared in O(1) by
@@ -504,10 +509,10 @@ class ApplyStepOp : public OpKernel {
                 errors::InvalidArgument("segment attributes disagree in length"));
     int variables = 0;
     for (size_t i = 0; i < t; ++i) {
-      OP_REQUIRES(c, kind_[i] >= kSGD && kind_[i] <= kFTRL &&
+      OP_REQUIRES(c, kind_[i] >= 0 && kind_[i] < kNumKinds &&
                          mode_[i] >= kSums && mode_[i] <= kEveryRow,
                   errors::InvalidArgument("bad optimizer kind or mode"));
-      variables += 1 + NumSlots(kind_[i]);
+      variables += 1 + kNumSlots[kind_[i]];
     }
     OP_REQUIRES(c, variables == num_variables_,
                 errors::InvalidArgument("num_variables does not match the tables"));
@@ -563,7 +568,7 @@ class ApplyStepOp : public OpKernel {
       t.p = params_.data() + i * kNumParams;
       t.lr = lr_t.flat<float>()(i);
       t.first_variable = next_variable;
-      t.num_variables = 1 + NumSlots(t.kind);
+      t.num_variables = 1 + kNumSlots[t.kind];
       next_variable += t.num_variables;
       t.segments.clear();
       const Tensor* w = vars[t.first_variable]->tensor();
