@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import tpu_embed_ext as tee
 from tpu_embed_ext.spec import schedules as learning_rates
+from tpu_embed_ext.tf import rates as rate_binding, tags as rate_tags
 
 api = tf.tpu.experimental.embedding
 
@@ -156,7 +157,7 @@ def test_equal_schedules_are_one_value_and_one_callable():
        "config": {"initial_learning_rate": 0.1, "decay_steps": 10.0,
                   "decay_rate": 0.5, "name": "x"}}, {})
   assert a == b and hash(a) == hash(b)
-  binder = learning_rates.RateBinder(tf.Variable(0, dtype=tf.int64))
+  binder = rate_binding.RateBinder(tf.Variable(0, dtype=tf.int64))
   assert binder.rate(tee.SGD(learning_rate=a)) is binder.rate(tee.Adagrad(learning_rate=b))
   assert binder.rate(tee.SGD(learning_rate=0.3)) == 0.3
 
@@ -173,7 +174,7 @@ def test_tag_rule_violations_are_pinned(tags, rates, message):
   callables = {"f": lambda: 0.1, "g": lambda: 0.2}
   rates = {k: callables.get(v, v) for k, v in rates.items()}
   with pytest.raises(tee.ConfigError) as info:
-    learning_rates.check_tag_rules(tags, rates)
+    rate_tags.check_tag_rules(tags, rates)
   assert str(info.value).startswith(message)
 
 

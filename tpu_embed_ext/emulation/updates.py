@@ -22,7 +22,8 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 import tensorflow as tf
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.spec import schedules as rates_lib, optimizers
+from tpu_embed_ext.spec import optimizers
+from tpu_embed_ext.spec.schedules import Schedule
 from tpu_embed_ext.emulation import update_rules, validation
 
 __all__ = ["Update", "apply_step", "prepare", "learning_rate", "learning_rates"]
@@ -115,12 +116,12 @@ def learning_rates(names, specs):
 
 
 def _unchecked_callable(lr) -> bool:
-  """A user's callable rate: constants and schedules (``learning_rates``'s
+  """A user's callable rate: constants and schedules (tf/rates.py's
   bound callables carry theirs as ``.schedule``) were checked over their
   whole range when the spec was made. Under Adam's bias correction a user's
   callable is checked times the correction factor, the rate applied."""
   return callable(lr) and not isinstance(getattr(lr, "schedule", None),
-                                         rates_lib.Schedule)
+                                         Schedule)
 
 
 def learning_rate(spec, cache: dict) -> tf.Tensor:
