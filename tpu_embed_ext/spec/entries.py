@@ -3,9 +3,10 @@ every spec value, written field by field from the dataclass fields.
 
 Each field is written under its own name, in field order, unless its metadata
 (``dict_form``) says otherwise: ``NAME`` (the entry's name: the key of its
-section's mapping, not repeated inside), ``NOT_WRITTEN``, ``ALWAYS`` (written
-even at its default), ``BY_NAME`` (a tuple of entries written as ``{name:
-entry}``) or ``written_as(fn)`` (a function gives the written form). A field
+section's mapping, not repeated inside), ``NOT_WRITTEN``, ``BY_NAME`` (a tuple
+of entries written as ``{name: entry}``) or ``written_as(fn)`` (a function
+gives the written form); ``ALWAYS`` (or ``always=True``): written even when
+None or at its default. A field
 that is None or equal to its default is left out: a file's absent key means
 the default. A new field is therefore one line in its dataclass (plus its
 parser in parsing.py); to_dict follows, and tests/test_spec.py checks it.
@@ -25,18 +26,21 @@ __all__ = ["TableSpec", "FeatureSpec", "Override", "to_dict", "written_fields",
 
 NAME = {"dict_form": "name"}
 NOT_WRITTEN = {"dict_form": "not_written"}
-ALWAYS = {"dict_form": "always"}
+ALWAYS = {"always": True}
 BY_NAME = {"dict_form": "by_name"}
 
 
-def written_as(form) -> Dict[str, Any]:
+def written_as(form, always: bool = False) -> Dict[str, Any]:
   """Metadata: the field's written form is ``form(value)``."""
-  return {"dict_form": form}
+  return {"dict_form": form, "always": always}
 
 
-def optimizer_form(value: Mapping[str, Any]) -> Dict[str, Any]:
+def optimizer_form(value: Optional[Mapping[str, Any]]
+                   ) -> Optional[Dict[str, Any]]:
   """An unresolved optimizer mapping as a file holds it: a schedule by its
   ``schedules:`` name (or its config), tuples as lists."""
+  if value is None:
+    return None
   out = {}
   for key, v in value.items():
     if key == "learning_rate":
@@ -83,7 +87,9 @@ class Override:
   """Optimizer fields for every table whose name matches the glob ``match``."""
 
   match: str
-  optimizer: Mapping[str, Any] = dataclasses.field(metadata=_OPTIMIZER)
+  # Written even when None: an override's entry always has both keys.
+  optimizer: Mapping[str, Any] = dataclasses.field(
+      metadata=written_as(optimizer_form, always=True))
 
 
 def written_fields(cls) -> Tuple[str, ...]:
@@ -100,7 +106,8 @@ def to_dict(value) -> Dict[str, Any]:
     item = getattr(value, field.name)
     if form in ("name", "not_written"):
       continue
-    if form != "always" and (item is None or _is_default(field, item)):
+    if not field.metadata.get("always") and (
+        item is None or _is_default(field, item)):
       continue
     if callable(form):
       out[field.name] = form(item)

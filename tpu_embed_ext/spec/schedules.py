@@ -8,9 +8,11 @@ in a config is still one schedule.
 
 Binding a schedule to a step (and Adam's bias correction) is tf/rates.py;
 the TPU's tags for dynamic rates are tf/tags.py. This module imports neither
-TensorFlow nor Keras at import time: the spec loads without them. The Keras
-schedule classes are looked up, and Keras schedule objects built, inside the
-functions that need them.
+TensorFlow nor Keras at import time, and parsing a schedule imports neither:
+its arguments and its values at the checked steps come from
+schedule_values.py (numpy, as Keras computes them). Keras schedule objects
+are built, inside the functions that need them, for training (``__call__``)
+and for a config that module leaves to Keras.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import inspect
 import math
 import numbers
 import sys
@@ -27,14 +28,14 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.spec import schedule_values
 
 __all__ = ["Schedule", "parse_schedules", "parse_learning_rate",
            "learning_rate_to_config", "check_steps", "milestones",
            "SCHEDULE_NAMES", "schedule_classes", "is_keras_schedule"]
 
 # The Keras 3 schedule families a config may name (keras.optimizers.schedules).
-SCHEDULE_NAMES = ("ExponentialDecay", "PiecewiseConstantDecay", "PolynomialDecay",
-                  "InverseTimeDecay", "CosineDecay", "CosineDecayRestarts")
+SCHEDULE_NAMES = tuple(schedule_values.ARGUMENTS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,6 +51,14 @@ def is_keras_schedule(value) -> bool:
   keras = sys.modules.get("keras")
   return keras is not None and isinstance(
       value, keras.optimizers.schedules.LearningRateSchedule)
+
+
+def _rejections() -> tuple:
+  """The errors that mean Keras rejects a schedule's arguments. TensorFlow's
+  OpError only once TensorFlow is loaded: before, nothing can raise it."""
+  tf = sys.modules.get("tensorflow")
+  found = (ValueError, TypeError, ArithmeticError)
+  return found + (tf.errors.OpError,) if tf is not None else found
 
 
 def _tf():
@@ -115,15 +124,15 @@ class Schedule:
                                 path="class")
     args = dict(args)
     args.pop("name", None)
-    params = inspect.signature(schedule_classes()[class_name].__init__).parameters
-    allowed = [p for p in params if p not in ("self", "name")]
+    params = schedule_values.ARGUMENTS[class_name]
+    allowed = list(params)
     for key in args:
       if key not in allowed:
         raise errors.ConfigError(
             f'unknown argument "{key}" for {class_name}.'
             f"{errors.did_you_mean(key, allowed)} Valid: "
             f"{errors.one_of(allowed)}.", path=str(key))
-    missing = [p for p in allowed if params[p].default is inspect.Parameter.empty
+    missing = [p for p in allowed if params[p] is schedule_values.REQUIRED
                and p not in args]
     if missing:
       raise errors.ConfigError(
@@ -133,19 +142,24 @@ class Schedule:
     if class_name == "PiecewiseConstantDecay":
       _check_piecewise(args)
     for key, value in args.items():  # staircase, cycle
-      if isinstance(params[key].default, bool):
+      if isinstance(params[key], bool):
         errors.require_bool(value, str(key), f"{class_name} {key}")
     schedule = cls(class_name, tuple(sorted((k, _freeze(v)) for k, v in args.items())),
                    name=name)
     try:
-      keras_schedule = schedule.keras()
+      if class_name == "PiecewiseConstantDecay":
+        _piecewise_lengths(args)
+      elif not schedule_values.supports(class_name, dict(schedule.config)):
+        schedule.keras()  # Keras's own verdict on a config Keras computes.
       schedule.value(0)
-    except (ValueError, TypeError, ArithmeticError, _tf().errors.OpError) as e:
+    except Exception as e:  # pylint: disable=broad-except
+      if not isinstance(e, _rejections()):
+        raise
       raise errors.ConfigError(
           f"{class_name} rejects its arguments {dict(args)}: {e}. Fix: correct "
           "the values (see keras.optimizers.schedules."
           f"{class_name}).") from e
-    _check_range(schedule, keras_schedule)
+    _check_range(schedule)
     return schedule
 
   @classmethod
@@ -168,6 +182,9 @@ class Schedule:
     """The rate at a whole step, as a Python float (of float32)."""
     if self.class_name == "PiecewiseConstantDecay":
       return self._piecewise().at(step)
+    config = dict(self.config)
+    if schedule_values.supports(self.class_name, config):
+      return schedule_values.value(self.class_name, config, step)
     tf = _tf()
     return float(tf.cast(self._cached_keras()(step), tf.float32))
 
@@ -232,6 +249,16 @@ class _Piecewise:
     return tf.gather(values, tf.searchsorted(boundaries, step, side="left")[0])
 
 
+def _piecewise_lengths(args: Mapping[str, Any]) -> None:
+  """Keras's PiecewiseConstantDecay constructor check, with its message."""
+  boundaries, values = args["boundaries"], args["values"]
+  if len(boundaries) != len(values) - 1:
+    raise ValueError(
+        "The length of boundaries should be 1 less than the length of "
+        f"values. Received: boundaries={boundaries} of length "
+        f"{len(boundaries)}, and values={values} of length {len(values)}.")
+
+
 def _check_piecewise(args: Mapping[str, Any]) -> None:
   """Boundaries and values are lists of numbers, at least one boundary (Keras
   indexes boundaries[0]: an empty list is an IndexError at the first step)."""
@@ -282,7 +309,7 @@ def _check_step_counts(class_name: str, args: Mapping[str, Any]) -> None:
              if low == 0 else "a positive count such as 1000."), path=name)
 
 
-def _check_range(schedule: "Schedule", keras_schedule) -> None:
+def _check_range(schedule: "Schedule") -> None:
   """ConfigError unless the rate is finite and >= 0 at every step.
 
   Evaluated at every milestone (warm-up end, decay ends and their multiples,
@@ -301,7 +328,6 @@ def _check_range(schedule: "Schedule", keras_schedule) -> None:
           f"boundaries={boundaries} (boundaries[{i}]={boundaries[i]} is not after "
           f"{boundaries[i - 1]}). Fix: sort them, and their values with them.",
           path="boundaries")
-  del keras_schedule  # The cached one of ``schedule`` computes the samples.
   for t, value in schedule.samples():
     if not math.isfinite(value) or value < 0:
       raise errors.ConfigError(
