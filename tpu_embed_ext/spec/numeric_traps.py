@@ -319,7 +319,8 @@ def _first_bad(learning_rate, good: int, t: int, lr: float, bad):
     return t, lr
   while t - good > 1:
     mid = (good + t) // 2
-    value = _f32(float(schedule(mid)))
+    value = _f32(schedule.value(mid) if isinstance(schedule, schedules.Schedule)
+                 else float(schedule(mid)))  # The samples' values, as above.
     if bad(value):
       t, lr = mid, value
     else:
