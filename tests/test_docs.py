@@ -323,10 +323,11 @@ def test_config_page_lists_every_key_with_its_default():
   import yaml
   from tpu_embed_ext.spec import optimizers
   from tpu_embed_ext import spec as spec_lib, job as train
+  from tpu_embed_ext.spec import entries, parsing
   sections = _sections((DOCS / "config.md").read_text())
-  assert set(sections["Top-level keys"]) == set(spec_lib._TOP_LEVEL)  # pylint: disable=protected-access
-  assert set(sections["`tables`"]) == set(spec_lib._TABLE_FIELDS)  # pylint: disable=protected-access
-  assert set(sections["`features`"]) == set(spec_lib._FEATURE_FIELDS)  # pylint: disable=protected-access
+  assert set(sections["Top-level keys"]) == set(parsing.TOP_LEVEL)
+  assert set(sections["`tables`"]) == set(entries.written_fields(spec_lib.TableSpec))
+  assert set(sections["`features`"]) == set(entries.written_fields(spec_lib.FeatureSpec))
   assert set(sections["`train`"]) == {f.name for f in dataclasses.fields(train.TrainConfig)}
   for heading, cls in (("`tables`", spec_lib.TableSpec), ("`features`", spec_lib.FeatureSpec)):
     for field in dataclasses.fields(cls):

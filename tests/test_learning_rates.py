@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import tpu_embed_ext as tee
 from tpu_embed_ext.spec import schedules as learning_rates
+from tpu_embed_ext.tf import rates as rate_binding, tags as rate_tags
 
 api = tf.tpu.experimental.embedding
 
@@ -156,7 +157,7 @@ def test_equal_schedules_are_one_value_and_one_callable():
        "config": {"initial_learning_rate": 0.1, "decay_steps": 10.0,
                   "decay_rate": 0.5, "name": "x"}}, {})
   assert a == b and hash(a) == hash(b)
-  binder = learning_rates.RateBinder(tf.Variable(0, dtype=tf.int64))
+  binder = rate_binding.RateBinder(tf.Variable(0, dtype=tf.int64))
   assert binder.rate(tee.SGD(learning_rate=a)) is binder.rate(tee.Adagrad(learning_rate=b))
   assert binder.rate(tee.SGD(learning_rate=0.3)) == 0.3
 
@@ -173,7 +174,7 @@ def test_tag_rule_violations_are_pinned(tags, rates, message):
   callables = {"f": lambda: 0.1, "g": lambda: 0.2}
   rates = {k: callables.get(v, v) for k, v in rates.items()}
   with pytest.raises(tee.ConfigError) as info:
-    learning_rates.check_tag_rules(tags, rates)
+    rate_tags.check_tag_rules(tags, rates)
   assert str(info.value).startswith(message)
 
 
@@ -314,3 +315,74 @@ def test_piecewise_equals_keras_at_every_step_eagerly_and_in_tf_function():
     want = float(theirs(tf.constant(t, tf.int64)))
     assert float(ours(t)) == want and float(ours(step)) == want, t
     assert float(traced()) == want, t
+
+
+# --- the spec's schedule values, computed without Keras -------------------------
+
+def test_schedule_arguments_are_the_keras_signatures():
+  import inspect
+  from tpu_embed_ext.spec import schedule_values
+  for name, cls in learning_rates.schedule_classes().items():
+    params = inspect.signature(cls.__init__).parameters
+    keras_args = {p: params[p].default for p in params if p not in ("self", "name")}
+    assert list(schedule_values.ARGUMENTS[name].items()) == list(keras_args.items()), name
+
+
+_NUMPY_SCHEDULES = [
+    {"class": "CosineDecay", "initial_learning_rate": 0.0, "warmup_target": 0.05,
+     "warmup_steps": 1000, "decay_steps": 100000},
+    {"class": "CosineDecay", "initial_learning_rate": 0.0, "warmup_target": 0.05,
+     "warmup_steps": 100, "decay_steps": 1400, "alpha": 0.1},
+    {"class": "CosineDecay", "initial_learning_rate": 0.1, "decay_steps": 77},
+    {"class": "ExponentialDecay", "initial_learning_rate": 0.05, "decay_steps": 5000,
+     "decay_rate": 0.9},
+    # Decays below float32's normal range: TensorFlow's kernels flush it to 0.
+    {"class": "ExponentialDecay", "initial_learning_rate": 0.1, "decay_steps": 3,
+     "decay_rate": 0.97},
+    {"class": "ExponentialDecay", "initial_learning_rate": 0.1, "decay_steps": 7,
+     "decay_rate": 0.37, "staircase": True},
+    {"class": "InverseTimeDecay", "initial_learning_rate": 0.1, "decay_steps": 13,
+     "decay_rate": 0.3, "staircase": True},
+    {"class": "PolynomialDecay", "initial_learning_rate": 0.1, "decay_steps": 100,
+     "end_learning_rate": 0.001, "power": 0.5},
+    {"class": "PolynomialDecay", "initial_learning_rate": 0.1, "decay_steps": 33,
+     "end_learning_rate": 0.0, "power": 2.0, "cycle": True},
+    {"class": "CosineDecayRestarts", "initial_learning_rate": 0.1, "first_decay_steps": 20},
+    {"class": "CosineDecayRestarts", "initial_learning_rate": 0.1, "first_decay_steps": 17,
+     "t_mul": 1.0, "m_mul": 0.9, "alpha": 0.01},
+    {"class": "CosineDecayRestarts", "initial_learning_rate": 0.2,
+     "first_decay_steps": 100, "t_mul": 1.5, "m_mul": 0.5, "alpha": 0.1},
+]
+
+
+@pytest.mark.parametrize("config", _NUMPY_SCHEDULES,
+                         ids=lambda c: c["class"])
+def test_numpy_schedule_values_are_keras_values(config):
+  """Within one float32 ulp at every step the checks read and 300 more
+  (TensorFlow's cos, log and pow are not correctly rounded), and exactly at
+  the milestones: step 0, warm-up end, decay end, where rates reach 0."""
+  from tpu_embed_ext.spec import schedule_values
+  schedule = learning_rates.Schedule.from_config(config)
+  assert schedule_values.supports(schedule.class_name, dict(schedule.config))
+  theirs = schedule.keras()
+  exact = set(learning_rates.milestones(schedule))
+  for t in sorted(set(learning_rates.check_steps(schedule)) | set(range(300))):
+    ours = np.float32(schedule.value(t))
+    want = np.float32(tf.cast(theirs(t), tf.float32))
+    if t in exact or want == 0:
+      assert ours == want, (t, ours, want)
+    else:
+      assert abs(int(ours.view(np.int32)) - int(want.view(np.int32))) <= 1, (
+          t, ours, want)
+
+
+def test_configs_numpy_does_not_compute_are_left_to_keras():
+  from tpu_embed_ext.spec import schedule_values
+  # An integer initial rate: Keras computes in int32 (its verdict stands).
+  assert not schedule_values.supports(
+      "ExponentialDecay", {"initial_learning_rate": 1, "decay_steps": 10,
+                           "decay_rate": 0.5})
+  schedule = learning_rates.Schedule.from_config(
+      {"class": "ExponentialDecay", "initial_learning_rate": 1,
+       "decay_steps": 10, "decay_rate": 0.5})
+  assert schedule.value(20) == float(tf.cast(schedule.keras()(20), tf.float32))

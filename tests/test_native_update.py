@@ -210,9 +210,9 @@ def _decayed(base):
 
 
 def _bias_corrected():
-  from tpu_embed_ext.spec import schedules
+  from tpu_embed_ext.tf import rates
   spec = optimizers.Adam(learning_rate=0.01, bias_correction=True)
-  return spec.replace(learning_rate=schedules.RateBinder(_STEP).rate(spec),
+  return spec.replace(learning_rate=rates.RateBinder(_STEP).rate(spec),
                       bias_correction=False)
 
 

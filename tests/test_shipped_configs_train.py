@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
-from tpu_embed_ext.spec import schedules as learning_rates
+from tpu_embed_ext.spec import schedules
 from tpu_embed_ext.spec import EmbeddingSpec
 
 MAX_ROWS = 1000
@@ -33,8 +33,8 @@ def _last_milestone(spec):
   steps = [0]
   for t in spec.tables:
     lr = spec.optimizer_for(t.name).learning_rate
-    if isinstance(lr, learning_rates.Schedule):
-      steps += learning_rates._milestones(lr)  # pylint: disable=protected-access
+    if isinstance(lr, schedules.Schedule):
+      steps += schedules.milestones(lr)
   return max(steps)
 
 

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 
 import pytest
 import tensorflow as tf
@@ -279,6 +280,75 @@ def test_shipped_configs_load_and_round_trip(path):
   spec = tee.EmbeddingSpec.from_file(path)
   assert tee.EmbeddingSpec.from_dict(spec.to_dict()) == spec
   assert len(spec.tables) == 26
+
+
+# --- the dict form is written from the dataclass fields ---------------------------
+
+# Every field of every spec class, each at a value that is not its default.
+_EVERY_FIELD = {
+    "optimizer": {"type": "adam", "learning_rate": "warm", "bias_correction": True},
+    "schedules": BASE["schedules"],
+    "tables": {"t": {"vocabulary_size": 6, "dim": 2, "combiner": "sum",
+                     "initializer": {"type": "constant", "value": 1.0},
+                     "quantization": {"num_buckets": 4, "lower": -1.0, "upper": 1.0},
+                     "optimizer": {"learning_rate": 0.2}}},
+    "overrides": [{"match": "t", "optimizer": {"beta_1": 0.8}}],
+    "features": {"f": {"table": "t", "max_sequence_length": 3,
+                       "output_shape": [4, 2]}},
+    "train": {"steps": 7},
+}
+# The fields not written under their own name: an entry's name is its key,
+# the source file is not part of the spec's value.
+_NOT_WRITTEN = {"TableSpec": {"name"}, "FeatureSpec": {"name"},
+                "EmbeddingSpec": {"source"}, "Override": set()}
+
+
+def test_to_dict_writes_every_field_of_every_spec_class():
+  import dataclasses
+  spec = tee.EmbeddingSpec.from_dict(_EVERY_FIELD, source="s.yaml")
+  written = spec.to_dict()
+  assert written == _EVERY_FIELD
+  assert tee.EmbeddingSpec.from_dict(written) == spec
+  forms = {"EmbeddingSpec": (spec, written), "TableSpec": (spec.tables[0],
+           written["tables"]["t"]), "FeatureSpec": (spec.features[0],
+           written["features"]["f"]), "Override": (spec.overrides[0],
+           written["overrides"][0])}
+  for name, (value, form) in forms.items():
+    fields = {f.name for f in dataclasses.fields(value)}
+    assert set(form) == fields - _NOT_WRITTEN[name], name
+
+
+def test_to_dict_leaves_out_defaults_but_writes_the_combiner():
+  spec = tee.EmbeddingSpec.from_dict(
+      {"optimizer": {"type": "sgd", "learning_rate": 0.5},
+       "tables": {"t": {"vocabulary_size": 6, "dim": 2}},
+       "features": {"f": {"table": "t"}}})
+  assert spec.to_dict() == {
+      "optimizer": {"type": "sgd", "learning_rate": 0.5},
+      "tables": {"t": {"vocabulary_size": 6, "dim": 2, "combiner": "mean"}},
+      "features": {"f": {"table": "t"}}}
+
+
+def test_spec_loads_without_tensorflow_or_keras():
+  import subprocess
+  import sys
+  script = (
+      "import glob, sys\n"
+      "import tpu_embed_ext.spec\n"
+      "from tpu_embed_ext.spec import EmbeddingSpec\n"
+      "paths = sorted(glob.glob('configs/*.yaml'))\n"
+      "assert len(paths) >= 4, paths\n"
+      "for path in paths:\n"
+      "  spec = EmbeddingSpec.from_file(path)\n"
+      "  assert EmbeddingSpec.from_dict(spec.to_dict()) == spec\n"
+      "  for table in spec.tables:\n"
+      "    spec.optimizer_for(table.name)\n"
+      "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root)
+  out = subprocess.run([sys.executable, "-c", script], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=120, check=True)
+  assert out.stdout.strip() == "[]", out.stderr[-2000:]
 
 
 # --- a config dict or path where a spec is taken ---------------------------------

@@ -9,8 +9,8 @@ from typing import Dict, List, Optional
 import tensorflow as tf
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.spec import schedules, numeric_traps, optimizers
-from tpu_embed_ext.tf import config as tf_config
+from tpu_embed_ext.spec import numeric_traps, optimizers
+from tpu_embed_ext.tf import config as tf_config, rates
 from tpu_embed_ext.spec import EmbeddingSpec
 from tpu_embed_ext.host.memory import human_bytes as _human
 from tpu_embed_ext.cli.text_table import lines as _table_lines
@@ -169,7 +169,7 @@ class Plan:
     out = _table_lines(header, rows)
     if self._rates:
       out += ["", "dynamic learning rates:"]
-      out += [f"  tag {tag}: {schedules.describe(rate)}"
+      out += [f"  tag {tag}: {rates.describe(rate)}"
               for tag, rate in sorted(self._rates.items())]
     out += ["", "numeric checks passed (values that would write NaN or Inf; "
             "docs/numeric-traps.md):"]

@@ -23,10 +23,10 @@ import keras
 import tensorflow as tf
 from tensorflow.python.util import nest
 
-from tpu_embed_ext.spec import (names as derived_names, schedules as
-                                learning_rates, optimizers)
+from tpu_embed_ext.spec import names as derived_names, optimizers
+from tpu_embed_ext.spec.schedules import Schedule
 from tpu_embed_ext import errors
-from tpu_embed_ext.tf import optimizers as tf_optimizers
+from tpu_embed_ext.tf import optimizers as tf_optimizers, rates
 from tpu_embed_ext.emulation import structure_checks
 
 __all__ = ["Table", "Feature", "resolve_all", "resolve", "slot_names", "check_trainable", "name_of",
@@ -113,21 +113,21 @@ def bind_schedules(tables: List[Table], step) -> List[Table]:
   """Tables whose rate is a schedule object get it bound to ``step``.
 
   ``TPUEmbedding`` takes a number or a zero-arg callable; a Keras
-  ``LearningRateSchedule`` (or a ``learning_rates.Schedule``) given as an
+  ``LearningRateSchedule`` (or a ``spec.schedules.Schedule``) given as an
   optimizer's ``learning_rate`` failed at the first step with a TypeError
   about ``step``. As a Keras user expects, it follows the engine's step, as
   an ``EmbeddingSpec``'s schedules do (checked over its whole range first).
   """
-  binder = learning_rates.RateBinder(step)
+  binder = rates.RateBinder(step)
   out = []
   for t in tables:
     lr = t.optimizer.learning_rate if t.optimizer is not None else None
     if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
       try:
-        lr = learning_rates.Schedule.from_keras(lr)
+        lr = Schedule.from_keras(lr)
       except errors.ConfigError as e:
         raise e.at(f"table '{t.name}'.learning_rate") from None
-    if isinstance(lr, learning_rates.Schedule):
+    if isinstance(lr, Schedule):
       t = t._replace(optimizer=dataclasses.replace(
           t.optimizer, learning_rate=binder.schedule(lr)))
     out.append(t)

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tpu_embed_ext.host import atomic
 from tpu_embed_ext.spec import EmbeddingSpec
+from tpu_embed_ext.tf import rates
 
 __all__ = ["HISTORY", "STEP_LOSS", "StepLoss", "OUTPUT_FILES", "OUTPUT_DIRS",
            "check_output_paths", "learning_rate_series", "append_history",
@@ -86,7 +87,6 @@ def learning_rate_series(spec: EmbeddingSpec, dense_optimizer=None
   One series per dynamic learning-rate tag of the tables (as the TPU
   numbers them) and one for the dense optimizer.
   """
-  from tpu_embed_ext.spec import schedules as learning_rates
   from tpu_embed_ext.tf import config as tf_config
   config = spec.feature_config(
       step=tf.Variable(0, dtype=tf.int64, trainable=False, name="series_step"))
@@ -99,9 +99,9 @@ def learning_rate_series(spec: EmbeddingSpec, dense_optimizer=None
     name = f"learning_rate/tag_{tag}"
     users = [t for t, g in tags.items() if g == tag]
     rate = table.optimizer.learning_rate
-    out.setdefault(name, (functools.partial(learning_rates.value_at, rate),
+    out.setdefault(name, (functools.partial(rates.value_at, rate),
                           f"tables {', '.join(users)}: "
-                          f"{learning_rates.describe(rate)}"))
+                          f"{rates.describe(rate)}"))
   if dense_optimizer is not None:
     lr = dense_optimizer._learning_rate  # pylint: disable=protected-access
     if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):

@@ -11,83 +11,45 @@ inherited type) merges its fields into the inherited optimizer; one with a
 different ``type`` replaces it, inheriting nothing.
 
 The spec knows nothing of engines. ``feature_config`` builds fresh
-TensorFlow objects every call (see tf_config.py), so nothing the spec hands
+TensorFlow objects every call (see tf/config.py), so nothing the spec hands
 out can be mutated back into it.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import fnmatch
 import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from tpu_embed_ext.spec import (files as config_files, names as derived_names,
-                                numeric_traps, optimizers, fields as
-                                spec_fields)
 from tpu_embed_ext import errors
+from tpu_embed_ext.spec import (entries, files as config_files, names as
+                                derived_names, numeric_traps, optimizers,
+                                parsing)
+from tpu_embed_ext.spec.entries import FeatureSpec, Override, TableSpec
 
 __all__ = ["TableSpec", "FeatureSpec", "Override", "EmbeddingSpec"]
 
-COMBINERS = ("mean", "sum", "sqrtn")
-INITIALIZERS = spec_fields.INITIALIZERS
-_TOP_LEVEL = ("optimizer", "schedules", "tables", "overrides", "features", "train")
-_TABLE_FIELDS = ("vocabulary_size", "dim", "combiner", "optimizer", "initializer",
-                 "quantization")
-_FEATURE_FIELDS = ("table", "max_sequence_length", "output_shape")
-_OVERRIDE_FIELDS = ("match", "optimizer")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TableSpec:
-  """One embedding table."""
-
-  name: str
-  vocabulary_size: int
-  dim: int
-  combiner: str = "mean"
-  """How a multi-id row combines: ``mean``, ``sum`` or ``sqrtn``."""
-  optimizer: Optional[Mapping[str, Any]] = None
-  """The table's own optimizer override (highest precedence), unresolved."""
-  initializer: Optional[Mapping[str, Any]] = None
-  """``{type: truncated_normal|normal|uniform|zeros|constant, ...}``; None:
-  TensorFlow's default, truncated normal with stddev 1/sqrt(dim)."""
-  quantization: Optional[Mapping[str, Any]] = None
-  """Simulated quantization ``{num_buckets, lower, upper}`` (forward only)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FeatureSpec:
-  """One input feature, looked up in ``table``."""
-
-  name: str
-  table: str
-  max_sequence_length: int = 0
-  """> 0: a sequence feature with output ``[batch, max_sequence_length, dim]``."""
-  output_shape: Optional[Tuple[int, ...]] = None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Override:
-  """Optimizer fields for every table whose name matches the glob ``match``."""
-
-  match: str
-  optimizer: Mapping[str, Any]
+COMBINERS = parsing.COMBINERS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EmbeddingSpec:
   """Tables, features and optimizers; build it with ``from_dict``/``from_file``."""
 
-  optimizer: Optional[Mapping[str, Any]]
-  tables: Tuple[TableSpec, ...]
-  features: Tuple[FeatureSpec, ...]
+  # Field order is the dict form's key order (entries.to_dict).
+  optimizer: Optional[Mapping[str, Any]] = dataclasses.field(
+      metadata=entries.written_as(entries.optimizer_form))
+  schedules: Mapping[str, Any] = dataclasses.field(
+      default_factory=dict, metadata=entries.written_as(
+          lambda named: {n: s.to_config() for n, s in named.items()}))
+  tables: Tuple[TableSpec, ...] = dataclasses.field(metadata=entries.BY_NAME)
   overrides: Tuple[Override, ...] = ()
-  schedules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  features: Tuple[FeatureSpec, ...] = dataclasses.field(metadata=entries.BY_NAME)
   train: Optional[Mapping[str, Any]] = None
-  """The training job's settings, carried untouched (see train.py)."""
-  source: Optional[str] = dataclasses.field(default=None, compare=False)
+  """The training job's settings, carried untouched (see job/)."""
+  source: Optional[str] = dataclasses.field(
+      default=None, compare=False, metadata=entries.NOT_WRITTEN)
   """The file the spec was read from, for error messages."""
 
   def __post_init__(self):
@@ -131,120 +93,9 @@ class EmbeddingSpec:
   @classmethod
   def from_dict(cls, config: Mapping[str, Any], *,
                 source: Optional[str] = None) -> "EmbeddingSpec":
-    """Parses and validates the dict form; raises ConfigError with key paths."""
-    from tpu_embed_ext.spec import schedules as learning_rates
-    spec_fields.require_mapping(config, "", "the config")
-    spec_fields.check_keys(config, _TOP_LEVEL, "", "top-level key")
-    schedules = learning_rates.parse_schedules(config.get("schedules"))
-
-    def parse_optimizer(value, path, need_type=False):
-      if value is None:
-        return None
-      spec_fields.require_mapping(value, path, "an optimizer")
-      value = copy.deepcopy(dict(value))
-      if need_type and "type" not in value:
-        raise errors.ConfigError(
-            f"the global optimizer needs a `type`. Fix: add `type:` with one of "
-            f"{errors.one_of(optimizers.TYPES)}.", path=f"{path}.type")
-      if "type" in value:
-        errors.require_name(value["type"], f"{path}.type", "an optimizer type")
-      if "type" in value and value["type"] not in optimizers.TYPES:
-        raise errors.unknown_name("optimizer type", value["type"],
-                                  optimizers.TYPES, path=f"{path}.type")
-      if "learning_rate" in value:
-        try:
-          value["learning_rate"] = learning_rates.parse_learning_rate(
-              value["learning_rate"], schedules)
-        except errors.ConfigError as e:
-          raise e.at(path) from None
-      return value
-
-    global_optimizer = parse_optimizer(config.get("optimizer"), "optimizer",
-                                       need_type=True)
-    tables = []
-    for name, raw, path in spec_fields.entries(config, "tables", "table", _TABLE_FIELDS):
-      for key in ("vocabulary_size", "dim"):
-        if key not in raw:
-          raise errors.ConfigError(
-              f"table '{name}' has no {key}. Fix: add `{key}:` (a positive "
-              "integer).", path=f"{path}.{key}")
-      spec_fields.size(raw["vocabulary_size"], f"{path}.vocabulary_size",
-                       "vocabulary_size", spec_fields.MAX_VOCABULARY_SIZE)
-      spec_fields.size(raw["dim"], f"{path}.dim", "dim", spec_fields.MAX_DIM)
-      combiner = raw.get("combiner", "mean")
-      if combiner not in COMBINERS:
-        raise errors.unknown_name("combiner", combiner, COMBINERS,
-                                  path=f"{path}.combiner")
-      tables.append(TableSpec(
-          name=str(name), vocabulary_size=raw["vocabulary_size"], dim=raw["dim"],
-          combiner=combiner,
-          optimizer=parse_optimizer(raw.get("optimizer"), f"{path}.optimizer"),
-          initializer=spec_fields.parse_initializer(raw.get("initializer"),
-                                         f"{path}.initializer"),
-          quantization=spec_fields.parse_quantization(raw.get("quantization"),
-                                           f"{path}.quantization")))
-
-    overrides = []
-    raw_overrides = config.get("overrides") or []
-    if not isinstance(raw_overrides, list):
-      raise errors.ConfigTypeError(
-          f"overrides must be a list of {{match, optimizer}}, got "
-          f"{type(raw_overrides).__name__}. Fix: start each entry with `- match:`.",
-          path="overrides")
-    names = [t.name for t in tables]
-    for i, raw in enumerate(raw_overrides):
-      path = f"overrides[{i}]"
-      spec_fields.require_fields(raw, _OVERRIDE_FIELDS, path, "override")
-      pattern = raw["match"]
-      if not isinstance(pattern, str):
-        raise errors.ConfigTypeError(
-            f"match must be a glob string, got {pattern!r}. Fix: quote it, "
-            'e.g. "cat_*".', path=f"{path}.match")
-      if not fnmatch.filter(names, pattern):
-        raise errors.ConfigError(
-            f'pattern "{pattern}" matches no table.'
-            f"{errors.did_you_mean(pattern, names)} Tables: "
-            f"{errors.one_of(names)}.", path=f"{path}.match")
-      overrides.append(Override(match=pattern, optimizer=parse_optimizer(
-          raw["optimizer"], f"{path}.optimizer")))
-
-    features = []
-    for name, raw, path in spec_fields.entries(config, "features", "feature", _FEATURE_FIELDS):
-      table = raw.get("table")
-      if table not in names:
-        raise errors.ConfigError(
-            f"feature '{name}' uses unknown table {table!r}."
-            f"{errors.did_you_mean(table, names)} Tables: {errors.one_of(names)}.",
-            path=f"{path}.table")
-      length = raw.get("max_sequence_length", 0)
-      if length != 0:
-        spec_fields.positive_int(length, f"{path}.max_sequence_length", "max_sequence_length")
-      shape = raw.get("output_shape")
-      if shape is not None:
-        if not isinstance(shape, (list, tuple)) or not shape:
-          raise errors.ConfigTypeError(
-              f"output_shape must be a list of positive integers, got {shape!r}.",
-              path=f"{path}.output_shape")
-        for d in shape:
-          spec_fields.positive_int(d, f"{path}.output_shape", "output_shape entries")
-        shape = tuple(shape)
-      features.append(FeatureSpec(name=str(name), table=table,
-                                  max_sequence_length=length, output_shape=shape))
-    used = {f.table for f in features}
-    for t in tables:
-      if t.name not in used:
-        raise errors.ConfigError(
-            f"table '{t.name}' is used by no feature: TPUEmbedding would not "
-            "create it. Fix: add a feature with `table: "
-            f"{t.name}`, or remove the table.", path=f"tables.{t.name}")
-    train = config.get("train")
-    if train is not None:
-      spec_fields.require_mapping(train, "train", "the train section")
-      train = copy.deepcopy(dict(train))
-    spec = cls(optimizer=global_optimizer, tables=tuple(tables),
-               features=tuple(features), overrides=tuple(overrides),
-               schedules=schedules, train=train, source=source)
-    return spec
+    """Parses and validates the dict form (parsing.py: one parser per
+    section); raises ConfigError with key paths."""
+    return cls(**parsing.parse(config), source=source)
 
   # --- resolution --------------------------------------------------------------
 
@@ -304,48 +155,9 @@ class EmbeddingSpec:
   # --- writing -------------------------------------------------------------
 
   def to_dict(self) -> Dict[str, Any]:
-    """The dict form; ``EmbeddingSpec.from_dict(spec.to_dict()) == spec``."""
-    from tpu_embed_ext.spec import schedules as learning_rates
-
-    def optimizer_dict(value):
-      if value is None:
-        return None
-      out = {}
-      for key, v in value.items():
-        if key == "learning_rate":
-          v = learning_rates.learning_rate_to_config(v)
-        out[key] = list(v) if isinstance(v, tuple) else copy.deepcopy(v)
-      return out
-
-    out: Dict[str, Any] = {}
-    if self.optimizer is not None:
-      out["optimizer"] = optimizer_dict(self.optimizer)
-    if self.schedules:
-      out["schedules"] = {n: s.to_config() for n, s in self.schedules.items()}
-    out["tables"] = {}
-    for t in self.tables:
-      entry = {"vocabulary_size": t.vocabulary_size, "dim": t.dim,
-               "combiner": t.combiner}
-      for key in ("initializer", "quantization"):
-        if getattr(t, key) is not None:
-          entry[key] = copy.deepcopy(dict(getattr(t, key)))
-      if t.optimizer is not None:
-        entry["optimizer"] = optimizer_dict(t.optimizer)
-      out["tables"][t.name] = entry
-    if self.overrides:
-      out["overrides"] = [{"match": o.match, "optimizer": optimizer_dict(o.optimizer)}
-                          for o in self.overrides]
-    out["features"] = {}
-    for f in self.features:
-      entry = {"table": f.table}
-      if f.max_sequence_length:
-        entry["max_sequence_length"] = f.max_sequence_length
-      if f.output_shape is not None:
-        entry["output_shape"] = list(f.output_shape)
-      out["features"][f.name] = entry
-    if self.train is not None:
-      out["train"] = copy.deepcopy(dict(self.train))
-    return out
+    """The dict form, field by field (entries.py);
+    ``EmbeddingSpec.from_dict(spec.to_dict()) == spec``."""
+    return entries.to_dict(self)
 
   def to_yaml(self) -> str:
     import yaml

@@ -12,7 +12,7 @@ check, test).
 ``check_optimizer`` runs from every optimizer spec's ``__post_init__``, so
 ``EmbeddingSpec.from_dict`` / ``from_file`` and optimizer specs built in
 Python are checked. A learning-rate schedule is checked over its whole range,
-at the steps ``learning_rates.check_steps`` lists; a user's zero-arg callable
+at the steps ``schedules.check_steps`` lists; a user's zero-arg callable
 cannot be asked about other steps and is not range-checked. A TensorFlow
 optimizer object handed to ``CPUEmbedding`` is taken as ``TPUEmbedding``
 takes it, without these checks (``skip_checks``); the engine then rejects the
@@ -34,6 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.spec import schedules
 
 __all__ = ["NumericTrapError", "NumericTrapWarning", "check_optimizer", "skip_checks",
            "checks_for", "rate_samples", "CHECKS", "MAX_LEARNING_RATE"]
@@ -115,24 +116,19 @@ def _schedule_samples(schedule) -> Tuple[Tuple[int, float], ...]:
 def rate_samples(learning_rate, betas=None) -> Optional[List[Tuple[int, float]]]:
   """``[(step, float32 rate)]`` at the steps that bound the rate, or None.
 
-  ``learning_rate``: a number, a ``learning_rates.Schedule``, a Keras
-  schedule, or a callable from ``learning_rates.RateBinder`` (which carries
+  ``learning_rate``: a number, a ``schedules.Schedule``, a Keras
+  schedule, or a callable from ``tf/rates.py``'s ``RateBinder`` (which carries
   its schedule and Adam betas). ``betas``: Adam's ``(beta_1, beta_2)`` when
   the rate carries bias correction. None for a user's zero-arg callable.
   """
-  # Here, not at the top: learning_rates imports TensorFlow, and optimizers.py
-  # (which imports this module) stays importable without it. No cycle:
-  # learning_rates imports neither module (tests/test_import_graph.py).
-  from tpu_embed_ext.spec import schedules as learning_rates  # pylint: disable=g-import-not-at-top
-  import keras  # pylint: disable=g-import-not-at-top
   schedule = getattr(learning_rate, "schedule", learning_rate)
   betas = getattr(learning_rate, "bias_correction", None) or betas
-  if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+  if schedules.is_keras_schedule(schedule):
     try:
-      schedule = learning_rates.Schedule.from_keras(schedule)
+      schedule = schedules.Schedule.from_keras(schedule)
     except errors.ConfigError:
       return None  # Its own range check reports it where it is parsed.
-  if isinstance(schedule, learning_rates.Schedule):
+  if isinstance(schedule, schedules.Schedule):
     samples = list(_schedule_samples(schedule))
   elif isinstance(schedule, (int, float)) and not isinstance(schedule, bool):
     samples = [(0, float(schedule))]
@@ -140,9 +136,9 @@ def rate_samples(learning_rate, betas=None) -> Optional[List[Tuple[int, float]]]
     return None
   if betas:
     steps = sorted({t for t, _ in samples} | set(range(11)) | {100, 1000, 10 ** 4})
-    if isinstance(schedule, learning_rates.Schedule):
+    if isinstance(schedule, schedules.Schedule):
       known = dict(samples)
-      base = {t: known[t] if t in known else float(schedule(t)) for t in steps}
+      base = {t: known[t] if t in known else schedule.value(t) for t in steps}
     else:
       base = {t: samples[0][1] for t in steps}
     samples = [(t, base[t] * _bias_factor(t, *betas)) for t in steps]
@@ -323,7 +319,8 @@ def _first_bad(learning_rate, good: int, t: int, lr: float, bad):
     return t, lr
   while t - good > 1:
     mid = (good + t) // 2
-    value = _f32(float(schedule(mid)))
+    value = _f32(schedule.value(mid) if isinstance(schedule, schedules.Schedule)
+                 else float(schedule(mid)))  # The samples' values, as above.
     if bad(value):
       t, lr = mid, value
     else:

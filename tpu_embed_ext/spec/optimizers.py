@@ -25,7 +25,7 @@ from tpu_embed_ext import errors
 from tpu_embed_ext.spec import numeric_traps
 
 # A learning rate: a constant, a zero-arg callable, or a schedule (a Keras 3
-# LearningRateSchedule or learning_rates.Schedule, both called with a step).
+# LearningRateSchedule or spec.schedules.Schedule, both called with a step).
 LearningRate = Union[float, Callable[..., Any]]
 ClipValue = Union[float, Tuple[Optional[float], Optional[float]]]
 
@@ -58,7 +58,7 @@ class OptimizerSpec:
   """Fields shared by every TPU embedding optimizer."""
 
   learning_rate: LearningRate = 0.001
-  """Constant rate, zero-arg callable, or schedule (see learning_rates.py)."""
+  """Constant rate, zero-arg callable, or schedule (see schedules.py)."""
   use_gradient_accumulation: bool = True
   """Sum all gradient contributions of an id before one update (TPU default)."""
   clip_weight_min: Optional[float] = None
@@ -293,7 +293,7 @@ class Adam(OptimizerSpec):
 
   ``bias_correction=True`` is ours: the TPU applies none, so the learning rate
   becomes the dynamic rate ``lr(t) * sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1))``
-  (see learning_rates.py). It never reaches the TF optimizer as a field.
+  (see schedules.py). It never reaches the TF optimizer as a field.
   """
 
   beta_1: float = 0.9

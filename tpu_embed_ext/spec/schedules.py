@@ -1,4 +1,4 @@
-"""Learning-rate schedules as TPU dynamic learning rates.
+"""Learning-rate schedules as values: parsed, range-checked, compared by value.
 
 A schedule is a pure ``step -> rate`` function (a Keras 3
 ``LearningRateSchedule``); something else owns the step: the CPU engine's
@@ -6,40 +6,65 @@ A schedule is a pure ``step -> rate`` function (a Keras 3
 form: class name plus config, compared by value, so one schedule written twice
 in a config is still one schedule.
 
-The TPU identifies dynamic learning rates by *tags*, and TensorFlow assigns
-tags by callable identity, in table order. ``RateBinder`` therefore hands out
-one zero-arg callable per distinct (schedule, step, bias correction) and the
-same object to every table that uses it: TensorFlow's own assignment then
-yields the fewest tags. The rules of ``DynamicLearningRate``
-(optimization_parameters.proto) are checked by ``check_tag_rules``: tags are
-0..n-1 with none skipped, n is at most the number of tables, and tables that
-share a tag share the rate.
+Binding a schedule to a step (and Adam's bias correction) is tf/rates.py;
+the TPU's tags for dynamic rates are tf/tags.py. This module imports neither
+TensorFlow nor Keras at import time, and parsing a schedule imports neither:
+its arguments and its values at the checked steps come from
+schedule_values.py (numpy, as Keras computes them). Keras schedule objects
+are built, inside the functions that need them, for training (``__call__``)
+and for a config that module leaves to Keras.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import inspect
+import functools
 import math
 import numbers
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+import sys
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-import keras
 import numpy as np
-import tensorflow as tf
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.spec import schedule_values
 
 __all__ = ["Schedule", "parse_schedules", "parse_learning_rate",
-           "learning_rate_to_config", "RateBinder", "assign_tags",
-           "check_tag_rules", "check_steps", "describe", "value_at",
-           "SCHEDULE_CLASSES"]
+           "learning_rate_to_config", "check_steps", "milestones",
+           "SCHEDULE_NAMES", "schedule_classes", "is_keras_schedule"]
 
-_S = keras.optimizers.schedules
-SCHEDULE_CLASSES = {c.__name__: c for c in (
-    _S.ExponentialDecay, _S.PiecewiseConstantDecay, _S.PolynomialDecay,
-    _S.InverseTimeDecay, _S.CosineDecay, _S.CosineDecayRestarts)}
+# The Keras 3 schedule families a config may name (keras.optimizers.schedules).
+SCHEDULE_NAMES = tuple(schedule_values.ARGUMENTS)
+
+
+@functools.lru_cache(maxsize=None)
+def schedule_classes() -> Dict[str, type]:
+  """``{name: Keras schedule class}``; imports Keras, hence a function."""
+  import keras  # pylint: disable=g-import-not-at-top
+  schedules = keras.optimizers.schedules
+  return {name: getattr(schedules, name) for name in SCHEDULE_NAMES}
+
+
+def is_keras_schedule(value) -> bool:
+  """A Keras schedule object exists only once Keras is imported: no import."""
+  keras = sys.modules.get("keras")
+  return keras is not None and isinstance(
+      value, keras.optimizers.schedules.LearningRateSchedule)
+
+
+def _rejections() -> tuple:
+  """The errors that mean Keras rejects a schedule's arguments. TensorFlow's
+  OpError only once TensorFlow is loaded: before, nothing can raise it."""
+  tf = sys.modules.get("tensorflow")
+  found = (ValueError, TypeError, ArithmeticError)
+  return found + (tf.errors.OpError,) if tf is not None else found
+
+
+def _tf():
+  """TensorFlow, imported where a rate is computed, not when the spec loads."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return tf
 
 
 def _freeze(value):
@@ -67,9 +92,9 @@ class Schedule:
   """The ``schedules:`` entry it came from (kept for round trips)."""
 
   def __post_init__(self):
-    if self.class_name not in SCHEDULE_CLASSES:
+    if self.class_name not in SCHEDULE_NAMES:
       raise errors.unknown_name("schedule class", self.class_name,
-                                SCHEDULE_CLASSES, path="class")
+                                SCHEDULE_NAMES, path="class")
 
   @classmethod
   def from_config(cls, config: Mapping[str, Any], name: Optional[str] = None
@@ -89,25 +114,25 @@ class Schedule:
     else:
       raise errors.ConfigError(
           "schedule has no `class`. Fix: add `class:` with one of "
-          f"{errors.one_of(SCHEDULE_CLASSES)}.", path="class")
+          f"{errors.one_of(SCHEDULE_NAMES)}.", path="class")
     errors.require_name(class_name, "class", "a schedule class")
     if not isinstance(args, Mapping):
       raise errors.ConfigTypeError(
           f"a schedule's config must be a mapping, got {args!r}.", path="config")
-    if class_name not in SCHEDULE_CLASSES:
-      raise errors.unknown_name("schedule class", class_name, SCHEDULE_CLASSES,
+    if class_name not in SCHEDULE_NAMES:
+      raise errors.unknown_name("schedule class", class_name, SCHEDULE_NAMES,
                                 path="class")
     args = dict(args)
     args.pop("name", None)
-    params = inspect.signature(SCHEDULE_CLASSES[class_name].__init__).parameters
-    allowed = [p for p in params if p not in ("self", "name")]
+    params = schedule_values.ARGUMENTS[class_name]
+    allowed = list(params)
     for key in args:
       if key not in allowed:
         raise errors.ConfigError(
             f'unknown argument "{key}" for {class_name}.'
             f"{errors.did_you_mean(key, allowed)} Valid: "
             f"{errors.one_of(allowed)}.", path=str(key))
-    missing = [p for p in allowed if params[p].default is inspect.Parameter.empty
+    missing = [p for p in allowed if params[p] is schedule_values.REQUIRED
                and p not in args]
     if missing:
       raise errors.ConfigError(
@@ -117,40 +142,50 @@ class Schedule:
     if class_name == "PiecewiseConstantDecay":
       _check_piecewise(args)
     for key, value in args.items():  # staircase, cycle
-      if isinstance(params[key].default, bool):
+      if isinstance(params[key], bool):
         errors.require_bool(value, str(key), f"{class_name} {key}")
     schedule = cls(class_name, tuple(sorted((k, _freeze(v)) for k, v in args.items())),
                    name=name)
     try:
-      keras_schedule = schedule.keras()
+      if class_name == "PiecewiseConstantDecay":
+        _piecewise_lengths(args)
+      elif not schedule_values.supports(class_name, dict(schedule.config)):
+        schedule.keras()  # Keras's own verdict on a config Keras computes.
       schedule.value(0)
-    except (ValueError, TypeError, ArithmeticError, tf.errors.OpError) as e:
+    except Exception as e:  # pylint: disable=broad-except
+      if not isinstance(e, _rejections()):
+        raise
       raise errors.ConfigError(
           f"{class_name} rejects its arguments {dict(args)}: {e}. Fix: correct "
           "the values (see keras.optimizers.schedules."
           f"{class_name}).") from e
-    _check_range(schedule, keras_schedule)
+    _check_range(schedule)
     return schedule
 
   @classmethod
-  def from_keras(cls, schedule: keras.optimizers.schedules.LearningRateSchedule
-                 ) -> "Schedule":
+  def from_keras(cls, schedule) -> "Schedule":
+    """From a ``keras.optimizers.schedules.LearningRateSchedule`` object."""
     return cls.from_config({"class": type(schedule).__name__,
                             **schedule.get_config()})
 
   def keras(self):
     """A fresh Keras schedule object."""
-    return SCHEDULE_CLASSES[self.class_name](**{k: _thaw(v) for k, v in self.config})
+    return schedule_classes()[self.class_name](**{k: _thaw(v) for k, v in self.config})
 
   def __call__(self, step):
     if self.class_name == "PiecewiseConstantDecay":
       return self._piecewise()(step)
+    tf = _tf()
     return tf.cast(self._cached_keras()(step), tf.float32)
 
   def value(self, step: int) -> float:
     """The rate at a whole step, as a Python float (of float32)."""
     if self.class_name == "PiecewiseConstantDecay":
       return self._piecewise().at(step)
+    config = dict(self.config)
+    if schedule_values.supports(self.class_name, config):
+      return schedule_values.value(self.class_name, config, step)
+    tf = _tf()
     return float(tf.cast(self._cached_keras()(step), tf.float32))
 
   def _piecewise(self) -> "_Piecewise":
@@ -206,11 +241,22 @@ class _Piecewise:
     return self.values[bisect.bisect_left(self.boundaries, int(step))]
 
   def __call__(self, step):
+    tf = _tf()
     if isinstance(step, numbers.Integral):
       return tf.constant(self.at(step), tf.float32)
     boundaries, values = (tf.constant(a) for a in self._arrays)
     step = tf.reshape(tf.cast(step, tf.int64), [1])
     return tf.gather(values, tf.searchsorted(boundaries, step, side="left")[0])
+
+
+def _piecewise_lengths(args: Mapping[str, Any]) -> None:
+  """Keras's PiecewiseConstantDecay constructor check, with its message."""
+  boundaries, values = args["boundaries"], args["values"]
+  if len(boundaries) != len(values) - 1:
+    raise ValueError(
+        "The length of boundaries should be 1 less than the length of "
+        f"values. Received: boundaries={boundaries} of length "
+        f"{len(boundaries)}, and values={values} of length {len(values)}.")
 
 
 def _check_piecewise(args: Mapping[str, Any]) -> None:
@@ -263,7 +309,7 @@ def _check_step_counts(class_name: str, args: Mapping[str, Any]) -> None:
              if low == 0 else "a positive count such as 1000."), path=name)
 
 
-def _check_range(schedule: "Schedule", keras_schedule) -> None:
+def _check_range(schedule: "Schedule") -> None:
   """ConfigError unless the rate is finite and >= 0 at every step.
 
   Evaluated at every milestone (warm-up end, decay ends and their multiples,
@@ -282,7 +328,6 @@ def _check_range(schedule: "Schedule", keras_schedule) -> None:
           f"boundaries={boundaries} (boundaries[{i}]={boundaries[i]} is not after "
           f"{boundaries[i - 1]}). Fix: sort them, and their values with them.",
           path="boundaries")
-  del keras_schedule  # The cached one of ``schedule`` computes the samples.
   for t, value in schedule.samples():
     if not math.isfinite(value) or value < 0:
       raise errors.ConfigError(
@@ -298,7 +343,7 @@ def check_steps(schedule: "Schedule") -> List[int]:
   side of each, and 10^k up to 10^9. The six Keras families are monotone or
   piecewise monotone between these points, so their extremes lie there."""
   config = dict(schedule.config)
-  steps = set(_milestones(schedule)) | {10 ** k for k in range(10)}
+  steps = set(milestones(schedule)) | {10 ** k for k in range(10)}
   period = config.get("decay_steps") or config.get("first_decay_steps")
   if period:
     steps |= {int(period) * k for k in range(1, 6)}
@@ -347,7 +392,7 @@ def parse_learning_rate(value, schedules: Mapping[str, Schedule]):
       return Schedule.from_config(value)
     except errors.ConfigError as e:
       raise e.at("learning_rate") from None
-  if isinstance(value, keras.optimizers.schedules.LearningRateSchedule):
+  if is_keras_schedule(value):
     return Schedule.from_keras(value)
   if callable(value):
     return value
@@ -368,114 +413,9 @@ def learning_rate_to_config(lr):
       "config. Fix: use a number or a Keras schedule.", path="learning_rate")
 
 
-def bias_correction(t, beta_1: float, beta_2: float):
-  """``sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1))`` at step t (float32)."""
-  t1 = tf.cast(t, tf.float64) + 1.0
-  factor = tf.sqrt(1.0 - tf.pow(tf.constant(beta_2, tf.float64), t1)) / (
-      1.0 - tf.pow(tf.constant(beta_1, tf.float64), t1))
-  return tf.cast(factor, tf.float32)
-
-
-class RateBinder:
-  """Turns optimizer specs' learning rates into what TensorFlow takes.
-
-  ``rate(spec)`` is a float for a constant rate, else a zero-arg callable that
-  reads ``step``. Equal (schedule, bias-correction betas) get the same callable
-  object, so tables sharing a rate share a tag.
-  """
-
-  def __init__(self, step: Optional[tf.Variable]):
-    self.step = step
-    self._rates: Dict[Any, Callable[[], tf.Tensor]] = {}
-
-  def rate(self, spec):
-    """``spec``: an optimizer spec (optimizers.py imports this module, not
-    the reverse; only Adam has ``bias_correction``)."""
-    lr = spec.learning_rate
-    betas = ((spec.beta_1, spec.beta_2) if getattr(spec, "bias_correction", False)
-             else None)
-    if betas is None and not isinstance(lr, Schedule):
-      return lr if callable(lr) else float(lr)
-    key = (lr if isinstance(lr, (Schedule, numbers.Real)) else id(lr), betas)
-    if key not in self._rates:
-      if self.step is None:
-        raise errors.ConfigError(
-            f"learning rate {lr!r}{' with bias correction' if betas else ''} is "
-            "dynamic and needs a step variable. Fix: pass step= (the engine's "
-            "step or a Keras optimizer's iterations).", path="learning_rate")
-      self._rates[key] = _dynamic(lr, betas, self.step)
-    return self._rates[key]
-
-
-  def schedule(self, schedule: Schedule):
-    """``schedule`` alone (no bias correction) as a zero-arg callable reading
-    ``step``: one callable per distinct schedule."""
-    key = (schedule, None)
-    if key not in self._rates:
-      self._rates[key] = _dynamic(schedule, None, self.step)
-    return self._rates[key]
-
-
-def _dynamic(lr, betas, step):
-  def base():
-    if isinstance(lr, Schedule):
-      return lr(step)
-    if callable(lr):
-      return tf.cast(lr(), tf.float32)
-    return tf.constant(lr, tf.float32)
-
-  def rate():
-    value = base()
-    return value * bias_correction(step, *betas) if betas else value
-
-  rate.schedule = lr
-  rate.bias_correction = betas
-  return rate
-
-
-def assign_tags(table_names: Sequence[str], rates: Sequence[Any]
-                ) -> Dict[str, Optional[int]]:
-  """Tags as TensorFlow assigns them: distinct callables in first-use order."""
-  order: Dict[int, int] = {}
-  tags = {}
-  for name, rate in zip(table_names, rates):
-    if callable(rate):
-      tags[name] = order.setdefault(id(rate), len(order))
-    else:
-      tags[name] = None
-  return tags
-
-
-def check_tag_rules(tags: Mapping[str, Optional[int]],
-                    rates: Mapping[str, Any]) -> None:
-  """Raises ConfigError unless ``tags`` obey the DynamicLearningRate rules."""
-  used = sorted({t for t in tags.values() if t is not None})
-  if used != list(range(len(used))):
-    raise errors.ConfigError(
-        f"dynamic learning-rate tags must be 0..n-1 with none skipped, got "
-        f"{used}. Fix: renumber the tags.")
-  if len(used) > len(tags):
-    raise errors.ConfigError(
-        f"{len(used)} tags for {len(tags)} tables: at most one tag per table.")
-  owner: Dict[int, Tuple[str, Any]] = {}
-  for table, tag in tags.items():
-    if tag is None:
-      if callable(rates[table]):
-        raise errors.ConfigError(
-            f"table '{table}' has a dynamic learning rate but no tag.")
-      continue
-    if not callable(rates[table]):
-      raise errors.ConfigError(
-          f"table '{table}' has tag {tag} but a constant rate {rates[table]!r}.")
-    if tag in owner and owner[tag][1] is not rates[table]:
-      raise errors.ConfigError(
-          f"tables '{owner[tag][0]}' and '{table}' share tag {tag} but not the "
-          "learning rate: the TPU would apply one rate to both. Fix: give "
-          "them one schedule, or separate tags.")
-    owner.setdefault(tag, (table, rates[table]))
-
-
-def _milestones(schedule: Schedule):
+def milestones(schedule: Schedule) -> List[int]:
+  """Step 0, the warm-up end, the first decay end and every boundary: where a
+  schedule changes course (the plan describes the rate there)."""
   config = dict(schedule.config)
   steps = {0}
   warmup = config.get("warmup_steps") or 0
@@ -489,36 +429,3 @@ def _milestones(schedule: Schedule):
   return sorted(steps)
 
 
-def describe(rate) -> str:
-  """One line for the plan: what the rate is and its value at a few steps."""
-  schedule = getattr(rate, "schedule", rate)
-  betas = getattr(rate, "bias_correction", None)
-  if isinstance(schedule, Schedule):
-    steps = _milestones(schedule)
-    text = repr(schedule)
-  elif callable(schedule):
-    return f"{getattr(schedule, '__name__', 'callable')} (user callable)"
-  else:
-    steps, text = [0], f"{schedule:g}"
-  if betas:
-    text += f" x Adam bias correction (beta_1={betas[0]}, beta_2={betas[1]})"
-    steps = sorted(set(steps) | {1, 10})
-  values = [f"t={t}: {value_at(rate, t):.4g}" for t in steps]
-  return f"{text}; {', '.join(values)}"
-
-
-def value_at(rate, step: int) -> float:
-  """The learning rate a table applies at table step ``step`` (0 = first update).
-
-  ``rate`` is a number or a callable from ``RateBinder`` (a schedule, maybe
-  times Adam's bias correction); the step variable it reads is not touched.
-  A user's zero-arg callable cannot be asked about another step: its current
-  value is returned.
-  """
-  schedule = getattr(rate, "schedule", rate)
-  betas = getattr(rate, "bias_correction", None)
-  if isinstance(schedule, Schedule):
-    base = float(schedule(step))
-  else:
-    base = float(schedule()) if callable(schedule) else float(schedule)
-  return base * (float(bias_correction(step, *betas)) if betas else 1.0)

@@ -13,8 +13,7 @@ from typing import Any, Dict, List, Optional
 import tensorflow as tf
 from tensorflow.python.util import nest
 
-from tpu_embed_ext.spec import schedules as learning_rates
-from tpu_embed_ext.tf import optimizers
+from tpu_embed_ext.tf import optimizers, rates, tags as rate_tags
 
 __all__ = ["feature_config", "table_order", "config_proto", "tags"]
 
@@ -41,7 +40,7 @@ def _initializer(table):
 
 def feature_config(spec, step=None, binder=None) -> Dict[str, Any]:
   """Fresh ``{feature: FeatureConfig}``; schedules read ``step``."""
-  binder = binder or learning_rates.RateBinder(step)
+  binder = binder or rates.RateBinder(step)
   tables = {}
   for t in spec.tables:
     resolved = spec.optimizer_for(t.name)
@@ -73,8 +72,8 @@ def tags(config) -> Dict[str, Optional[int]]:
   order = table_order(config)
   names = [t.name for t in order]
   rates = [t.optimizer.learning_rate for t in order]
-  assigned = learning_rates.assign_tags(names, rates)
-  learning_rates.check_tag_rules(assigned, dict(zip(names, rates)))
+  assigned = rate_tags.assign_tags(names, rates)
+  rate_tags.check_tag_rules(assigned, dict(zip(names, rates)))
   return assigned
 
 

@@ -34,7 +34,8 @@ import keras
 import numpy as np
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.spec import schedules as learning_rates, optimizers
+from tpu_embed_ext.spec import optimizers
+from tpu_embed_ext.spec.schedules import Schedule
 
 __all__ = ["from_keras_optimizer"]
 
@@ -46,7 +47,7 @@ _UNSUPPORTED_COMMON = {"clipnorm": None, "global_clipnorm": None, "use_ema": Fal
 def _learning_rate(opt):
   lr = opt._learning_rate  # pylint: disable=protected-access
   if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
-    return learning_rates.Schedule.from_keras(lr)
+    return Schedule.from_keras(lr)
   if callable(lr) and not hasattr(lr, "numpy"):
     return lr
   # Keras keeps the rate in a float32 variable: recover the value as written

@@ -49,7 +49,7 @@ def to_tf(spec: OptimizerSpec, learning_rate: Optional[LearningRate] = None):
   Args:
     spec: the optimizer spec.
     learning_rate: overrides ``spec.learning_rate``; pass the zero-arg callable
-      that learning_rates.py binds to a step when the spec holds a schedule.
+      that tf/rates.py binds to a step when the spec holds a schedule.
   """
   kwargs = {}
   for name in field_names(type(spec)):
