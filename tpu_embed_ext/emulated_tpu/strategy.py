@@ -40,8 +40,6 @@ and ``extended._device_assignment`` (None), which the extended provides.
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf.tpu import topology_pb2

@@ -15,8 +15,7 @@ skips the batches already trained on), weights are initialised from the seed,
 and TensorFlow's op determinism is enabled.
 
 One module per concern: ``config`` (the ``train:`` section), ``data`` (input
-pipelines), ``building`` (model, variables, restore), ``memory`` (the host
-memory check), ``strategy`` (TPU or CPU emulation), ``loop`` (the training
+pipelines), ``building`` (model, variables, restore), ``strategy`` (TPU or CPU emulation), ``loop`` (the training
 loop and its per-block callback), ``outputs`` (history.csv, TensorBoard
 series, the plot), ``evaluation`` and ``export_serving``.
 """
@@ -27,8 +26,8 @@ from tpu_embed_ext.job.data import input_datasets
 from tpu_embed_ext.job.evaluation import evaluate
 from tpu_embed_ext.job.export_serving import export, serving_inputs
 from tpu_embed_ext.job.loop import train
-from tpu_embed_ext.job.memory import (MemoryLimitError, available_memory,
-                                      check_memory, memory_shortfall)
+from tpu_embed_ext.host.memory import (MemoryLimitError, available_memory,
+                                       check_memory, memory_shortfall)
 from tpu_embed_ext.job.outputs import learning_rate_series
 
 __all__ = ["TrainConfig", "MemoryLimitError", "train", "export", "evaluate",

@@ -16,18 +16,20 @@ import tensorflow as tf
 
 from tpu_embed_ext.host import atomic
 from tpu_embed_ext import errors
+from tpu_embed_ext.host import checkpoint_scan
 from tpu_embed_ext.host import model_dir as model_dir_lib
 from tpu_embed_ext.job.building import build_model, build_variables, restore
 from tpu_embed_ext.job.config import TrainConfig, check_steps, in_file, load
-from tpu_embed_ext.job.data import first_batch, input_datasets
+from tpu_embed_ext.job.data import feature_columns, first_batch, input_datasets
 from tpu_embed_ext.job.evaluation import evaluate, planted_auc
-from tpu_embed_ext.job.memory import check_memory
+from tpu_embed_ext.host.memory import check_memory
 from tpu_embed_ext.job.outputs import (STEP_LOSS, append_history,
                                        check_output_paths, learning_rate_series,
                                        plot_learning_curve, purge_summaries,
                                        trim_history)
 from tpu_embed_ext.job import replicated
 from tpu_embed_ext.job.strategy import emulation, resolve_strategy
+from tpu_embed_ext.spec import files
 
 __all__ = ["train"]
 
@@ -131,7 +133,6 @@ def _already_done(config_path, model_dir, steps, overrides, log):
   from metrics.json, the config's steps and the newest checkpoint (read back
   whole), before any dataset, model or strategy is built, and without
   starting TensorFlow (an emulated TPU could still be made after this)."""
-  from tpu_embed_ext.spec import files  # pylint: disable=g-import-not-at-top
   metrics = _finished(os.path.join(model_dir, "metrics.json"))
   if not isinstance(metrics, dict) or not isinstance(metrics.get("steps"), int):
     return None
@@ -147,7 +148,6 @@ def _already_done(config_path, model_dir, steps, overrides, log):
   if not newest or newest[0] != metrics["steps"]:
     return None
   with model_dir_lib.lock(model_dir):  # Not while another run writes it.
-    from tpu_embed_ext.host import checkpoint_scan  # pylint: disable=g-import-not-at-top
     prefix = os.path.join(model_dir, "checkpoints", f"ckpt-{newest[0]}")
     if checkpoint_scan.scan(prefix).error is not None:
       return None  # The full path falls back to an older checkpoint.
@@ -213,7 +213,6 @@ def check_tpu_inputs(spec, cfg) -> None:
   ``_raise_error_for_non_direct_inputs``), and so does the emulated TPU: the
   run would fail at its first step, after the TPU was set up.
   """
-  from tpu_embed_ext.job.data import feature_columns  # pylint: disable=g-import-not-at-top
   multi_hot = [name for name, (_, layout) in feature_columns(spec, cfg).items()
                if layout != "dense"]
   if multi_hot:

@@ -25,7 +25,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from tpu_embed_ext.spec import (files as config_files, names as derived_names,
                                 numeric_traps, optimizers, fields as
-                                spec_fields)
+                                spec_fields, schedules as learning_rates)
 from tpu_embed_ext import errors
 
 __all__ = ["TableSpec", "FeatureSpec", "Override", "EmbeddingSpec"]
@@ -132,7 +132,6 @@ class EmbeddingSpec:
   def from_dict(cls, config: Mapping[str, Any], *,
                 source: Optional[str] = None) -> "EmbeddingSpec":
     """Parses and validates the dict form; raises ConfigError with key paths."""
-    from tpu_embed_ext.spec import schedules as learning_rates
     spec_fields.require_mapping(config, "", "the config")
     spec_fields.check_keys(config, _TOP_LEVEL, "", "top-level key")
     schedules = learning_rates.parse_schedules(config.get("schedules"))
@@ -298,14 +297,14 @@ class EmbeddingSpec:
 
   def feature_config(self, step=None) -> Dict[str, Any]:
     """Fresh ``{feature: tf.tpu.experimental.embedding.FeatureConfig}``."""
-    from tpu_embed_ext.tf import config as tf_config
+    # Lazy: keeps TensorFlow off `import tpu_embed_ext.spec` (tf/ builds its objects).
+    from tpu_embed_ext.tf import config as tf_config  # pylint: disable=g-import-not-at-top
     return tf_config.feature_config(self, step=step)
 
   # --- writing -------------------------------------------------------------
 
   def to_dict(self) -> Dict[str, Any]:
     """The dict form; ``EmbeddingSpec.from_dict(spec.to_dict()) == spec``."""
-    from tpu_embed_ext.spec import schedules as learning_rates
 
     def optimizer_dict(value):
       if value is None:

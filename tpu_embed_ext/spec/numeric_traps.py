@@ -34,6 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.spec import schedules as learning_rates
 
 __all__ = ["NumericTrapError", "NumericTrapWarning", "check_optimizer", "skip_checks",
            "checks_for", "rate_samples", "CHECKS", "MAX_LEARNING_RATE"]
@@ -120,10 +121,6 @@ def rate_samples(learning_rate, betas=None) -> Optional[List[Tuple[int, float]]]
   its schedule and Adam betas). ``betas``: Adam's ``(beta_1, beta_2)`` when
   the rate carries bias correction. None for a user's zero-arg callable.
   """
-  # Here, not at the top: learning_rates imports TensorFlow, and optimizers.py
-  # (which imports this module) stays importable without it. No cycle:
-  # learning_rates imports neither module (tests/test_import_graph.py).
-  from tpu_embed_ext.spec import schedules as learning_rates  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
   schedule = getattr(learning_rate, "schedule", learning_rate)
   betas = getattr(learning_rate, "bias_correction", None) or betas
