@@ -157,6 +157,9 @@ class _AbslCommand:
   def __init__(self, name: str):
     self.name = name
 
+  def _run(self, f, config: str, progress) -> None:
+    _implementation(self.name)(f, config, progress)
+
   def __call__(self, argv: Sequence[str]) -> int:
     if any(a in _HELP for a in argv):
       print(console.command_help(self.name, _flag_values(self.name)))
@@ -211,8 +214,7 @@ class _AbslCommand:
     try:
       if self.name == "train" or (self.name == "plan" and f.data > 0):
         _quiet_datasets()
-      config = files.resolve(f.config)
-      _implementation(self.name)(f, config, progress)
+      self._run(f, files.resolve(f.config), progress)
       status = 0
     except (Exception, KeyboardInterrupt) as e:  # pylint: disable=broad-except
       line = _one_line(e, self.name)
