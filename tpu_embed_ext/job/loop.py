@@ -1,5 +1,20 @@
 """The training loop: resume, fit in blocks (checkpoint, held-out evaluation,
-history, TensorBoard, log line per block), then metrics.json and the plot."""
+history, TensorBoard, log line per block), then metrics.json and the plot.
+
+``python -m tpu_embed_ext train --config configs/ranking.yaml`` reads the
+embedding spec and the ``train:`` section of the same file, builds the
+``synthetic_clicks`` tfds dataset offline (or another tfds dataset), trains a
+DLRM-style model with ``model.fit`` (tables updated by their own TPU
+optimizers, dense weights by a Keras optimizer), checkpoints every
+``steps_per_checkpoint`` steps and resumes from the last checkpoint in
+``--model_dir``, then evaluates on the held-out split and writes
+``metrics.json`` and ``learning_curve.png`` there.
+
+Determinism (what makes a killed-and-resumed run equal an uninterrupted one):
+the input order is a pure function of the seed and the step (the resumed run
+skips the batches already trained on), weights are initialised from the seed,
+and TensorFlow's op determinism is enabled.
+"""
 
 from __future__ import annotations
 
