@@ -14,6 +14,9 @@
 after the name. The absl commands define their flags in a ``FlagValues`` of
 their own when they run, never in absl's global ``FLAGS``: ``emulate`` runs a
 script that defines its own ``--tpu`` or ``--model_dir``.
+Their work is in ``commands.py`` (plan, convert-checkpoint) and
+``job_commands.py`` (train, export), imported when the command runs: TensorFlow
+loads after the extras are checked and the library log is set up.
 
 A user error (a bad config, flag or command, a model_dir in use or not
 writable, a damaged checkpoint, tables larger than memory, a missing extra)
