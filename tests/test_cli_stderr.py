@@ -42,7 +42,7 @@ def _cli_process(tmp_path, *args, script=None, cwd=None):
   if script is None:
     argv = [sys.executable, "-m", "tpu_embed_ext", *args]
   else:
-    code = (textwrap.dedent(script) + "\nfrom tpu_embed_ext import __main__ as cli\n"
+    code = (textwrap.dedent(script) + "\nfrom tpu_embed_ext.cli import main as cli\n"
             f"cli.COMMANDS[{args[0]!r}]._run = command\n"
             f"cli.run(['tpu-embed', *{list(args)!r}])\n")
     argv = [sys.executable, "-c", code]

@@ -19,8 +19,8 @@ import tpu_embed_ext as tee
 from tpu_embed_ext.spec import optimizers
 from tpu_embed_ext.keras import serving
 from tpu_embed_ext.tf import optimizers as tf_optimizers
-from tests.builders import (SCENARIO_IDS, SCENARIO_USER, SCENARIO_VIDEO, scenario_features,
 from tests import references
+from tests.builders import (SCENARIO_IDS, SCENARIO_USER, SCENARIO_VIDEO, scenario_features,
                             scenario_tables)
 
 api = tf.tpu.experimental.embedding

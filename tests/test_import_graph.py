@@ -184,6 +184,85 @@ def test_no_stage_imports_a_later_one():
   assert not wrong, "\n".join(wrong)
 
 
+# Fewer than this many imports of our own modules inside functions. Each one
+# keeps TensorFlow (or another heavy library) off an import path, and says so
+# in a "# Lazy: ..." comment on its line or in the comment block just above.
+MAX_FUNCTION_LEVEL_IMPORTS = 10
+
+
+def function_level_imports(tree, lines):
+  """``[(line, reason or None)]`` of imports of the package inside a function."""
+  found = []
+
+  def visit(node, in_function):
+    for child in ast.iter_child_nodes(node):
+      if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+        if isinstance(child, ast.Import):
+          ours = any(a.name.split(".")[0] == PACKAGE for a in child.names)
+        else:
+          ours = child.level > 0 or (child.module or "").split(".")[0] == PACKAGE
+        if ours:
+          found.append((child.lineno, _lazy_reason(lines, child.lineno)))
+      visit(child, in_function or isinstance(
+          child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+  visit(tree, False)
+  return found
+
+
+def _lazy_reason(lines, lineno):
+  """The ``Lazy:`` comment on line ``lineno`` (1-based) or in the comment
+  lines directly above it, else None."""
+  comments = [lines[lineno - 1].partition("#")[2]]
+  i = lineno - 2
+  while i >= 0 and lines[i].lstrip().startswith("#"):
+    comments.insert(0, lines[i].lstrip()[1:])
+    i -= 1
+  text = " ".join(c.strip() for c in comments
+                  if c.strip() and not c.strip().startswith("pylint:"))
+  return text[text.index("Lazy:"):] if "Lazy:" in text else None
+
+
+def _function_level_imports_of_the_package():
+  found = []
+  for module, path in sorted(_modules().items()):
+    with open(path) as f:
+      source = f.read()
+    for line, reason in function_level_imports(ast.parse(source, path),
+                                               source.splitlines()):
+      found.append((f"{os.path.relpath(path, ROOT)}:{line}", reason))
+  return found
+
+
+def test_function_level_imports_are_few_and_each_says_why():
+  found = _function_level_imports_of_the_package()
+  listing = "\n".join(f"  {where}  {reason or '(no Lazy: comment)'}"
+                       for where, reason in found)
+  assert len(found) < MAX_FUNCTION_LEVEL_IMPORTS, (
+      f"{len(found)} imports of {PACKAGE} inside functions (at most "
+      f"{MAX_FUNCTION_LEVEL_IMPORTS - 1}); move them to the top of the module, "
+      "or the function to the stage it belongs to:\n" + listing)
+  unexplained = [where for where, reason in found if reason is None]
+  assert not unexplained, (
+      "imports inside functions without a '# Lazy: <what it keeps off which "
+      "import>' comment on the line or just above: " + ", ".join(unexplained)
+      + "\nall of them:\n" + listing)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("def f():\n  from tpu_embed_ext import b\n", [(2, None)]),
+    ("def f():\n  # Lazy: keeps TensorFlow off a.\n  import tpu_embed_ext.b\n",
+     [(3, "Lazy: keeps TensorFlow off a.")]),
+    ("def f():\n  from . import b  # Lazy: keeps X off a.\n",
+     [(2, "Lazy: keeps X off a.")]),
+    ("class C:\n  def m(self):\n    g = lambda: 1\n    from tpu_embed_ext.x import y\n",
+     [(4, None)]),
+    ("from tpu_embed_ext import b\ndef f():\n  import os\n", []),
+])
+def test_function_level_imports_and_their_reasons_are_found(source, expected):
+  assert function_level_imports(ast.parse(source), source.splitlines()) == expected
+
+
 @pytest.mark.parametrize("source, expected", [
     # The cycle this test was written for: closed only inside functions.
     ({"a": "def f():\n  from tpu_embed_ext import b\n",

@@ -50,7 +50,7 @@ MOVED = {
     "console": "cli.console", "plan": "cli.plan", "text_table": "cli.text_table",
     "install_fixes": "cli.install_fixes",
     "sparsecore.report": "cli.sparsecore_report",
-    "train": "job",
+    "train": "job", "job.memory": "host.memory",
 }
 
 

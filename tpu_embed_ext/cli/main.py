@@ -14,6 +14,9 @@
 after the name. The absl commands define their flags in a ``FlagValues`` of
 their own when they run, never in absl's global ``FLAGS``: ``emulate`` runs a
 script that defines its own ``--tpu`` or ``--model_dir``.
+Their work is in ``commands.py`` (plan, convert-checkpoint) and
+``job_commands.py`` (train, export), imported when the command runs: TensorFlow
+loads after the extras are checked and the library log is set up.
 
 A user error (a bad config, flag or command, a model_dir in use or not
 writable, a damaged checkpoint, tables larger than memory, a missing extra)
@@ -29,9 +32,12 @@ import sys
 import traceback
 from typing import Callable, Dict, List, Optional, Sequence
 
-from tpu_embed_ext.cli import console
+import tpu_embed_ext
 from tpu_embed_ext import errors
+from tpu_embed_ext.cli import console, install_fixes
 from tpu_embed_ext.cli.install_fixes import EXTRAS as _EXTRAS
+from tpu_embed_ext.host import library_log
+from tpu_embed_ext.spec import files
 
 # name -> (DEFINE function, default, help, keyword arguments).
 _FLAGS = {
@@ -113,146 +119,7 @@ def _flag_values(command: str):
   return values
 
 
-def _model_dir(f, config: str) -> str:
-  if f.model_dir:
-    return f.model_dir
-  return os.path.join("runs", os.path.splitext(os.path.basename(config))[0])
-
-
-def _plan(f, config: str, progress):
-  del progress
-  import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
-  from tpu_embed_ext import job  # pylint: disable=g-import-not-at-top
-  spec = tee.EmbeddingSpec.from_file(config)
-  hotness = None
-  if f.data and f.hotness:  # Checked before the plan is computed.
-    from tpu_embed_ext.data import spec_ids  # pylint: disable=g-import-not-at-top
-    hotness = spec_ids.parse_hotness(f.hotness, spec)
-  plan = tee.plan(spec)
-  # SparseCore only when asked about: --engine v2, or a --topology given.
-  print(plan.text(sparsecore_notes=f.engine == "v2" or f["topology"].present))
-  shortfall = job.memory_shortfall(spec)
-  if shortfall:
-    print(f"\nCPU emulation (train --tpu none) would not fit: {shortfall}")
-  if f.proto:
-    print()
-    print(plan.config_proto())
-  if f.engine == "v2":
-    print()
-    print(plan.sparsecore(f.topology, batch_size=f.batch_size))
-    if f.data:
-      from tpu_embed_ext.cli import sparsecore_report as report  # pylint: disable=g-import-not-at-top
-      from tpu_embed_ext.sparsecore import topology
-      print()
-      print(report.measure_training_data(
-          plan.spec, topology.parse_topology(f.topology), f.data,
-          hotness=hotness, distribution=f.ids, batch_size=f.batch_size))
-
-
-def _train(f, config: str, progress):
-  from tpu_embed_ext import job  # pylint: disable=g-import-not-at-top
-  model_dir = _model_dir(f, f.config)
-  said = []
-  line = progress(model_dir)
-
-  def log(text):
-    said.append(text)
-    line(text)
-  metrics = job.train(config, model_dir=model_dir, steps=f.steps, tpu=f.tpu,
-                      log=log)
-  finished_before = any(t.startswith("Already trained") for t in said)
-  speed = None if finished_before else metrics.get("examples_per_second")
-  # One device line: "Training on ..." of this run, or, for a finished run
-  # that trained nothing now, where it trained.
-  print(f"\nheld-out AUC {metrics['eval_auc']:.4f}"
-        + (f" (planted model: {metrics['planted_auc']:.4f})"
-           if "planted_auc" in metrics else "")
-        + (f" at step {metrics['steps']}, {speed:,.0f} examples/s." if speed else
-           f" at step {metrics['steps']} (already trained, on "
-           f"{metrics['where']}: nothing to do)."))
-  print(where_everything_went(f.config, model_dir))
-
-
-def where_everything_went(config: str, model_dir: str) -> str:
-  """The closing summary of ``train``: every output and the next command,
-  spelled so that it runs as printed from here (``console.program``)."""
-  from tpu_embed_ext.host import model_dir as model_dir_lib  # pylint: disable=g-import-not-at-top
-  checkpoints = os.path.join(model_dir, "checkpoints")
-  steps = model_dir_lib.checkpoint_steps(checkpoints)
-  newest = f" (newest: ckpt-{steps[0]})" if steps else ""
-  rows = [("checkpoints", checkpoints + newest),
-          ("metrics", os.path.join(model_dir, "metrics.json")),
-          ("learning curve", os.path.join(model_dir, "learning_curve.png")),
-          ("history", os.path.join(model_dir, "history.csv")),
-          ("TensorBoard logs", os.path.join(model_dir, "logs") +
-           f"   ({console.tool('tensorboard', 'tensorboard.main')} --logdir "
-           f"{os.path.join(model_dir, 'logs')})")]
-  library_log = os.path.join(model_dir, "logs", "libraries.log")
-  if os.path.exists(library_log):  # Not with --verbose: they were shown.
-    rows.append(("library log", library_log + "   (TensorFlow's and other "
-                 "libraries' lines)"))
-  lines = [f"Results in {model_dir}:"]
-  lines += [f"  {name:<17} {path}" for name, path in rows]
-  lines += ["Next, export for serving:",
-            f"  {console.program()} export --config {config} --model_dir "
-            f"{model_dir} --out {os.path.join(model_dir, 'serving')}"]
-  return "\n".join(lines)
-
-
-def _export(f, config: str, progress):
-  from tpu_embed_ext import job  # pylint: disable=g-import-not-at-top
-  model_dir = _model_dir(f, f.config)
-  out = f.out or os.path.join(model_dir, "serving")
-  print("SavedModel written to", job.export(config, model_dir=model_dir, out=out,
-                                              log=progress(model_dir)))
-
-
-def _tables_spec(path: str):
-  """The config's spec for converting tables: feature names play no part in
-  it, so they are replaced (in their sorted order, which decides the first
-  feature the stacker sees) by names every check accepts ('0'..'7' are
-  Model Garden's, refused as serving-signature inputs)."""
-  import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
-  from tpu_embed_ext.spec import files  # pylint: disable=g-import-not-at-top
-  data = files.load(path)
-  features = data.get("features") if isinstance(data, dict) else None
-  if isinstance(features, dict):
-    data = dict(data, features={f"feature_{i:06d}": value for i, (_, value)
-                                in enumerate(sorted(features.items()))})
-  try:
-    return tee.EmbeddingSpec.from_dict(data, source=path)
-  except errors.ConfigError as e:
-    raise e.at(file=path) from None
-
-
-def _convert_checkpoint(f, config: str, progress):
-  del progress
-  from tpu_embed_ext import sparsecore  # pylint: disable=g-import-not-at-top
-  if not (f.checkpoint and f.out and f["topology"].present):
-    raise errors.ConfigError(
-        "convert-checkpoint needs --checkpoint PREFIX|DIR --out PREFIX --topology T "
-        "(a SparseCore topology, or none for per-table). Fix: pass all three.")
-  topology = None if f.topology == "none" else f.topology
-  # Without --config the checkpoint's own tables, slots and shapes are used.
-  spec = _tables_spec(config) if f["config"].present else None
-  source = f.checkpoint
-  if os.path.isdir(source):  # A checkpoints directory: its newest readable one.
-    from tpu_embed_ext.host import model_dir as model_dir_lib  # pylint: disable=g-import-not-at-top
-    source, _ = model_dir_lib.resume_point(source, repair=False)
-    if source is None:
-      raise model_dir_lib.CheckpointError(
-          f"no checkpoint (ckpt-<step>.index) in {f.checkpoint}. Fix: pass a "
-          "checkpoint prefix, e.g. runs/ranking/checkpoints/ckpt-1500.")
-  print(f"Converting {source} table by table...", flush=True)
-  layouts = sparsecore.convert_checkpoint(source, f.out, spec, topology,
-                                          prefix=f.prefix)
-  form = (f"SparseCore layout for {sparsecore.parse_topology(topology)} "
-          f"({len({l.stack for l in layouts})} stacks)" if layouts else "per-table")
-  print(f"{source} -> {f.out}: {form}.")
-
-
 def _missing_extra(command: str, modules) -> str:
-  from tpu_embed_ext.cli import install_fixes  # pylint: disable=g-import-not-at-top
   return install_fixes.missing_line(command, modules)
 
 
@@ -274,11 +141,27 @@ def _usage_error(message: str) -> int:
   return 2
 
 
+def _implementation(command: str) -> Callable:
+  """``run(flags, config, progress)`` of an absl command. Its module loads
+  TensorFlow, so it is imported once the extras are checked and other
+  libraries' output goes to the library log."""
+  if command in ("train", "export"):
+    # Lazy: keeps TensorFlow and tensorflow_datasets (the job) off the CLI's start.
+    from tpu_embed_ext.cli import job_commands  # pylint: disable=g-import-not-at-top
+    return job_commands.COMMANDS[command]
+  # Lazy: keeps TensorFlow off the CLI's start (--help, a usage error).
+  from tpu_embed_ext.cli import commands  # pylint: disable=g-import-not-at-top
+  return commands.COMMANDS[command]
+
+
 class _AbslCommand:
   """A command whose flags absl parses: ``main(argv) -> int``."""
 
-  def __init__(self, name: str, run: Callable):
-    self.name, self._run = name, run
+  def __init__(self, name: str):
+    self.name = name
+
+  def _run(self, f, config: str, progress) -> None:
+    _implementation(self.name)(f, config, progress)
 
   def __call__(self, argv: Sequence[str]) -> int:
     if any(a in _HELP for a in argv):
@@ -319,8 +202,6 @@ class _AbslCommand:
   def _guarded(self, f) -> int:
     """Runs the command with other libraries' output in a log file: the
     command's stderr carries its own messages only."""
-    from tpu_embed_ext.spec import files  # pylint: disable=g-import-not-at-top
-    from tpu_embed_ext.host import library_log
     log = (None if f.verbose else
            library_log.LibraryLog(self.name, process=_owns_process))
     terminal = log.terminal if log else sys.stderr
@@ -365,6 +246,8 @@ def _quiet_datasets():
 def _emulate(argv: List[str]) -> int:
   """``emulate``: tpu_embed_ext/emulated_tpu/runner.py parses its own arguments."""
   try:
+    # Lazy: the emulation's TensorFlow-free runner, imported only for emulate, so
+    # that the other commands run in an installation without emulated_tpu/.
     from tpu_embed_ext.emulated_tpu import runner  # pylint: disable=g-import-not-at-top
   except ModuleNotFoundError as e:
     if not (e.name or "").startswith("tpu_embed_ext.emulated_tpu"):
@@ -376,10 +259,10 @@ def _emulate(argv: List[str]) -> int:
 
 
 COMMANDS: Dict[str, Callable[[List[str]], int]] = {
-    "plan": _AbslCommand("plan", _plan),
-    "train": _AbslCommand("train", _train),
-    "export": _AbslCommand("export", _export),
-    "convert-checkpoint": _AbslCommand("convert-checkpoint", _convert_checkpoint),
+    "plan": _AbslCommand("plan"),
+    "train": _AbslCommand("train"),
+    "export": _AbslCommand("export"),
+    "convert-checkpoint": _AbslCommand("convert-checkpoint"),
     "emulate": _emulate,
 }
 
@@ -388,12 +271,10 @@ def main(argv: Sequence[str]) -> int:
   """``tpu-embed`` with ``argv`` (``argv[0]`` the program); the exit status."""
   args = list(argv[1:])
   if not args or args[0] in _HELP:
-    from tpu_embed_ext.spec import files  # pylint: disable=g-import-not-at-top
     print(console.overview(list(COMMANDS), list(files.shipped_configs())))
     return 0 if args else 2
   command = args[0]
   if command in ("--version", "-V", "version"):
-    import tpu_embed_ext  # pylint: disable=g-import-not-at-top
     print(f"tpu_embed_ext {tpu_embed_ext.__version__} "
           f"({os.path.dirname(os.path.abspath(tpu_embed_ext.__file__))})")
     return 0

@@ -13,7 +13,9 @@ from tpu_embed_ext.spec import numeric_traps, optimizers
 from tpu_embed_ext.tf import config as tf_config, rates
 from tpu_embed_ext.spec import EmbeddingSpec
 from tpu_embed_ext.host.memory import human_bytes as _human
+from tpu_embed_ext.cli import sparsecore_report
 from tpu_embed_ext.cli.text_table import lines as _table_lines
+from tpu_embed_ext.sparsecore import topology as sc_topology
 
 __all__ = ["Plan", "plan"]
 
@@ -114,8 +116,6 @@ class Plan:
   def sparsecore(self, topology, batch_size: int = 0):
     """The stacked layout ``TPUEmbeddingV2`` gives these tables on ``topology``
     (a ``sparsecore.Topology`` or its spelling, "v5p:4"): a ``StackingPlan``."""
-    from tpu_embed_ext.cli import sparsecore_report  # pylint: disable=g-import-not-at-top
-    from tpu_embed_ext.sparsecore import topology as sc_topology
     return sparsecore_report.stacking_plan(
         self._config, sc_topology.parse_topology(topology),
         {t.name: t.optimizer.slot_names for t in self.tables}, batch_size=batch_size)

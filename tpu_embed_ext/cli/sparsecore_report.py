@@ -16,7 +16,7 @@ from tpu_embed_ext.sparsecore import limits
 from tpu_embed_ext.sparsecore.topology import Topology
 
 __all__ = ["DataReport", "StackingPlan", "feature_ids", "measure",
-           "measure_training_data", "stacking_plan"]
+           "stacking_plan"]
 
 _BYTES_PER_FLOAT = 4
 
@@ -110,7 +110,7 @@ class DataReport:
   max_chip_slots: Dict[str, int] = dataclasses.field(default_factory=dict)
   samples_per_chip: Dict[str, int] = dataclasses.field(default_factory=dict)
   source: str = ""
-  """What was measured (``measure_training_data`` fills it in)."""
+  """What was measured (``training_data.measure_training_data`` fills it in)."""
 
   def add(self, counts: Sequence[limits.StackCounts]) -> None:
     self.steps += 1
@@ -179,37 +179,4 @@ def measure(feature_config, batches, topology: Topology,
   for features in batches:
     report.add(limits.count_ids(feature_ids(feature_config, features), layouts,
                                 topology, limits_))
-  return report
-
-
-def measure_training_data(spec, topology: Topology, batches: int,
-                          limits_: Optional[limits.Limits] = None, *,
-                          hotness=None, distribution: str = "zipf",
-                          batch_size: int = 0) -> DataReport:
-  """``measure`` over the first ``batches`` batches of the spec's training input.
-
-  A spec whose ``train:`` section names no dataset is measured on ids drawn
-  from the spec itself (``data.spec_ids``: ``distribution`` over each table's
-  vocabulary, ``hotness`` ids per example, ``batch_size`` examples, default
-  512); ``DataReport.source`` says which.
-  """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tpu_embed_ext import job  # pylint: disable=g-import-not-at-top
-  cfg = job.TrainConfig.from_dict(spec.train or {})
-  config = spec.feature_config(step=tf.Variable(0, dtype=tf.int64, trainable=False))
-  if "dataset" not in (spec.train or {}):
-    from tpu_embed_ext.data import spec_ids  # pylint: disable=g-import-not-at-top
-    size = batch_size or cfg.batch_size
-    report = measure(config, spec_ids.spec_batches(
-        spec, batch_size=size, batches=batches, hotness=hotness,
-        distribution=distribution, seed=cfg.seed), topology, limits_,
-                     batch_size=size)
-    report.source = (f"{batches} batches of {size} examples drawn from the spec "
-                     f"({distribution} ids over each table's vocabulary; the "
-                     "config names no dataset)")
-    return report
-  dataset, _ = job.input_datasets(spec, cfg)
-  report = measure(config, (inputs["categorical"] for inputs, _ in dataset.take(batches)),
-                   topology, limits_, batch_size=cfg.batch_size)
-  report.source = f"{batches} training batches of {cfg.dataset}"
   return report

@@ -1,4 +1,6 @@
-"""Datasets and input pipelines. Importing this registers ``synthetic_clicks``."""
+"""Training data: the offline ``synthetic_clicks`` tfds dataset (registered on
+import), MovieLens columns, ids drawn from a spec, and the input pipeline.
+"""
 
 from tpu_embed_ext.data import synthetic_clicks  # Registers the tfds builder.
 from tpu_embed_ext.data.pipeline import auc, make_dataset

@@ -17,6 +17,9 @@ from typing import Mapping, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tpu_embed_ext import errors
+from tpu_embed_ext.data import movielens
+
 __all__ = ["make_dataset", "preprocessor", "auc", "FORMATS"]
 
 FORMATS = ("dense", "ragged", "sparse")
@@ -113,7 +116,6 @@ def make_dataset(ds: tf.data.Dataset, *, features: Mapping[str, Tuple[str, str]]
 
 def _check_columns(example, features, label_column, dense_column) -> None:
   """ConfigError naming the feature (or field) whose column the data lacks."""
-  from tpu_embed_ext import errors
   have = sorted(example)
   wanted = [(f"train.features.{name}.column", f"feature '{name}' reads column "
              f"'{column}'", column) for name, (column, _) in features.items()]
@@ -147,7 +149,6 @@ def preprocessor(dataset: str):
   None means the examples already are columns (``synthetic_clicks``).
   """
   if dataset.startswith("movielens"):
-    from tpu_embed_ext.data import movielens
     return movielens.columns
   return None
 

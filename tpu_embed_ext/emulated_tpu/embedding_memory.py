@@ -25,7 +25,8 @@ from __future__ import annotations
 import weakref
 from typing import Dict
 
-from tpu_embed_ext import emulated_tpu
+from tpu_embed_ext.emulated_tpu import session
+from tpu_embed_ext.emulated_tpu.errors import TPURuntimeError
 
 __all__ = ["reset", "check_free", "claim", "is_current", "retrieve", "load"]
 
@@ -35,7 +36,7 @@ _engine = {"emulation": None, "owner": None, "configured": False}
 
 
 def _current() -> dict:
-  emulation = emulated_tpu.current()
+  emulation = session.current()
   if _engine["emulation"] is not emulation:
     _engine.update(emulation=emulation, owner=None, configured=False)
   return _engine
@@ -49,7 +50,7 @@ def reset() -> None:
 def check_free(tables) -> None:
   """``build``'s first check: ``TPURuntimeError`` if the engine is configured."""
   if _current()["configured"]:
-    raise emulated_tpu.TPURuntimeError(
+    raise TPURuntimeError(
         "TPU is already initialized for embeddings. This may be caused by "
         "using multiple TPUEmbedding instances in a TPU scope which is "
         f"unsupported. A TPUEmbedding (tables {tables}) was built on a TPU "
@@ -80,7 +81,7 @@ def _holder(embedding, what: str):
   layout = _layout(embedding)
   if owner is None or _layout(owner) != layout:
     held = "no tables" if owner is None else f"tables {_layout(owner)}"
-    raise emulated_tpu.TPURuntimeError(
+    raise TPURuntimeError(
         f"{what}: this TPUEmbedding (tables {layout}) was built before "
         "initialize_tpu_system reset the TPU, which now holds "
         f"{held}; a TPU would read or write tables laid out otherwise. Fix: "

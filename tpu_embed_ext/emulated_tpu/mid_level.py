@@ -46,9 +46,10 @@ from tensorflow.python.saved_model import save_context
 from tensorflow.python.tpu import tpu_embedding_v2_utils
 from tensorflow.python.util import nest
 
-from tpu_embed_ext import emulated_tpu, errors
+from tpu_embed_ext import errors
 from tpu_embed_ext.emulated_tpu import (embedding_memory, outer_jit, patching,
                                         strategy as strategy_lib, tpu_inputs)
+from tpu_embed_ext.emulated_tpu.errors import NotEmulatedError
 from tpu_embed_ext.emulation import engine, structure_checks
 
 __all__ = ["TPUEmbedding", "TPUEmbeddingV2WithoutSparseCore"]
@@ -69,7 +70,7 @@ class TPUEmbedding(engine.CPUEmbedding):
   def __init__(self, feature_config, optimizer,
                pipeline_execution_with_tensor_core: bool = False):
     if pipeline_execution_with_tensor_core:
-      raise emulated_tpu.NotEmulatedError(
+      raise NotEmulatedError(
           "TPUEmbedding(pipeline_execution_with_tensor_core=True) is not "
           "emulated: a TPU then looks ids up in tables one step old, a schedule "
           "the emulation does not reproduce. Fix: "
@@ -282,7 +283,7 @@ class TPUEmbeddingV2WithoutSparseCore:
 
   def __init__(self, *args, **kwargs):
     del args, kwargs
-    raise emulated_tpu.NotEmulatedError(
+    raise NotEmulatedError(
         "TPUEmbeddingV2 needs SparseCore, and this emulated TPU has none (as a "
         "TPU v2-v4). Fix: emulate_tpu(sparsecore=True) (or `emulate "
         "--sparsecore`), or use tf.tpu.experimental.embedding.TPUEmbedding.")

@@ -62,7 +62,7 @@ import dataclasses
 import importlib
 from typing import Dict, List, Tuple
 
-from tpu_embed_ext import emulated_tpu
+from tpu_embed_ext.emulated_tpu.errors import NotEmulatedError
 
 __all__ = ["Patch", "PATCHES", "ORIGINALS", "apply", "restore", "original"]
 
@@ -174,7 +174,7 @@ def _object(path: str, emulation):
   except ModuleNotFoundError as e:
     if e.name != name:
       raise
-    raise emulated_tpu.NotEmulatedError(
+    raise NotEmulatedError(
         f"emulate_tpu(sparsecore=True) needs {e.name} (the TPUEmbeddingV2 "
         "adapter), which this install lacks. Fix: sparsecore=False.") from None
   return getattr(module, attribute)

@@ -48,6 +48,9 @@ from tensorflow.python.ops import control_flow_v2_func_graphs, summary_ops_v2
 from tensorflow.python.tpu import embedding_context_utils as ecu
 from tensorflow.python.tpu import tpu_embedding_v3 as tf_v3
 
+from tpu_embed_ext.emulated_tpu.errors import NotEmulatedError
+from tpu_embed_ext.emulation import lookups
+
 __all__ = ["Lag", "PipelinedSteps", "tagged", "while_body", "sequential_reason",
            "check_summaries_known"]
 
@@ -115,8 +118,7 @@ def check_summaries_known() -> None:
   """
   recording = summary_ops_v2._summary_state.is_recording  # pylint: disable=protected-access
   if summary_ops_v2.has_default_writer() and recording is not False:
-    from tpu_embed_ext import emulated_tpu  # pylint: disable=g-import-not-at-top
-    raise emulated_tpu.NotEmulatedError(
+    raise NotEmulatedError(
         "TPUEmbeddingV2(pipeline_execution_with_tensor_core=True) traced a loop "
         "step with a default summary writer: a TPU runs the loop sequentially if "
         "the program writes any summary, and the emulation cannot see summaries "
@@ -238,7 +240,6 @@ class PipelinedSteps:
     if self._lag_mode != "read":
       return super()._activations(pending)
     # The engine's _activations, with each table's rows one step old.
-    from tpu_embed_ext.emulation import lookups  # pylint: disable=g-import-not-at-top
     verdict = pending.verdict
     gate = verdict.assertion if verdict is not None else None
     outputs = []

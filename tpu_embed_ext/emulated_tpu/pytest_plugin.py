@@ -23,8 +23,8 @@ op at import), the fixture's error names the module and the fix.
 name a real slice (``v5p:3`` is refused), as for the runner.
 
 Inert unless asked: without ``--emulate-tpu`` and without ``emulated_tpu``
-tests nothing is imported beyond this module (no TensorFlow) and nothing is
-patched.
+tests nothing is imported beyond this module and the emulated TPU's
+TensorFlow-free modules (no TensorFlow), and nothing is patched.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ import contextlib
 import sys
 
 import pytest
+
+from tpu_embed_ext import emulated_tpu as lib, errors
+from tpu_embed_ext.emulated_tpu import runner, start_up_objects
 
 _STACK = pytest.StashKey[contextlib.ExitStack]()
 # Where TensorFlow was first seen initialised (a collected module's node id).
@@ -80,8 +83,6 @@ def _session_shape(config, options=None):
             "--emulate-tpu=N, or drop the flag.")
     return None
   if topology is not None:
-    from tpu_embed_ext import errors  # pylint: disable=g-import-not-at-top
-    from tpu_embed_ext.emulated_tpu import runner  # pylint: disable=g-import-not-at-top
     try:
       runner.check_slice(topology)  # Without loading TensorFlow.
     except errors.Error as e:
@@ -111,9 +112,13 @@ def pytest_collection_modifyitems(session, config, items):
   wanted = [_marker_kwargs(item).get("replicas", 8) for item in items
             if "emulated_tpu" in getattr(item, "fixturenames", ())]
   if wanted and not _tensorflow_initialised():
-    from tpu_embed_ext.emulated_tpu import strategy  # pylint: disable=g-import-not-at-top
-    strategy.configure_logical_devices(max(r for r in wanted
-                                           if isinstance(r, int) and r > 0) or 8)
+    _configure_devices(max(r for r in wanted if isinstance(r, int) and r > 0) or 8)
+
+
+def _configure_devices(replicas: int) -> None:
+  # Lazy: keeps TensorFlow off the plugin's import (every pytest run loads it).
+  from tpu_embed_ext.emulated_tpu import devices  # pylint: disable=g-import-not-at-top
+  devices.configure_logical_devices(replicas)
 
 
 def _marker_kwargs(item) -> dict:
@@ -130,8 +135,7 @@ def pytest_load_initial_conftests(early_config, parser, args):
   if replicas and getattr(known, "emulate_tpu_topology", None) is not None:
     _session_shape(early_config, known)  # A bad slice: refused before TF loads.
   if replicas:
-    from tpu_embed_ext.emulated_tpu import strategy  # pylint: disable=g-import-not-at-top
-    strategy.configure_logical_devices(replicas)
+    _configure_devices(replicas)
 
 
 def pytest_configure(config):
@@ -141,7 +145,6 @@ def pytest_configure(config):
   shape = _session_shape(config)
   if shape is None:
     return
-  from tpu_embed_ext import emulated_tpu as lib, errors  # pylint: disable=g-import-not-at-top
   stack = contextlib.ExitStack()
   try:
     stack.enter_context(lib.emulate_tpu(*shape))
@@ -150,7 +153,6 @@ def pytest_configure(config):
   config.stash[_STACK] = stack
   # TensorFlow's and the set-up's objects out of every full collection and of
   # the exit's (start_up_objects.py); the tests' own objects are untouched.
-  from tpu_embed_ext.emulated_tpu import start_up_objects  # pylint: disable=g-import-not-at-top
   start_up_objects.freeze_start_up()
 
 
@@ -164,7 +166,6 @@ def pytest_unconfigure(config):
 @pytest.fixture
 def emulated_tpu(request):
   """The test's emulated TPU (an ``Emulation``): see the module docstring."""
-  from tpu_embed_ext import emulated_tpu as lib  # pylint: disable=g-import-not-at-top
   wanted = _marker_kwargs(request.node)
   session = _session_shape(request.config)
   if session is not None:

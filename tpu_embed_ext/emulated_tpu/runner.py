@@ -43,6 +43,8 @@ import traceback
 from typing import List, Optional
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.emulated_tpu import session, start_up_objects
+from tpu_embed_ext.host import library_log
 
 __all__ = ["main", "parse", "check_slice", "UsageError", "USAGE", "OPTIONS"]
 
@@ -283,18 +285,15 @@ def _start(stack: contextlib.ExitStack, shape, owns_process: bool) -> None:
   script's own stderr is the terminal again before it runs."""
   log = None
   if owns_process:
-    from tpu_embed_ext.host import library_log  # pylint: disable=g-import-not-at-top
     log = library_log.LibraryLog("emulate")
   try:
-    from tpu_embed_ext import emulated_tpu  # pylint: disable=g-import-not-at-top
-    stack.enter_context(emulated_tpu.emulate_tpu(*shape))
+    stack.enter_context(session.emulate_tpu(*shape))
   finally:
     if log is not None:
       log.close()
   if owns_process:
     # TensorFlow's and the set-up's objects out of every full collection and
     # of the exit's (start_up_objects.py); the script's own are untouched.
-    from tpu_embed_ext.emulated_tpu import start_up_objects  # pylint: disable=g-import-not-at-top
     start_up_objects.freeze_start_up()
 
 

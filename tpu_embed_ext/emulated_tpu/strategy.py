@@ -40,8 +40,6 @@ and ``extended._device_assignment`` (None), which the extended provides.
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf.tpu import topology_pb2
@@ -56,9 +54,12 @@ from tensorflow.python.tpu import embedding_context_utils as ecu
 from tensorflow.python.tpu import tpu_hardware_feature, tpu_system_metadata
 from tensorflow.python.training import server_lib
 
-from tpu_embed_ext import emulated_tpu
-from tpu_embed_ext.emulated_tpu import (embedding_memory, outer_jit, patching,
-                                        tpu_inputs, xla_check)
+from tpu_embed_ext.emulated_tpu import (device_datasets, embedding_memory,
+                                        outer_jit, patching, session, tpu_inputs,
+                                        xla_check)
+from tpu_embed_ext.emulated_tpu.devices import (configure_logical_devices,
+                                                logical_devices)
+from tpu_embed_ext.emulated_tpu.errors import EmulationError, NotEmulatedError
 
 __all__ = ["configure_logical_devices", "logical_devices", "EmulatedTPUClusterResolver",
            "initialize_tpu_system", "shutdown_tpu_system", "connect_to_cluster",
@@ -67,52 +68,18 @@ __all__ = ["configure_logical_devices", "logical_devices", "EmulatedTPUClusterRe
            "TPUStrategyV1NotEmulated", "hardware_feature", "emulated_topology",
            "is_emulated_tpu_strategy"]
 
-_HOW_TO_GET_DEVICES = (
-    "Fix: enter emulate_tpu before any TensorFlow op runs, or run the program "
-    "with `python -m tpu_embed_ext emulate --replicas {n} SCRIPT`, or its tests "
-    "with `pytest --emulate-tpu={n}`, which set the devices up first.")
-
-
-def configure_logical_devices(replicas: int) -> None:
-  """Splits the CPU into ``replicas`` logical devices if TensorFlow still can.
-
-  TensorFlow fixes its logical devices when it initialises (the first op);
-  before that, a split into fewer devices is replaced (one into at least as
-  many is kept). Initialises nothing.
-  """
-  if context.context()._initialized:  # pylint: disable=protected-access
-    return
-  cpu = tf.config.list_physical_devices("CPU")[0]
-  configured = tf.config.get_logical_device_configuration(cpu) or []
-  if len(configured) < replicas:
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
-
-
-def logical_devices(replicas: int) -> Tuple[str, ...]:
-  """The first ``replicas`` logical CPU devices (made first if TF still can)."""
-  configure_logical_devices(replicas)
-  devices = tf.config.list_logical_devices("CPU")
-  if len(devices) < replicas:
-    raise emulated_tpu.EmulationError(
-        f"emulate_tpu(replicas={replicas}) needs {replicas} logical CPU devices, "
-        f"but TensorFlow is already initialised with {len(devices)} and cannot "
-        "add more. " + _HOW_TO_GET_DEVICES.format(n=replicas))
-  return tuple(d.name for d in devices[:replicas])
-
-
-def _active(what: str) -> "emulated_tpu.Emulation":
-  emulation = emulated_tpu.current()
+def _active(what: str) -> session.Emulation:
+  emulation = session.current()
   if emulation is None:
-    raise emulated_tpu.EmulationError(
+    raise EmulationError(
         f"the emulated {what} was used outside emulate_tpu: it stands for a TPU "
         "only while the emulation is active. Fix: create it inside "
         "`with tpu_embed_ext.emulate_tpu(...)`.")
   return emulation
 
 
-def _not_emulated(what: str, why: str = "") -> emulated_tpu.NotEmulatedError:
-  return emulated_tpu.NotEmulatedError(
+def _not_emulated(what: str, why: str = "") -> NotEmulatedError:
+  return NotEmulatedError(
       f"{what} is not emulated: the emulated TPU runs each replica on one CPU "
       "device (no logical devices inside a replica, no model parallelism"
       f"{', ' + why if why else ''}). Fix: run this part on a TPU, or leave it "
@@ -306,12 +273,10 @@ class EmulatedTPUExtended(mirrored_strategy.MirroredExtended):
   # Datasets: MirroredStrategy's, with no tf.data autotuning thread on the
   # host side (its destructor hangs at 8 replicas: device_datasets.py).
   def _experimental_distribute_dataset(self, dataset, options):
-    from tpu_embed_ext.emulated_tpu import device_datasets  # pylint: disable=g-import-not-at-top
     return super()._experimental_distribute_dataset(
         device_datasets.without_autotuning(dataset), options)
 
   def _distribute_datasets_from_function(self, dataset_fn, options):
-    from tpu_embed_ext.emulated_tpu import device_datasets  # pylint: disable=g-import-not-at-top
     return super()._distribute_datasets_from_function(
         lambda context: device_datasets.without_autotuning(dataset_fn(context)),
         options)

@@ -36,7 +36,8 @@ import tensorflow as tf
 from tensorflow.python.framework import ops
 from tensorflow.python.util import nest
 
-from tpu_embed_ext import emulated_tpu, errors
+from tpu_embed_ext import errors
+from tpu_embed_ext.emulated_tpu.errors import TPURuntimeError
 
 __all__ = ["recorded_run", "current_run", "check_control_flow",
            "check_direct_inputs", "check_inputs_on_host"]
@@ -82,7 +83,7 @@ def check_control_flow(strategy) -> bool:
   graph = ops.get_default_graph()
   if run.graph is not None and graph is run.graph:
     return True
-  raise emulated_tpu.TPURuntimeError(
+  raise TPURuntimeError(
       f"Current graph {graph} does not match graph which contains "
       f"TPUReplicateContext {run.graph}. This is most likely due to the fact "
       "that enqueueing embedding data is called inside control flow or a "

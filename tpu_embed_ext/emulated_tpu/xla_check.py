@@ -56,13 +56,13 @@ from typing import Iterable, List, Optional, Set
 import tensorflow as tf
 from tensorflow.python.framework import kernels, ops
 
-from tpu_embed_ext import emulated_tpu
 from tpu_embed_ext.emulated_tpu import xla_compile
+from tpu_embed_ext.emulated_tpu.errors import EmulationError
 
 __all__ = ["NotCompilableError", "replica_program", "check_ops", "first_problem"]
 
 
-class NotCompilableError(emulated_tpu.EmulationError, tf.errors.InvalidArgumentError):
+class NotCompilableError(EmulationError, tf.errors.InvalidArgumentError):
   """A replica's step no TPU could compile with XLA.
 
   TensorFlow's class for XLA's refusal (``InvalidArgumentError``), its phrase

@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from tpu_embed_ext import errors
 from tpu_embed_ext.emulation import check_runner, checks, structure_checks
+from tpu_embed_ext.emulation.native import lookup as native_lookup
 
 __all__ = ["Occurrences", "as_ids", "input_shape", "output_shape",
            "feature_occurrences", "activation", "occurrence_gradients"]
@@ -316,7 +317,6 @@ def _ragged(where, config, x, weight, shape, native=False) -> Occurrences:
   size = _prod(shape) if _is_static(shape) else None
   if static_batch is None or size is None or size == static_batch:
     if native and not check_runner.in_xla_context():
-      from tpu_embed_ext.emulation.native import lookup as native_lookup  # pylint: disable=import-outside-toplevel
       rows, gains = native_lookup.ragged_gains(x.row_splits, weight,
                                                config.table.combiner)
       return Occurrences(ids, rows, gains, batch, shape)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.sparsecore import state as sc_state
 
 __all__ = ["state", "keep"]
 
@@ -35,7 +36,6 @@ def state(tables, features, engine: str, feature_config, optimizer, topology,
         f"SparseCore input limits are not emulated for sequence features "
         f"({', '.join(sequence)}). Fix: drop topology= and convert checkpoints "
         "with python -m tpu_embed_ext convert-checkpoint.")
-  from tpu_embed_ext.sparsecore import state as sc_state  # pylint: disable=g-import-not-at-top
   return sc_state.SparseCoreState(feature_config, optimizer, topology,
                                   sparse_core_config)
 

@@ -28,6 +28,7 @@ from tpu_embed_ext.spec.schedules import Schedule
 from tpu_embed_ext import errors
 from tpu_embed_ext.tf import optimizers as tf_optimizers, rates
 from tpu_embed_ext.emulation import structure_checks
+from tpu_embed_ext.host import checkpoint_scan
 
 __all__ = ["Table", "Feature", "resolve_all", "resolve", "slot_names", "check_trainable", "name_of",
            "create_variables", "check_checkpoint"]
@@ -201,7 +202,6 @@ def check_checkpoint(tables: List[Table], path: str, prefix: str):
   table's variable is never taken for one). A lookup-only table needs its
   parameters only (its slots, if stored, are not read).
   """
-  from tpu_embed_ext.host import checkpoint_scan  # pylint: disable=g-import-not-at-top
   stored = dict(tf.train.list_variables(path))
   ours = {derived_names.checkpoint_key(prefix, t.name, s)
           for t in tables for s in (None,) + slot_names(t)}

@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Tuple
 from tpu_embed_ext import errors
 
 __all__ = ["MemoryLimitError", "available_memory", "gib", "check_tables",
-           "human_bytes"]
+           "memory_shortfall", "check_memory", "human_bytes"]
 
 
 class MemoryLimitError(errors.Error, MemoryError):
@@ -55,6 +55,32 @@ def check_tables(tables: Sequence[Tuple[str, int, int, int]],
       f"(float32), and all tables and slots {gib(total)}, but this machine has "
       f"{gib(available)} available; nothing was allocated. Fix: lower its "
       "vocabulary_size for CPU emulation, or run on a TPU.")
+
+
+def memory_shortfall(spec, available: Optional[int] = None) -> Optional[str]:
+  """Why an ``EmbeddingSpec``'s tables do not fit into host memory for CPU
+  emulation, or None."""
+  available = available_memory() if available is None else available
+  # A table's parameters and each of its optimizer's slots: float32 rows x dim.
+  sizes = {t.name: t.vocabulary_size * t.dim * 4
+           * (1 + len(spec.optimizer_for(t.name).slot_names)) for t in spec.tables}
+  total = sum(sizes.values())
+  if total <= available:
+    return None
+  big = max(spec.tables, key=lambda t: sizes[t.name])
+  return (f"the tables and optimizer slots need {gib(total)} (float32) "
+          f"but this machine has {gib(available)} available; the "
+          f"largest is table '{big.name}' ({big.vocabulary_size:,} x {big.dim}, "
+          f"{len(spec.optimizer_for(big.name).slot_names)} slot(s): "
+          f"{gib(sizes[big.name])}). Fix: lower its vocabulary_size "
+          "for CPU emulation, or train on a TPU (--tpu).")
+
+
+def check_memory(spec, available: Optional[int] = None) -> None:
+  """MemoryLimitError, naming the largest table, before anything is allocated."""
+  why = memory_shortfall(spec, available)
+  if why:
+    raise MemoryLimitError(why)
 
 
 def human_bytes(n: int) -> str:

@@ -7,16 +7,16 @@ import keras
 from tpu_embed_ext import errors
 from tpu_embed_ext.host import model_dir as model_dir_lib
 from tpu_embed_ext.job.config import TrainConfig, keras_config
+from tpu_embed_ext.job.data import feature_columns
 from tpu_embed_ext.job.outputs import StepLoss
 from tpu_embed_ext.job.replicated import call_model, rows
+from tpu_embed_ext.keras.model import RankingModel
 from tpu_embed_ext.spec import EmbeddingSpec
 
 __all__ = ["build_model", "build_variables", "restore"]
 
 
 def build_model(spec: EmbeddingSpec, cfg: TrainConfig, *, engine=None):
-  from tpu_embed_ext.keras.model import RankingModel
-  from tpu_embed_ext.job.data import feature_columns
   keras.utils.set_random_seed(cfg.seed)
   multi_hot = [name for name, (_, layout) in feature_columns(spec, cfg).items()
                if layout != "dense"]

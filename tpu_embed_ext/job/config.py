@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 import keras
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.data.pipeline import FORMATS
 from tpu_embed_ext.spec import EmbeddingSpec
 
 __all__ = ["TrainConfig", "keras_config", "check_steps", "load", "in_file"]
@@ -158,7 +159,6 @@ def _check_model(model) -> None:
 
 
 def _check_features(features) -> None:
-  from tpu_embed_ext.data.pipeline import FORMATS
   if not isinstance(features, Mapping):
     raise errors.ConfigTypeError(
         f"features must be a mapping of feature -> {{column, format}}, got "

@@ -11,6 +11,7 @@ from typing import Any, Dict
 import tensorflow as tf
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.data import pipeline, synthetic_clicks
 from tpu_embed_ext.job.config import TrainConfig
 from tpu_embed_ext.spec import EmbeddingSpec
 
@@ -18,10 +19,6 @@ __all__ = ["feature_columns", "input_datasets", "first_batch", "example_batch"]
 
 
 def _single_hot_columns(dataset: str):
-  try:
-    from tpu_embed_ext.data import synthetic_clicks
-  except ImportError:
-    return None
   if not dataset.startswith("synthetic_clicks"):
     return None
   return set(synthetic_clicks.vocabulary_sizes(
@@ -48,8 +45,6 @@ def input_datasets(spec: EmbeddingSpec, cfg: TrainConfig, *, skip_batches=0):
   starts after ``skip_batches`` batches, so a resumed run sees exactly the
   batches an uninterrupted run would have seen from that step on.
   """
-  from tpu_embed_ext.data import pipeline
-
   columns = feature_columns(spec, cfg)
   builder = _builder(cfg)
   if not builder.is_prepared():
@@ -86,8 +81,6 @@ def input_datasets(spec: EmbeddingSpec, cfg: TrainConfig, *, skip_batches=0):
 def _builder(cfg: TrainConfig):
   """The tfds builder of ``cfg.dataset`` (nothing is downloaded or built)."""
   import tensorflow_datasets as tfds
-  from tpu_embed_ext.data import pipeline  # Registers synthetic_clicks.
-  del pipeline
   try:
     return tfds.builder(cfg.dataset, data_dir=cfg.data_dir)
   except tfds.core.registered.DatasetNotFoundError as e:
@@ -107,7 +100,6 @@ def example_batch(spec: EmbeddingSpec, cfg: TrainConfig):
   training data. Building the model on it creates the same variables as a
   real batch does.
   """
-  from tpu_embed_ext.data import pipeline
   builder = _builder(cfg)
   element = builder.info.features.get_tensor_spec()
   preprocess = pipeline.preprocessor(cfg.dataset)
@@ -139,7 +131,6 @@ def _split(builder, split: str, field: str) -> Dict[str, Any]:
   """``make_dataset``'s source: batch-parsed records where we can, else tfds's."""
   try:
     if builder.name == "synthetic_clicks":
-      from tpu_embed_ext.data import synthetic_clicks
       records = synthetic_clicks.serialized_split(builder, split)
       if records is not None:
         return {"ds": records, "parse_batch": builder.info.features.decode_batch}

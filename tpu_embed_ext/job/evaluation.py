@@ -8,6 +8,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tpu_embed_ext.data import synthetic_clicks
+from tpu_embed_ext.data.pipeline import auc
 from tpu_embed_ext.job.config import TrainConfig
 from tpu_embed_ext.job.replicated import call_model, rows
 
@@ -20,7 +22,6 @@ def evaluate(model, eval_ds, batch_size=None) -> Dict[str, float]:
   Under a strategy each batch runs in ``strategy.run``, padded to
   ``batch_size`` and split over the replicas (``replicated.call_model``).
   """
-  from tpu_embed_ext.data.pipeline import auc
   labels, scores, losses = [], [], []
   bce = keras.losses.BinaryCrossentropy(from_logits=True, reduction="sum")
   count = 0
@@ -39,7 +40,6 @@ def evaluate(model, eval_ds, batch_size=None) -> Dict[str, float]:
 def planted_auc(cfg: TrainConfig) -> Dict[str, float]:
   if not cfg.dataset.startswith("synthetic_clicks"):
     return {}
-  from tpu_embed_ext.data import synthetic_clicks
   return {"planted_auc": float(synthetic_clicks.planted_auc(
       cfg.dataset, split="test", data_dir=cfg.data_dir,
       num_examples=None if cfg.eval_batches is None

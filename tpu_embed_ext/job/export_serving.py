@@ -12,7 +12,8 @@ from tpu_embed_ext.host import model_dir as model_dir_lib
 from tpu_embed_ext.job.building import build_model, build_variables, restore
 from tpu_embed_ext.job.config import in_file, load
 from tpu_embed_ext.job.data import example_batch
-from tpu_embed_ext.job.memory import check_memory
+from tpu_embed_ext.host.memory import check_memory
+from tpu_embed_ext.keras import serving
 
 __all__ = ["export", "serving_inputs"]
 
@@ -33,7 +34,6 @@ def export(config_path: str, *, model_dir: str, out: str,
   written is refused before anything is built. ``log`` says which
   checkpoint (table step) was exported.
   """
-  from tpu_embed_ext.keras import serving
   # Everything that can be checked is checked before the model is built:
   # the config, where the SavedModel goes, and a checkpoint to restore.
   checkpoints = os.path.join(model_dir, "checkpoints")
@@ -84,7 +84,6 @@ def serving_inputs(features) -> Dict[str, tf.Tensor]:
   ``dense`` as is; a single-hot feature as int64 [batch, 1]; a multi-hot
   (ragged) one as int64 [batch, longest row] padded with ``serving.PAD_ID``.
   """
-  from tpu_embed_ext.keras import serving
   inputs = {"dense": features["dense"]}
   for name, ids in features["categorical"].items():
     if isinstance(ids, tf.RaggedTensor):

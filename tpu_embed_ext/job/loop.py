@@ -1,5 +1,20 @@
 """The training loop: resume, fit in blocks (checkpoint, held-out evaluation,
-history, TensorBoard, log line per block), then metrics.json and the plot."""
+history, TensorBoard, log line per block), then metrics.json and the plot.
+
+``python -m tpu_embed_ext train --config configs/ranking.yaml`` reads the
+embedding spec and the ``train:`` section of the same file, builds the
+``synthetic_clicks`` tfds dataset offline (or another tfds dataset), trains a
+DLRM-style model with ``model.fit`` (tables updated by their own TPU
+optimizers, dense weights by a Keras optimizer), checkpoints every
+``steps_per_checkpoint`` steps and resumes from the last checkpoint in
+``--model_dir``, then evaluates on the held-out split and writes
+``metrics.json`` and ``learning_curve.png`` there.
+
+Determinism (what makes a killed-and-resumed run equal an uninterrupted one):
+the input order is a pure function of the seed and the step (the resumed run
+skips the batches already trained on), weights are initialised from the seed,
+and TensorFlow's op determinism is enabled.
+"""
 
 from __future__ import annotations
 
@@ -16,18 +31,20 @@ import tensorflow as tf
 
 from tpu_embed_ext.host import atomic
 from tpu_embed_ext import errors
+from tpu_embed_ext.host import checkpoint_scan
 from tpu_embed_ext.host import model_dir as model_dir_lib
 from tpu_embed_ext.job.building import build_model, build_variables, restore
 from tpu_embed_ext.job.config import TrainConfig, check_steps, in_file, load
-from tpu_embed_ext.job.data import first_batch, input_datasets
+from tpu_embed_ext.job.data import feature_columns, first_batch, input_datasets
 from tpu_embed_ext.job.evaluation import evaluate, planted_auc
-from tpu_embed_ext.job.memory import check_memory
+from tpu_embed_ext.host.memory import check_memory
 from tpu_embed_ext.job.outputs import (STEP_LOSS, append_history,
                                        check_output_paths, learning_rate_series,
                                        plot_learning_curve, purge_summaries,
                                        trim_history)
 from tpu_embed_ext.job import replicated
 from tpu_embed_ext.job.strategy import emulation, resolve_strategy
+from tpu_embed_ext.spec import files
 
 __all__ = ["train"]
 
@@ -131,7 +148,6 @@ def _already_done(config_path, model_dir, steps, overrides, log):
   from metrics.json, the config's steps and the newest checkpoint (read back
   whole), before any dataset, model or strategy is built, and without
   starting TensorFlow (an emulated TPU could still be made after this)."""
-  from tpu_embed_ext.spec import files  # pylint: disable=g-import-not-at-top
   metrics = _finished(os.path.join(model_dir, "metrics.json"))
   if not isinstance(metrics, dict) or not isinstance(metrics.get("steps"), int):
     return None
@@ -147,7 +163,6 @@ def _already_done(config_path, model_dir, steps, overrides, log):
   if not newest or newest[0] != metrics["steps"]:
     return None
   with model_dir_lib.lock(model_dir):  # Not while another run writes it.
-    from tpu_embed_ext.host import checkpoint_scan  # pylint: disable=g-import-not-at-top
     prefix = os.path.join(model_dir, "checkpoints", f"ckpt-{newest[0]}")
     if checkpoint_scan.scan(prefix).error is not None:
       return None  # The full path falls back to an older checkpoint.
@@ -213,7 +228,6 @@ def check_tpu_inputs(spec, cfg) -> None:
   ``_raise_error_for_non_direct_inputs``), and so does the emulated TPU: the
   run would fail at its first step, after the TPU was set up.
   """
-  from tpu_embed_ext.job.data import feature_columns  # pylint: disable=g-import-not-at-top
   multi_hot = [name for name, (_, layout) in feature_columns(spec, cfg).items()
                if layout != "dense"]
   if multi_hot:

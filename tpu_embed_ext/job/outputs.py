@@ -21,8 +21,9 @@ import keras
 import tensorflow as tf
 
 from tpu_embed_ext.host import atomic
+from tpu_embed_ext.host.model_dir import ModelDirError
 from tpu_embed_ext.spec import EmbeddingSpec
-from tpu_embed_ext.tf import rates
+from tpu_embed_ext.tf import config as tf_config, rates
 
 __all__ = ["HISTORY", "STEP_LOSS", "StepLoss", "OUTPUT_FILES", "OUTPUT_DIRS",
            "check_output_paths", "learning_rate_series", "append_history",
@@ -65,7 +66,6 @@ def check_output_paths(model_dir: str) -> None:
   kind: a directory where a file goes (found only when it is written, some
   after all the training), a file where a directory goes (a checkpoints file
   failed every save, and the run said to run it again)."""
-  from tpu_embed_ext.host.model_dir import ModelDirError
   for name in OUTPUT_FILES:
     path = os.path.join(model_dir, name)
     if os.path.isdir(path):
@@ -87,7 +87,6 @@ def learning_rate_series(spec: EmbeddingSpec, dense_optimizer=None
   One series per dynamic learning-rate tag of the tables (as the TPU
   numbers them) and one for the dense optimizer.
   """
-  from tpu_embed_ext.tf import config as tf_config
   config = spec.feature_config(
       step=tf.Variable(0, dtype=tf.int64, trainable=False, name="series_step"))
   tags = tf_config.tags(config)

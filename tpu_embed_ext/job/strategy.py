@@ -14,7 +14,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tpu_embed_ext import errors
+from tpu_embed_ext import emulated_tpu, errors
 
 __all__ = ["resolve_strategy", "emulation", "emulated_replicas"]
 
@@ -39,7 +39,6 @@ def emulation(tpu: str):
   replicas = emulated_replicas(tpu)
   if replicas is None:
     return contextlib.nullcontext()
-  from tpu_embed_ext import emulated_tpu  # pylint: disable=g-import-not-at-top
   return (emulated_tpu.emulate_tpu(replicas=replicas) if replicas
           else emulated_tpu.emulate_tpu())
 

@@ -1,7 +1,5 @@
-"""SparseCore (``TPUEmbeddingV2``) table layouts, stacked checkpoints and input limits.
-
-Pure functions over table shapes, numpy arrays and checkpoint files: nothing
-here depends on the CPU engine's internals (see docs/sparsecore.md).
+"""SparseCore (``TPUEmbeddingV2``) below the engine: topology, stacked table
+layouts, input limits and stacked checkpoints (conversion and restore).
 """
 
 from tpu_embed_ext.sparsecore.convert import checkpoint_layouts, convert_checkpoint

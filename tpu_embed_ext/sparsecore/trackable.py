@@ -20,7 +20,10 @@ from tensorflow.python.trackable import base as trackable_base
 from tpu_embed_ext.spec import names
 from tpu_embed_ext import errors
 from tpu_embed_ext.sparsecore import layout as sc_layout
+from tpu_embed_ext.host import checkpoint_scan
+from tpu_embed_ext.sparsecore import restore
 from tpu_embed_ext.sparsecore.checkpoint import LAYOUTS_NAME
+from tpu_embed_ext.sparsecore.convert import checkpoint_layouts
 
 __all__ = ["check_checkpoint", "check_layouts", "track_stacked"]
 
@@ -99,7 +102,6 @@ def check_layouts(stored: Sequence[sc_layout.TableLayout],
   Only the fields that place rows count (``restore.PLACEMENT_FIELDS``): the
   batch size and feature count a layout also records do not move a row.
   """
-  from tpu_embed_ext.sparsecore import restore  # pylint: disable=g-import-not-at-top
   theirs = {l.table: l for l in stored}
   for l in ours:
     if l.table not in theirs:
@@ -124,8 +126,6 @@ def check_checkpoint(path: str, layouts: Sequence[sc_layout.TableLayout],
   Stricter than ``tf.train.Checkpoint``'s restore (``restore.Router``), which
   also reads a checkpoint saved per table or of another layout: ``train``
   resumes its own checkpoints only."""
-  from tpu_embed_ext.host import checkpoint_scan  # pylint: disable=g-import-not-at-top
-  from tpu_embed_ext.sparsecore.convert import checkpoint_layouts  # pylint: disable=g-import-not-at-top
   stored = checkpoint_layouts(path, prefix)
   if stored is None:
     raise errors.ConfigError(

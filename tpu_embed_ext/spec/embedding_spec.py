@@ -149,7 +149,8 @@ class EmbeddingSpec:
 
   def feature_config(self, step=None) -> Dict[str, Any]:
     """Fresh ``{feature: tf.tpu.experimental.embedding.FeatureConfig}``."""
-    from tpu_embed_ext.tf import config as tf_config
+    # Lazy: keeps TensorFlow off `import tpu_embed_ext.spec` (tf/ builds its objects).
+    from tpu_embed_ext.tf import config as tf_config  # pylint: disable=g-import-not-at-top
     return tf_config.feature_config(self, step=step)
 
   # --- writing -------------------------------------------------------------

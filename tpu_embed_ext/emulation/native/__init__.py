@@ -1,4 +1,5 @@
-"""Native (C++) kernels for the CPU engine's hot path, and their loader.
+"""Native (C++) kernels for the CPU engine's hot path, and their loader: the
+step's second back end beside TensorFlow ops, chosen by ``choose(kernels)``.
 
 Two implementations of one step live side by side in ``emulation/``: the
 TensorFlow-op path (``lookups.activation``, ``updates``) and this one:

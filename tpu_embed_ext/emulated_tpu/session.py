@@ -1,0 +1,179 @@
+"""The emulated TPU's session: ``emulate_tpu``, the one active ``Emulation``
+and the checks of its shape (replicas, SparseCore, topology, XLA).
+
+Patched TensorFlow names are process-wide, so one emulation at a time: entry
+and exit hold ``_lock``, and ``current()`` is what the patched entry points
+read. Importing this module loads no TensorFlow (``devices.py`` is imported
+when an emulation is entered).
+
+Replicas are logical CPU devices, which TensorFlow fixes when it first
+initialises: enter ``emulate_tpu`` before any TensorFlow op, or use the runner
+(``python -m tpu_embed_ext emulate SCRIPT``) or the pytest plugin
+(``pytest --emulate-tpu=N``), which set them up first.
+
+Not emulated (each raises ``NotEmulatedError`` naming it, or is listed here
+as a difference):
+
+* model parallelism: ``experimental_assign_to_logical_device``,
+  ``experimental_split_to_logical_devices``,
+  ``experimental_replicate_to_logical_devices``,
+  ``extended.experimental_logical_device``, device assignments with several
+  cores per replica, ``experimental_spmd_xla_partitioning``;
+* TF1's ``tf.compat.v1.distribute.experimental.TPUStrategy``;
+* ``TPUEmbedding(pipeline_execution_with_tensor_core=True)`` (a TPU then
+  looks up in tables one step old; ``TPUEmbeddingV2``'s is emulated,
+  ``pipelining.py``);
+* ``TPUEmbeddingV2`` without ``sparsecore=True`` (as on a TPU without
+  SparseCore);
+* what a TPU refuses of ``TPUEmbedding`` is refused alike, with TensorFlow's
+  exception class and its words first (``mid_level.py``, ``tpu_inputs.py``,
+  ``embedding_memory.py``): a second ``TPUEmbedding`` built on one TPU (two
+  ``EmbeddingLayer``s in one model), ``build()`` without fully defined
+  shapes, inputs prefetched to the cores
+  (``InputOptions(experimental_fetch_to_device=True)``), ids computed inside
+  ``strategy.run``, ``enqueue`` in a nested ``tf.function`` or control flow
+  inside ``strategy.run``, gradients other than float32;
+* differences that raise nothing: one host (``extended.num_hosts`` 1);
+  steps run as TensorFlow ops on CPU devices (with ``xla=True``, the
+  default, each replica's program is checked when first traced against the
+  rules XLA and the TPU apply, and replica 0's TensorCore program, without
+  the engine's work and ``merge_call``'s cross-replica sums, is compiled
+  with XLA on CPU but not run: ``xla_check.py``, ``xla_compile.py``; a
+  ``jit_compile=True`` function around ``strategy.run`` runs as ops:
+  ``outer_jit.py``); variables
+  made under ``strategy.scope()`` are ``MirroredVariable``s and the strategy
+  is also a ``MirroredStrategy``; core 0's device is also the host
+  (``/device:CPU:0``), so inputs prefetched to core 0 (all of them with one
+  replica) cannot be told from the host's, and, as in TensorFlow's own check,
+  tensors of an iterator passed to a ``tf.function`` as an argument carry no
+  device; distributed datasets run
+  without tf.data autotuning (``device_datasets.py``: the same elements per
+  replica; autotuning's threads hung their destructors at 8 replicas);
+  memory limits and speed are the CPU's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Optional
+
+from tpu_embed_ext import errors
+from tpu_embed_ext.emulated_tpu import patching
+from tpu_embed_ext.emulated_tpu.errors import EmulationError
+
+__all__ = ["emulate_tpu", "is_active", "current", "Emulation"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Emulation:
+  """The active emulated TPU.
+
+  ``replicas`` TPU cores, one per logical CPU device in ``devices``; one
+  host. ``topology`` is the SparseCore topology (``sparsecore.Topology``:
+  ``replicas`` chips, SparseCores per chip) when ``sparsecore`` is on or a
+  topology was given, else None. ``xla``: each replica's step is checked
+  to compile with XLA, as a TPU's must (``xla_check.py``).
+  """
+  replicas: int
+  sparsecore: bool
+  topology: Optional[object]
+  devices: tuple
+  xla: bool = True
+
+
+_lock = threading.Lock()
+_active: Optional[Emulation] = None
+
+
+def is_active() -> bool:
+  """Whether an ``emulate_tpu`` context is active (in any thread)."""
+  return _active is not None
+
+
+def current() -> Optional[Emulation]:
+  """The active emulation, or None."""
+  return _active
+
+
+def _checked(replicas, sparsecore, topology, xla=True) -> tuple:
+  """(replicas, sparsecore, parsed topology or None), or ConfigError."""
+  if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+    raise errors.ConfigError(
+        f"emulate_tpu needs a positive integer replicas, got replicas={replicas!r}. "
+        "Fix: e.g. replicas=8 (one per TPU core).")
+  if not isinstance(sparsecore, bool):
+    raise errors.ConfigTypeError(
+        f"emulate_tpu sparsecore must be True or False, got "
+        f"sparsecore={sparsecore!r}.")
+  if not isinstance(xla, bool):
+    raise errors.ConfigTypeError(
+        f"emulate_tpu xla must be True or False, got xla={xla!r}.")
+  if topology is None and not sparsecore:
+    return replicas, sparsecore, None
+  # Lazy: the tpu_embed_ext.sparsecore package imports TensorFlow (convert.py);
+  # keeps it off `import tpu_embed_ext.emulated_tpu`.
+  from tpu_embed_ext.sparsecore import topology as topology_lib  # pylint: disable=g-import-not-at-top
+  if topology is None:  # TPUEmbeddingV2's default SparseCores per chip.
+    parsed = topology_lib.Topology(replicas, 4, name=f"v5p:{replicas}")
+  else:
+    parsed = topology_lib.parse_topology(topology)
+  if parsed.chips != replicas:
+    raise errors.ConfigError(
+        f"emulate_tpu topology {str(topology)!r} has {parsed.chips} chips but "
+        f"replicas={replicas}: a TPU runs one replica per chip. Fix: "
+        f"replicas={parsed.chips}, or a topology of {replicas} chips.")
+  return replicas, sparsecore, parsed
+
+
+@contextlib.contextmanager
+def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None,
+                xla: bool = True):
+  """Runs TensorFlow's TPU entry points on an emulated TPU while active.
+
+  Args:
+    replicas: TPU cores (replicas in sync), one logical CPU device each.
+    sparsecore: the TPU has SparseCore (``embedding_feature`` V2):
+      ``TPUEmbeddingV2`` is emulated, and ``create_embedding`` /
+      ``EmbeddingLayer`` / keras-rs choose it.
+    topology: a SparseCore topology (``"v5p:8"``, ``"8x2"``) of ``replicas``
+      chips; default with ``sparsecore``: 4 SparseCores per chip.
+    xla: when a step is first traced, check that each replica's program
+      (``strategy.run``'s function, without the embedding engine's work)
+      compiles with XLA as a TPU's must: an op with no XLA kernel or a type a
+      TPU does not have raises ``xla_check.NotCompilableError`` (a
+      ``tf.errors.InvalidArgumentError``) with soft device placement off,
+      and is run with a warning with it on (a TPU then runs it on its host).
+      If every op passes, replica 0's program is compiled with XLA on CPU
+      (not run); what XLA's compiler refuses (a compile-time constant
+      computed from the data) raises ``NotCompilableError``. ``False``
+      skips both.
+
+  Yields the ``Emulation``. Raises ``EmulationError`` if another emulation is
+  active (patched names are process-wide) or TensorFlow already runs with
+  fewer logical CPU devices than ``replicas``.
+  """
+  global _active
+  replicas, sparsecore, parsed = _checked(replicas, sparsecore, topology, xla)
+  with _lock:
+    if _active is not None:
+      raise EmulationError(
+          f"emulate_tpu(replicas={replicas}) entered while emulate_tpu("
+          f"replicas={_active.replicas}) is active: nested or concurrent "
+          "emulations are refused, as the patched TensorFlow names are shared "
+          "by the whole process. Fix: leave the first emulate_tpu before "
+          "entering another.")
+    # Lazy: TensorFlow loads when an emulation is entered, not at
+    # `import tpu_embed_ext.emulated_tpu` (the runner sets devices up first).
+    from tpu_embed_ext.emulated_tpu import devices  # pylint: disable=g-import-not-at-top
+    emulation = Emulation(replicas, sparsecore, parsed,
+                          devices.logical_devices(replicas), xla)
+    patches = patching.apply(emulation)
+    _active = emulation
+  try:
+    yield emulation
+  finally:
+    with _lock:
+      _active = None
+      patching.restore(patches)
