@@ -95,6 +95,23 @@ def test_api_page_documents_every_public_name():
   assert not missing, f"add `::: <module>.<name>` to docs/api.md: {missing}"
 
 
+
+def test_layout_page_follows_the_import_guard():
+  """docs/layout.md: the stages of tests/test_import_graph.py in their order,
+  each package of a stage in its rows, and every former module path."""
+  from tests import test_import_graph
+  text = (DOCS / "layout.md").read_text()
+  rows = re.findall(r"^\| (\w+) \| ([^|]+) \|", text, re.M)[1:]  # [0]: the header
+  stages = [name for i, (name, _) in enumerate(rows) if i == 0 or rows[i - 1][0] != name]
+  assert stages == [name for name, _ in test_import_graph.STAGES]
+  for name, members in test_import_graph.STAGES:
+    cells = " ".join(cell for stage, cell in rows if stage == name)
+    for member in members:
+      assert f"`{member or '__init__'}" in cells, (name, member)
+  import tpu_embed_ext
+  former = set(re.findall(r"^\| `([\w.]+)`", text, re.M))
+  assert set(tpu_embed_ext.MOVED) <= former, set(tpu_embed_ext.MOVED) - former
+
 # --- the code of the docs --------------------------------------------------------
 
 def fenced_blocks(text: str):
