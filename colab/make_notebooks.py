@@ -111,7 +111,7 @@ print("optimizer of t_c0:", spec.optimizer_for(spec.tables[0].name))"""),
 print(plan)
 print("tags:", {t: g for t, g in plan.tags.items() if g is not None})"""),
  ("md", "## 3. Train on CPU emulation\n`CPUEmbedding` applies each table's own TPU optimizer math, sparsely. Run the cell again and it resumes (or, if finished, does nothing)."),
- ("code", """from tpu_embed_ext import train as train_lib
+ ("code", """from tpu_embed_ext import job as train_lib
 # 5 blocks of steps, each ending with a checkpoint and a held-out evaluation:
 # 5 points on the learning curve.
 metrics = train_lib.train(CONFIG, model_dir=WORKDIR, steps=STEPS, tpu="none",
@@ -143,7 +143,7 @@ except (ValueError, RuntimeError, tf.errors.OpError) as e:
 spec = tee.EmbeddingSpec.from_file(CONFIG)
 for line in tee.plan(spec).warnings:
   print("SparseCore note:", line)"""),
- ("code", """from tpu_embed_ext import train as train_lib
+ ("code", """from tpu_embed_ext import job as train_lib
 # 5 blocks of steps, each ending with a checkpoint and a held-out evaluation:
 # 5 points on the learning curve.
 metrics = train_lib.train(CONFIG, model_dir=WORKDIR, steps=STEPS, tpu=TPU,

@@ -84,14 +84,33 @@ def test_strict_build_fails_on_a_broken_reference(tmp_path, breakage, message):
 
 
 def test_api_page_documents_every_public_name():
+  # Each name at the module that defines it: mkdocstrings reads the source and
+  # cannot follow a package's lazy __getattr__ (tpu_embed_ext.spec.TableSpec).
   import tpu_embed_ext
   text = (DOCS / "api.md").read_text()
   documented = set(re.findall(r"^::: (tpu_embed_ext\.[\w.]+)$", text, re.M))
-  exports = tpu_embed_ext._EXPORTS  # pylint: disable=protected-access
-  missing = [name for name in tpu_embed_ext.__all__ if name != "__version__"
-             and f"tpu_embed_ext.{exports[name]}.{name}" not in documented]
-  assert not missing, f"add `::: tpu_embed_ext.<module>.<name>` to docs/api.md: {missing}"
+  missing = [f"{getattr(tpu_embed_ext, name).__module__}.{name}"
+             for name in tpu_embed_ext.__all__ if name != "__version__"]
+  missing = [path for path in missing if path not in documented]
+  assert not missing, f"add `::: <module>.<name>` to docs/api.md: {missing}"
 
+
+
+def test_layout_page_follows_the_import_guard():
+  """docs/layout.md: the stages of tests/test_import_graph.py in their order,
+  each package of a stage in its rows, and every former module path."""
+  from tests import test_import_graph
+  text = (DOCS / "layout.md").read_text()
+  rows = re.findall(r"^\| (\w+) \| ([^|]+) \|", text, re.M)[1:]  # [0]: the header
+  stages = [name for i, (name, _) in enumerate(rows) if i == 0 or rows[i - 1][0] != name]
+  assert stages == [name for name, _ in test_import_graph.STAGES]
+  for name, members in test_import_graph.STAGES:
+    cells = " ".join(cell for stage, cell in rows if stage == name)
+    for member in members:
+      assert f"`{member or '__init__'}" in cells, (name, member)
+  import tpu_embed_ext
+  former = set(re.findall(r"^\| `([\w.]+)`", text, re.M))
+  assert set(tpu_embed_ext.MOVED) <= former, set(tpu_embed_ext.MOVED) - former
 
 # --- the code of the docs --------------------------------------------------------
 

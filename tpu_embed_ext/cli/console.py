@@ -2,7 +2,7 @@
 
 ``tpu-embed --help`` lists the commands; ``tpu-embed COMMAND --help`` shows
 one command's flags and examples. Where other libraries' output goes is
-``library_log.py``.
+``host/library_log.py``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ A user error (a bad config, flag or command, a model_dir in use or not
 writable, a damaged checkpoint, tables larger than memory, a missing extra)
 prints one line, ``error:`` with what is wrong, where and the fix, and exits
 with status 2; ``--verbose`` shows the traceback instead. Other libraries'
-output goes to a log file (``library_log.LibraryLog``) unless ``--verbose``.
+output goes to a log file (``host.library_log.LibraryLog``) unless ``--verbose``.
 """
 
 import importlib.util

@@ -110,7 +110,7 @@ class Plan:
     return sum(t.total_bytes for t in self.tables)
 
   def config_proto(self, **kwargs):
-    """The TPUEmbeddingConfiguration (see tf_config.config_proto)."""
+    """The TPUEmbeddingConfiguration (see ``tf.config.config_proto``)."""
     return tf_config.config_proto(self._config, **kwargs)
 
   def sparsecore(self, topology, batch_size: int = 0):

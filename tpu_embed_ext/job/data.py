@@ -52,7 +52,7 @@ def input_datasets(spec: EmbeddingSpec, cfg: TrainConfig, *, skip_batches=0):
           "runs read it from there)...", flush=True)
     # Our progress lines (synthetic_clicks reports as it generates) go to
     # stdout; tfds prints its own lines there too: they go to the log
-    # (console.py).
+    # (host/library_log.py).
     stdout = sys.stdout
     if hasattr(builder, "progress"):
       builder.progress = lambda line: print(line, file=stdout, flush=True)

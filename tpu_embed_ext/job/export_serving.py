@@ -22,7 +22,7 @@ def export(config_path: str, *, model_dir: str, out: str,
            overrides: Optional[Mapping[str, Any]] = None, log=print) -> str:
   """Restores the newest readable checkpoint and writes a serving SavedModel.
 
-  The signature (``serving.py``) takes ``dense`` float32 [batch, 13] and, per
+  The signature (``keras/serving.py``) takes ``dense`` float32 [batch, 13] and, per
   categorical feature, int64 ids: [batch] or [batch, 1] for single-hot
   features, [batch, n] padded with -1 for multi-hot ones; it returns
   ``outputs``, the click logit [batch, 1]. Every input is checked inside the

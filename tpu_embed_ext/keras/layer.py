@@ -9,7 +9,7 @@ list the tables as non-trainable weights (their optimizer slots are optimizer
 state, like a Keras optimizer's, and are not counted).
 
 How the table update is wired into ``fit`` (the gradient sink, the loss-scale
-probe, several calls in one step): see ``layer_gradients``.
+probe, several calls in one step): see ``keras/gradients.py``.
 
 Engines: on CPU (no ``TPUStrategy`` in scope) the layer runs
 ``CPUEmbedding``, our emulation of the TPU engine. Under a ``TPUStrategy`` it
@@ -363,7 +363,7 @@ class EmbeddingLayer(keras.layers.Layer):
   # --- Keras saving --------------------------------------------------------
 
   def save_own_variables(self, store):
-    """Writes tables, slots, the table step and the sink (``layer_weights``)."""
+    """Writes tables, slots, the table step and the sink (``keras/weights.py``)."""
     layer_weights.save(self, store)
 
   def load_own_variables(self, store):

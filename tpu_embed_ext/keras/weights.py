@@ -1,6 +1,6 @@
 """``EmbeddingLayer`` in a Keras weights file (``model.save``, ``save_weights``).
 
-Keys (``derived_names.weights_key``): ``<table>`` a table, ``<table>.<slot>``
+Keys (``spec.names.weights_key``): ``<table>`` a table, ``<table>.<slot>``
 one of its optimizer slots (``%``, ``/`` and a name ``.`` percent-encoded:
 HDF5 reads ``/`` as a group), ``.step`` the table step, ``.gradient_sink``
 the sink. No two tables share a key (refused when the spec is made).
@@ -26,7 +26,7 @@ def keyed_variables(layer) -> Dict[str, tf.Variable]:
   """Every saved variable by its key in a Keras weights file.
 
   ``<table>`` is a table, ``<table>.<slot>`` one of its optimizer slots
-  (``derived_names.weights_key``), ``.step`` the table step,
+  (``spec.names.weights_key``), ``.step`` the table step,
   ``.gradient_sink`` the sink.
   """
   if layer._kind != "cpu":

@@ -2,7 +2,7 @@
 
 ``to_tf`` builds a fresh TF optimizer from a spec; ``from_tf`` reads one back
 (so the CPU engine accepts either); ``as_spec`` accepts both. The specs live
-in optimizers.py, which does not import this module (specs -> TF objects).
+in spec/optimizers.py, which does not import this module (specs -> TF objects).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def from_tf(optimizer) -> OptimizerSpec:
     if name in kwargs and _is_number(kwargs[name]):
       kwargs[name] = float(kwargs[name])
   # A TF optimizer object is taken as TPUEmbedding takes it: without the
-  # numeric-trap checks of specs (numeric_traps.py). The engine still rejects
+  # numeric-trap checks of specs (spec/numeric_traps.py). The engine still rejects
   # a step that would write NaN or Inf, as for any other cause.
   with numeric_traps.skip_checks():
     return cls(**kwargs)
