@@ -13,7 +13,7 @@ api = tf.tpu.experimental.embedding
 VOCAB, DIM, GLOBAL_BATCH, STEPS = 30, 4, 8, 10
 
 
-def feature_config():
+def default_feature_config():
   def init(seed):
     return tf.constant_initializer(
         np.random.RandomState(seed).uniform(-1, 1, (VOCAB, DIM)))
@@ -39,11 +39,11 @@ def dataset():
 
 
 class Ranker(keras.Model):
-  """Embeddings of the feature config (default ``feature_config()``) into one logit."""
+  """Embeddings of the feature config (default ``default_feature_config()``) into one logit."""
 
   def __init__(self, feature_config=None, engine=None):
     super().__init__()
-    self.embedding = tee.EmbeddingLayer(feature_config or feature_config(),
+    self.embedding = tee.EmbeddingLayer(feature_config or default_feature_config(),
                                         engine=engine)
     self.head = keras.layers.Dense(
         1, kernel_initializer=keras.initializers.GlorotUniform(seed=3))
