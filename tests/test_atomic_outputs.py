@@ -79,7 +79,7 @@ _KILL_AFTER_RENAMES = textwrap.dedent("""
 
 
 def _kill_after(mode, target, n, new=""):
-  package = os.path.dirname(atomic.__file__)
+  package = os.path.dirname(os.path.dirname(atomic.__file__))  # tpu_embed_ext/
   return subprocess.run([sys.executable, "-c", _KILL_AFTER_RENAMES, mode, str(target),
                          str(n), str(new), package], capture_output=True, text=True,
                         timeout=600)

@@ -15,7 +15,7 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tpu_embed_ext.spec import optimizers
 from tpu_embed_ext.emulation import native
-from tests.builders import engine_state, mirrored_strategy
+from tests.builders import engine_state, in_graph, mirrored_strategy
 from tests import references
 
 api = tf.tpu.experimental.embedding
@@ -321,31 +321,26 @@ def _bad_step(emb, grad_b, ids_b=(3, 3), function=False):
 
 
 REJECTIONS = {
-    # name: (optimizer, gradient of table b, eager message, graph message)
+    # name: (optimizer, gradient of table b, the message's start). One
+    # message in every mode: in a graph it is the assertion's.
     "nan_gradient": (lambda: optimizers.Adagrad(learning_rate=0.1), [[np.nan, 1.0], [1.0, 1.0]],
                      "table 'b': gradient has NaN or Inf values; no table, slot or "
-                     "step was changed.",
-                     r"gradient has NaN or Inf values; no table, slot or step was "
-                     r"changed\. Fix: .* Tables:\] \[table \\?'b\\?'\]"),
+                     "step was changed."),
     "overflowing_sum": (lambda: optimizers.Adagrad(learning_rate=0.1), [[3e38, 3e38]] * 2,
-                        "table 'b': gradient has NaN or Inf values",
-                        r"Tables:\] \[table \\?'b\\?'\]"),
+                        "table 'b': gradient has NaN or Inf values"),
     "sgd_parameters": (lambda: optimizers.SGD(learning_rate=1e6), [[1e33, 1e33]] * 2,
                        "table 'b': the update would write NaN or Inf into its "
-                       "parameters; no table, slot or step was changed.",
-                       r"the update would write NaN or Inf; no table, slot or step "
-                       r"was changed\. .*Where:\] \[table \\?'b\\?' parameters\]"),
+                       "parameters; no table, slot or step was changed."),
     "adagrad_accumulators": (lambda: optimizers.Adagrad(learning_rate=0.1), [[1e20, 1e20]] * 2,
                              "table 'b': the update would write NaN or Inf into "
-                             "its accumulators",
-                             r"Where:\] \[table \\?'b\\?' accumulators\]"),
+                             "its accumulators"),
 }
 
 
 @pytest.mark.parametrize("mode", ["eager", "tf_function"])
 @pytest.mark.parametrize("name", sorted(REJECTIONS))
 def test_rejected_step_changes_no_table_and_says_the_same(name, mode):
-  optimizer, grad_b, eager_message, graph_message = REJECTIONS[name]
+  optimizer, grad_b, message = REJECTIONS[name]
   messages = []
   for kernels in ("native", "tf"):
     emb = tee.CPUEmbedding(_two_tables(), optimizer(), kernels=kernels)
@@ -354,10 +349,10 @@ def test_rejected_step_changes_no_table_and_says_the_same(name, mode):
     if mode == "eager":
       with pytest.raises(tee.InputError) as info:
         _bad_step(emb, grad_b)
-      assert str(info.value).startswith(eager_message), str(info.value)
+      assert str(info.value).startswith(message), str(info.value)
       messages.append(str(info.value))
     else:
-      with pytest.raises(tf.errors.InvalidArgumentError, match=graph_message):
+      with pytest.raises(tf.errors.InvalidArgumentError, match=in_graph(message)):
         _bad_step(emb, grad_b, function=True)
     after = engine_state(emb)
     for key in before:  # table 'a' was fine: unchanged too
