@@ -533,6 +533,46 @@ def test_a_sparse_index_outside_dense_shape_on_one_replica_changes_nothing(
 
 
 @pytest.mark.parametrize("use_function", [False, True], ids=["eager", "tf_function"])
+def test_bad_ids_on_later_replicas_of_one_enqueue_are_named_and_change_nothing(
+    use_function):
+  """One enqueue of all 8 replicas' batches is checked once over their ids
+  concatenated (issue 34): the first bad id in replica order is named with
+  its feature, nothing changes; a corrected batch then trains as numpy
+  says."""
+  strategy = mirrored_strategy(8)
+  engine = _video_engine(strategy)
+  rows = [BATCH_A, BATCH_B] * 4
+  batches = [{"watched": tf.ragged.constant(r, tf.int64)} for r in rows]
+  bad = list(batches)
+  bad[3] = {"watched": tf.ragged.constant([[1], [9, 2], [0], [3]], tf.int64)}
+  bad[5] = {"watched": tf.ragged.constant([[-4], [1], [2], [3]], tf.int64)}
+  run = _ones_step(engine, strategy, use_function)
+  before = {k: v.numpy() for k, v in engine.variables["video"].items()}
+  message = re.escape("feature 'watched' (table 'video'): id 9 is out of range")
+  error = tf.errors.InvalidArgumentError if use_function else tee.InputError
+  if use_function:
+    message = message.replace("'", "\\\\'")
+  with pytest.raises(error, match=message):
+    run(batches=bad)
+  for k, v in engine.variables["video"].items():
+    np.testing.assert_array_equal(v.numpy(), before[k], err_msg=k)
+  assert int(engine.step.numpy()) == 0
+  run(batches=batches)
+  grads = {}
+  for batch in rows:
+    for row in batch:
+      for i in row:
+        grads[i] = grads.get(i, 0) + 1.0 / len(row)
+  table = before["parameters"].astype(np.float64)
+  for i, g in grads.items():
+    table[i], _ = references.update(
+        "adam", table[i], {"momenta": 0.0, "velocities": 0.0}, g, 0.1, **ADAM)
+  np.testing.assert_allclose(engine.variables["video"]["parameters"].numpy(), table,
+                             rtol=1e-5)
+  assert int(engine.step.numpy()) == 1
+
+
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "tf_function"])
 def test_a_callable_learning_rate_out_of_range_under_two_replicas(use_function):
   strategy = mirrored_strategy(2)
   rate = tf.Variable(0.1)

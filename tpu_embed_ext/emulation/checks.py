@@ -66,10 +66,13 @@ class Check:
 
 
 def _sparse_shows(indices, pos, shape):
-  """The failing index, its dimension and that dimension's size."""
+  """The failing index, its dimension and that dimension's size (``shape``
+  is one dense_shape, or one per index row: several replicas' indices
+  concatenated, ``lookups.checked_together``)."""
   rank = tf.maximum(tf.shape(indices, out_type=tf.int64)[-1], 1)
   dim = pos % rank
-  return element(indices, pos), dim, element(shape, dim)
+  bound = element(shape, pos) if shape.shape.rank == 2 else element(shape, dim)
+  return element(indices, pos), dim, bound
 
 
 # A message's fixed text, once: the out-of-range-id wording serves int64
@@ -83,7 +86,8 @@ SPARSE_INDICES = Check(
     kind=1, over="feature",
     reads="a SparseTensor's indices [n, rank], bounded by its dense_shape "
           "(one outside names another output row; XLA clamps it silently)",
-    ok=lambda indices, shape: tf.logical_and(indices >= 0, indices < shape[None, :]),
+    ok=lambda indices, shape: tf.logical_and(
+        indices >= 0, indices < (shape if shape.shape.rank == 2 else shape[None, :])),
     message="{where}: SparseTensor index {value} is outside the dense_shape of "
             "the ids ({value} is not in [0, {bound}) in dimension {dim}); its "
             "id would be looked up into, and trained by, another output row. "

@@ -295,9 +295,41 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   def _put(self, batches: Dict[int, Any], training: bool):
     """Checks every replica's batch, then records them (all or none)."""
     self._batches.check_free(list(batches), self._replicas.num_local)
-    prepared = {replica: self._prepare(features, weights, training,
-                                       replica=replica)
+    # One enqueue of every replica's batch, traced (not under XLA): each
+    # check row runs once over all replicas' values of a feature, instead of
+    # once per replica (issue 34: building the checks dominated tracing).
+    # The first failure is the one the replicas' separate checks would
+    # report first (replica order); eagerly and under XLA, where each
+    # replica's verdict stays its own (NaN activations only for the bad
+    # replica), the checks run per replica.
+    together = (len(batches) > 1 and self._validate and not tf.executing_eagerly()
+                and not check_runner.in_xla_context())
+    if not together:
+      prepared = {replica: self._prepare(features, weights, training,
+                                         replica=replica)
+                  for replica, (features, weights) in batches.items()}
+    else:
+      # Every replica's structures first, then each feature's own checks
+      # over all replicas, then each replica's occurrences.
+      inputs = {replica: self._inputs(features, weights)
                 for replica, (features, weights) in batches.items()}
+      own = [lookups.checked_together(f.where, f.config,
+                                      [flat[i] for flat, _ in inputs.values()],
+                                      [ws[i] for _, ws in inputs.values()])
+             for i, f in enumerate(self._features)]
+      gates = [None if verdicts is None else
+               [v.assertion for v in verdicts if v.assertion is not None]
+               for verdicts in own]
+      prepared = {replica: self._prepare(batches[replica][0], None, training,
+                                         replica=replica, check=False,
+                                         inputs=flat, own_checked=gates)
+                  for replica, flat in inputs.items()}
+      merged = lookups.concatenated([p.occurrences for p in prepared.values()])
+      merged = [o._replace(checks=tuple(verdicts) + o.checks)
+                if verdicts is not None else o for o, verdicts in zip(merged, own)]
+      verdict = check_runner.batch_verdict(merged, self._features, self._tables)
+      prepared = {replica: self._limited(pending._replace(verdict=verdict), replica)
+                  for replica, pending in prepared.items()}
     for replica, pending in prepared.items():
       self._batches.put(replica, pending, self._replicas.num_local)
 
@@ -325,7 +357,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     return self._shapes.stored
 
   def _prepare(self, features, weights, training, strict=True,
-               replica=None) -> protocol.Pending:
+               replica=None, check=True, inputs=None,
+               own_checked=None) -> protocol.Pending:
     """Checks a batch as ``TPUEmbedding.enqueue`` does; its occurrences.
 
     Structures first, then input shapes. ``strict`` (``enqueue``, the TPU
@@ -337,7 +370,32 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     its own batch (Keras builds models on an unknown batch dimension and
     evaluates a last, smaller batch), read when the batch runs if unknown
     when traced; nothing is recorded.
+
+    ``check=False``: the batch checks are left to the caller (``_put``),
+    which passes the ``inputs`` (``_inputs``) and which features' own checks
+    it ran (``own_checked``).
     """
+    flat, flat_weights = inputs or self._inputs(features, weights)
+    own_checked = own_checked or [None] * len(flat)
+    batch_shapes = self._shapes.for_batch(flat, strict, self._engine)
+    occurrences = [
+        lookups.feature_occurrences(f.where, f.config, x, w, self._validate,
+                                    shape, self._engine, self._native_step(),
+                                    own_checked=done)
+        for f, x, w, shape, done in zip(self._features, flat, flat_weights,
+                                        batch_shapes, own_checked)]
+    if strict:
+      self._shapes.record(batch_shapes)
+    pending = protocol.Pending(features, occurrences, None, training)
+    if not check:
+      return pending
+    if self._validate:
+      pending = pending._replace(verdict=check_runner.batch_verdict(
+          occurrences, self._features, self._tables))
+    return self._limited(pending, replica)
+
+  def _inputs(self, features, weights):
+    """A batch's structures checked; ``(ids, weights)``, one per feature."""
     self._replicas.check_not_compiled_across_devices()
     structure_checks.check_structure(
         self._feature_config, "features", features,
@@ -351,24 +409,16 @@ class CPUEmbedding(autotrackable.AutoTrackable):
           self._feature_config, "weights", weights,
           "give weights the structure of features (None entries allowed).")
       flat_weights = tf.nest.flatten(weights)
-    flat = [lookups.as_ids(f.where, x) for f, x in zip(self._features, flat)]
-    batch_shapes = self._shapes.for_batch(flat, strict, self._engine)
-    occurrences = [
-        lookups.feature_occurrences(f.where, f.config, x, w, self._validate,
-                                    shape, self._engine, self._native_step())
-        for f, x, w, shape in zip(self._features, flat, flat_weights,
-                                  batch_shapes)]
-    if strict:
-      self._shapes.record(batch_shapes)
-    verdict = None
-    if self._validate:
-      verdict = check_runner.batch_verdict(occurrences, self._features,
-                                           self._tables)
-    if self._sparsecore is not None:
-      occurrences = sparsecore_limits.keep(
-          self._sparsecore, self._replicas, occurrences, verdict,
-          self._replicas.local_replica() if replica is None else replica)
-    return protocol.Pending(features, occurrences, verdict, training)
+    return [lookups.as_ids(f.where, x) for f, x in zip(self._features, flat)], list(flat_weights)
+
+  def _limited(self, pending: protocol.Pending, replica=None) -> protocol.Pending:
+    """``pending`` with SparseCore's input limits applied (with a topology),
+    once its ids were checked."""
+    if self._sparsecore is None:
+      return pending
+    return pending._replace(occurrences=sparsecore_limits.keep(
+        self._sparsecore, self._replicas, pending.occurrences, pending.verdict,
+        self._replicas.local_replica() if replica is None else replica))
 
   def _activations(self, pending: protocol.Pending):
     verdict = pending.verdict

@@ -31,7 +31,9 @@ from tpu_embed_ext.emulation import check_runner, checks, structure_checks
 from tpu_embed_ext.emulation.native import lookup as native_lookup
 
 __all__ = ["Occurrences", "as_ids", "input_shape", "output_shape",
-           "feature_occurrences", "activation", "occurrence_gradients"]
+           "feature_occurrences", "checked_together", "concatenated",
+           "activation",
+           "occurrence_gradients"]
 
 
 class Occurrences(NamedTuple):
@@ -139,7 +141,8 @@ def output_shape(where: str, config, shape: tf.TensorShape) -> tf.TensorShape:
 
 def feature_occurrences(where: str, config, x, w, check: bool,
                         shape, engine: str = "v1",
-                        native: bool = False) -> Occurrences:
+                        native: bool = False,
+                        own_checked=None) -> Occurrences:
   """The occurrence form of one feature's ids ``x`` and weights ``w``.
 
   ``where`` names the feature and table in errors; ``check`` enables the
@@ -156,7 +159,13 @@ def feature_occurrences(where: str, config, x, w, check: bool,
   ``native``: a combined ragged feature's rows and gains come from one
   native op (``native.lookup.ragged_gains``, the same values); never under
   XLA.
+
+  ``own_checked``: the assertions of the feature's own checks (uint64 ids,
+  sparse indices, finite weights) that ``checked_together`` ran over several
+  replicas at once (None: not run). They are not run again here; what would
+  wait for them waits for those.
   """
+  own_check = check and own_checked is None
   if not isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
     x = tf.convert_to_tensor(x)
   if not x.dtype.is_integer:
@@ -188,7 +197,7 @@ def feature_occurrences(where: str, config, x, w, check: bool,
         f"{type(x).__name__}. Fix: give weights the ids' type and layout.")
   own: List[check_runner.Verdict] = []
   if x.dtype == tf.uint64:
-    x = _signed(where, config, x, check, own)
+    x = _signed(where, config, _after(x, own_checked), own_check, own)
   shape = _runtime_dims(x, tf.TensorShape(shape))
   if v2 and isinstance(x, tf.RaggedTensor) and x.shape[0] is not None:
     _check_count(where, "rows of ragged ids", x.shape[0], shape)
@@ -197,14 +206,16 @@ def feature_occurrences(where: str, config, x, w, check: bool,
     if x.shape.is_fully_defined() and _is_static(shape):
       _check_count(where, "ids", x.shape.num_elements(), shape)
     if w is not None:  # v2: one weighted id per sample.
-      w = _weights(where, tf.reshape(w, [-1]), check, own)
+      w = _after(_weights(where, tf.reshape(w, [-1]), own_check, own), own_checked)
       return _combined(config, tf.cast(ids, tf.int64),
                        tf.range(tf.size(ids, out_type=tf.int64)), w,
                        tf.size(ids, out_type=tf.int64), shape
                        )._replace(checks=tuple(own))
     occ = Occurrences(ids, None, None, tf.size(ids), shape)
   else:
-    if check and isinstance(x, tf.SparseTensor):
+    if own_checked and isinstance(x, tf.SparseTensor):
+      x = tf.SparseTensor(_after(x.indices, own_checked), x.values, x.dense_shape)
+    if own_check and isinstance(x, tf.SparseTensor):
       # Every op that reads a row computed from the indices waits for the
       # check (a combiner's segment sums, the gradients' gather).
       indices = _gated(x.indices, check_runner.run(checks.SPARSE_INDICES, [
@@ -214,7 +225,7 @@ def feature_occurrences(where: str, config, x, w, check: bool,
       x = tf.SparseTensor(indices, x.values, x.dense_shape)
     weights_ok, weight = None, None
     if w is not None:
-      weight = _weights(where, w.values, check, own)
+      weight = _after(_weights(where, w.values, own_check, own), own_checked)
       if check:
         weights_ok = structure_checks.weights_layout_ok(where, x, w)
         if tf.executing_eagerly():
@@ -231,6 +242,79 @@ def feature_occurrences(where: str, config, x, w, check: bool,
       occ = _sparse(where, config, x, weight, shape)
     occ = occ._replace(weights_ok=weights_ok)
   return occ._replace(ids=tf.cast(occ.ids, tf.int64), checks=tuple(own))
+
+
+def checked_together(where: str, config, xs: list, ws: list):
+  """One feature's own input checks (uint64 ids, sparse indices, finite
+  weights: ``feature_occurrences``'s) run once over every replica's values
+  concatenated, in replica order: their verdicts (each replica's
+  feature_occurrences then gets ``own_checked``, their assertions, and waits
+  for them where it would wait for its own). Only in a graph outside XLA.
+  None when the
+  replicas' inputs are not alike (kinds, dtypes, ranks) or not valid ids and
+  weights: each replica is then checked on its own, so that
+  ``feature_occurrences`` raises its own errors as before.
+  """
+  kind = (tf.SparseTensor if isinstance(xs[0], tf.SparseTensor) else
+          tf.RaggedTensor if isinstance(xs[0], tf.RaggedTensor) else tf.Tensor)
+  if not all(isinstance(v, kind) for v in xs + [w for w in ws if w is not None]):
+    return None
+  if len({x.dtype for x in xs}) != 1 or not xs[0].dtype.is_integer:
+    return None
+  if kind is tf.RaggedTensor and any(v.ragged_rank != 1 for v in xs + ws if v is not None):
+    return None
+  if kind is tf.SparseTensor and len({x.indices.shape[-1] for x in xs}) != 1:
+    return None
+  weighted = [w is not None for w in ws]
+  if any(weighted) and not (all(weighted) and all(
+      w.dtype.is_floating or w.dtype.is_integer for w in ws)):
+    return None
+  flat = (lambda v: tf.reshape(v, [-1])) if kind is tf.Tensor else (lambda v: v.values)
+  names = {"where": where}
+  rows = []  # (check, item, gated part of each replica's values)
+  if xs[0].dtype == tf.uint64:
+    vocab = config.table.vocabulary_size
+    rows.append((checks.UNSIGNED_IDS, check_runner.Item(
+        tf.concat([flat(x) for x in xs], 0), (vocab,), dict(names, vocab=vocab))))
+  if kind is tf.SparseTensor:
+    indices = [tf.convert_to_tensor(x.indices, tf.int64) for x in xs]
+    bounds = [tf.tile(tf.convert_to_tensor(x.dense_shape, tf.int64)[None],
+                      [tf.shape(i)[0], 1]) for x, i in zip(xs, indices)]
+    rows.append((checks.SPARSE_INDICES, check_runner.Item(
+        tf.concat(indices, 0), (tf.concat(bounds, 0),), names)))
+  if all(weighted):
+    rows.append((checks.WEIGHTS_FINITE, check_runner.Item(
+        tf.concat([tf.cast(flat(w), tf.float32) for w in ws], 0), names=names)))
+  return [check_runner.run(check, [item]) for check, item in rows]
+
+
+def concatenated(per_replica: List[List[Occurrences]]) -> List[Occurrences]:
+  """Each feature's occurrences of several replicas as one, for the input
+  checks only (``check_runner.batch_verdict`` reads ``ids``, ``weights_ok``
+  and ``checks``): ids concatenated in replica order, so the first bad id
+  found is that of the first replica that has one; every replica's own
+  verdicts. Nothing else is meaningful (rows and gains stay replica 0's)."""
+  merged = []
+  for feature in zip(*per_replica):
+    layouts = [o.weights_ok for o in feature if o.weights_ok is not None]
+    merged.append(feature[0]._replace(
+        ids=tf.concat([o.ids for o in feature], 0),
+        weights_ok=tf.stack(layouts) if layouts else None,
+        checks=tuple(v for o in feature for v in o.checks)))
+  return merged
+
+
+def _after(x, gates):
+  """``x`` (a tensor, or ragged or sparse ids: their values), read only once
+  ``gates`` ran (None or empty: ``x``)."""
+  if not gates:
+    return x
+  with tf.control_dependencies(gates):
+    if isinstance(x, tf.Tensor):
+      return tf.identity(x)
+    if isinstance(x, tf.RaggedTensor):
+      return x.with_values(tf.identity(x.values))
+    return x.with_values(tf.identity(x.values))
 
 
 def _gated(tensor, verdict, own: list):
