@@ -572,6 +572,41 @@ def test_bad_ids_on_later_replicas_of_one_enqueue_are_named_and_change_nothing(
   assert int(engine.step.numpy()) == 1
 
 
+@pytest.mark.parametrize("case", ["nan_weight", "uint64_id"])
+def test_a_weight_or_uint64_id_on_one_of_four_replicas_is_named_in_a_function(case):
+  """The feature's own checks of one enqueue of 4 replicas' batches run once
+  over the replicas' values concatenated: replica 2's bad value is named,
+  nothing changes."""
+  strategy = mirrored_strategy(4)
+  engine = _video_engine(strategy)
+  dtype = tf.uint64 if case == "uint64_id" else tf.int64
+  ids = [tf.ragged.constant(BATCH_A, dtype) for _ in range(4)]
+  weights = [tf.ragged.constant([[1.0] * len(r) for r in BATCH_A]) for _ in range(4)]
+  if case == "uint64_id":
+    ids[2] = tf.ragged.constant([[0, 1], [2 ** 63 + 5], [2, 3, 3], [5]], tf.uint64)
+    message = "feature 'watched' (table 'video'): id 9223372036854775813 is out of range"
+  else:
+    weights[2] = tf.ragged.constant([[1.0, 1.0], [np.nan], [1.0] * 3, [1.0]])
+    message = "feature 'watched' (table 'video'): weights have NaN or Inf values"
+
+  @tf.function
+  def step(ids, weights):
+    engine.enqueue({"watched": ids}, {"watched": weights}, training=True)
+
+    def replica_step():
+      acts = engine.dequeue()
+      engine.apply_gradients({"watched": tf.ones_like(acts["watched"])})
+    strategy.run(replica_step)
+
+  before = {k: v.numpy() for k, v in engine.variables["video"].items()}
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=re.escape(message).replace("'", "\\\\'")):
+    step(distribute(strategy, ids), distribute(strategy, weights))
+  for k, v in engine.variables["video"].items():
+    np.testing.assert_array_equal(v.numpy(), before[k], err_msg=k)
+  assert int(engine.step.numpy()) == 0
+
+
 @pytest.mark.parametrize("use_function", [False, True], ids=["eager", "tf_function"])
 def test_a_callable_learning_rate_out_of_range_under_two_replicas(use_function):
   strategy = mirrored_strategy(2)

@@ -32,7 +32,7 @@ from tensorflow.python.trackable import autotrackable
 from tpu_embed_ext import errors, spec as spec_lib
 from tpu_embed_ext.host import memory
 from tpu_embed_ext.emulation import (check_runner, lookups, native, payloads,
-                                      protocol, replicas, shapes,
+                                      protocol, replica_checks, replicas, shapes,
                                       sparsecore_limits, structure_checks,
                                       tables as tables_lib)
 
@@ -295,41 +295,25 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   def _put(self, batches: Dict[int, Any], training: bool):
     """Checks every replica's batch, then records them (all or none)."""
     self._batches.check_free(list(batches), self._replicas.num_local)
-    # One enqueue of every replica's batch, traced (not under XLA): each
-    # check row runs once over all replicas' values of a feature, instead of
-    # once per replica (issue 34: building the checks dominated tracing).
-    # The first failure is the one the replicas' separate checks would
-    # report first (replica order); eagerly and under XLA, where each
-    # replica's verdict stays its own (NaN activations only for the bad
-    # replica), the checks run per replica.
-    together = (len(batches) > 1 and self._validate and not tf.executing_eagerly()
-                and not check_runner.in_xla_context())
-    if not together:
+    # One enqueue of every replica's batch, traced outside XLA: each check
+    # row runs once over all replicas' values (replica_checks.py).
+    if (len(batches) > 1 and self._validate and not tf.executing_eagerly()
+        and not check_runner.in_xla_context()):
+      inputs = {replica: self._inputs(features, weights)
+                for replica, (features, weights) in batches.items()}
+      own = replica_checks.own_checks(self._features, list(inputs.values()))
+      prepared = {replica: self._prepare(
+          batches[replica][0], None, training, check=False, inputs=flat,
+          own_checked=replica_checks.gates(own)) for replica, flat in inputs.items()}
+      verdict = replica_checks.batch_verdict(
+          [p.occurrences for p in prepared.values()], own, self._features,
+          self._tables)
+      prepared = {replica: self._limited(pending._replace(verdict=verdict), replica)
+                  for replica, pending in prepared.items()}
+    else:
       prepared = {replica: self._prepare(features, weights, training,
                                          replica=replica)
                   for replica, (features, weights) in batches.items()}
-    else:
-      # Every replica's structures first, then each feature's own checks
-      # over all replicas, then each replica's occurrences.
-      inputs = {replica: self._inputs(features, weights)
-                for replica, (features, weights) in batches.items()}
-      own = [lookups.checked_together(f.where, f.config,
-                                      [flat[i] for flat, _ in inputs.values()],
-                                      [ws[i] for _, ws in inputs.values()])
-             for i, f in enumerate(self._features)]
-      gates = [None if verdicts is None else
-               [v.assertion for v in verdicts if v.assertion is not None]
-               for verdicts in own]
-      prepared = {replica: self._prepare(batches[replica][0], None, training,
-                                         replica=replica, check=False,
-                                         inputs=flat, own_checked=gates)
-                  for replica, flat in inputs.items()}
-      merged = lookups.concatenated([p.occurrences for p in prepared.values()])
-      merged = [o._replace(checks=tuple(verdicts) + o.checks)
-                if verdicts is not None else o for o, verdicts in zip(merged, own)]
-      verdict = check_runner.batch_verdict(merged, self._features, self._tables)
-      prepared = {replica: self._limited(pending._replace(verdict=verdict), replica)
-                  for replica, pending in prepared.items()}
     for replica, pending in prepared.items():
       self._batches.put(replica, pending, self._replicas.num_local)
 

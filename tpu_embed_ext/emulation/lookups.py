@@ -31,8 +31,7 @@ from tpu_embed_ext.emulation import check_runner, checks, structure_checks
 from tpu_embed_ext.emulation.native import lookup as native_lookup
 
 __all__ = ["Occurrences", "as_ids", "input_shape", "output_shape",
-           "feature_occurrences", "checked_together", "concatenated",
-           "activation",
+           "feature_occurrences", "activation",
            "occurrence_gradients"]
 
 
@@ -242,66 +241,6 @@ def feature_occurrences(where: str, config, x, w, check: bool,
       occ = _sparse(where, config, x, weight, shape)
     occ = occ._replace(weights_ok=weights_ok)
   return occ._replace(ids=tf.cast(occ.ids, tf.int64), checks=tuple(own))
-
-
-def checked_together(where: str, config, xs: list, ws: list):
-  """One feature's own input checks (uint64 ids, sparse indices, finite
-  weights: ``feature_occurrences``'s) run once over every replica's values
-  concatenated, in replica order: their verdicts (each replica's
-  feature_occurrences then gets ``own_checked``, their assertions, and waits
-  for them where it would wait for its own). Only in a graph outside XLA.
-  None when the
-  replicas' inputs are not alike (kinds, dtypes, ranks) or not valid ids and
-  weights: each replica is then checked on its own, so that
-  ``feature_occurrences`` raises its own errors as before.
-  """
-  kind = (tf.SparseTensor if isinstance(xs[0], tf.SparseTensor) else
-          tf.RaggedTensor if isinstance(xs[0], tf.RaggedTensor) else tf.Tensor)
-  if not all(isinstance(v, kind) for v in xs + [w for w in ws if w is not None]):
-    return None
-  if len({x.dtype for x in xs}) != 1 or not xs[0].dtype.is_integer:
-    return None
-  if kind is tf.RaggedTensor and any(v.ragged_rank != 1 for v in xs + ws if v is not None):
-    return None
-  if kind is tf.SparseTensor and len({x.indices.shape[-1] for x in xs}) != 1:
-    return None
-  weighted = [w is not None for w in ws]
-  if any(weighted) and not (all(weighted) and all(
-      w.dtype.is_floating or w.dtype.is_integer for w in ws)):
-    return None
-  flat = (lambda v: tf.reshape(v, [-1])) if kind is tf.Tensor else (lambda v: v.values)
-  names = {"where": where}
-  rows = []  # (check, item, gated part of each replica's values)
-  if xs[0].dtype == tf.uint64:
-    vocab = config.table.vocabulary_size
-    rows.append((checks.UNSIGNED_IDS, check_runner.Item(
-        tf.concat([flat(x) for x in xs], 0), (vocab,), dict(names, vocab=vocab))))
-  if kind is tf.SparseTensor:
-    indices = [tf.convert_to_tensor(x.indices, tf.int64) for x in xs]
-    bounds = [tf.tile(tf.convert_to_tensor(x.dense_shape, tf.int64)[None],
-                      [tf.shape(i)[0], 1]) for x, i in zip(xs, indices)]
-    rows.append((checks.SPARSE_INDICES, check_runner.Item(
-        tf.concat(indices, 0), (tf.concat(bounds, 0),), names)))
-  if all(weighted):
-    rows.append((checks.WEIGHTS_FINITE, check_runner.Item(
-        tf.concat([tf.cast(flat(w), tf.float32) for w in ws], 0), names=names)))
-  return [check_runner.run(check, [item]) for check, item in rows]
-
-
-def concatenated(per_replica: List[List[Occurrences]]) -> List[Occurrences]:
-  """Each feature's occurrences of several replicas as one, for the input
-  checks only (``check_runner.batch_verdict`` reads ``ids``, ``weights_ok``
-  and ``checks``): ids concatenated in replica order, so the first bad id
-  found is that of the first replica that has one; every replica's own
-  verdicts. Nothing else is meaningful (rows and gains stay replica 0's)."""
-  merged = []
-  for feature in zip(*per_replica):
-    layouts = [o.weights_ok for o in feature if o.weights_ok is not None]
-    merged.append(feature[0]._replace(
-        ids=tf.concat([o.ids for o in feature], 0),
-        weights_ok=tf.stack(layouts) if layouts else None,
-        checks=tuple(v for o in feature for v in o.checks)))
-  return merged
 
 
 def _after(x, gates):
