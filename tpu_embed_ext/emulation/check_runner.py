@@ -32,7 +32,7 @@ from tensorflow.python.ops import control_flow_util
 from tpu_embed_ext import errors
 from tpu_embed_ext.emulation import checks
 
-__all__ = ["Item", "Verdict", "in_xla_context", "run", "by_feature", "batch_verdict",
+__all__ = ["Item", "Verdict", "after", "in_xla_context", "run", "by_feature", "batch_verdict",
            "combine",
            "status", "failure_message", "RECORD"]
 
@@ -68,6 +68,17 @@ def in_xla_context() -> bool:
       return True
     graph = getattr(graph, "outer_graph", None)
   return False
+
+
+def after(x, gates):
+  """``x`` (a tensor, or ragged or sparse ids: their values), read only once
+  the assertions ``gates`` ran (None or empty: ``x``)."""
+  if not gates:
+    return x
+  with tf.control_dependencies(gates):
+    if isinstance(x, tf.Tensor):
+      return tf.identity(x)
+    return x.with_values(tf.identity(x.values))
 
 
 def run(check: checks.Check, items: Sequence[Item],

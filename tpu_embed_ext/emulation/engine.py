@@ -2,24 +2,11 @@
 
 The engine object: the ``TPUEmbedding`` protocol (``build``, ``enqueue``,
 ``dequeue``, ``apply_gradients``, ``__call__``), its variables and their
-checkpoint keys. The work is done by the modules beside it:
-
-* ``lookups``: every input kind in occurrence form, activations, and
-  per-occurrence gradients;
-* ``shapes``: ``TPUEmbedding``'s activation shapes, fixed and checked;
-* ``payloads``: what each replica's ``apply_gradients`` hands on, and the
-  step run once from all of them (native kernels or TensorFlow ops);
-* ``updates``: one table's step (per-id sums, update rules, writes);
-* ``checks`` (one row per check of input values, run eagerly, in graphs
-  and under XLA by ``check_runner``) and ``structure_checks`` (structures,
-  shapes and kinds, known when a step is traced);
-* ``replicas``: several replicas and workers under ``tf.distribute``;
-* ``protocol``: the pending batch of every replica between ``enqueue``,
-  ``dequeue`` and ``apply_gradients``;
-* ``tables``: optimizers resolved per table, variables and checkpoint keys
-  (those of ``TPUEmbedding``);
-* ``sparsecore_limits``: ``engine="v2"`` on a topology (SparseCore's input
-  limits and stacked checkpoints, ``tpu_embed_ext/sparsecore/``).
+checkpoint keys. The work is done by the modules beside it: inputs
+(``lookups``, ``shapes``, ``protocol``), checks (``checks`` run by
+``check_runner``; ``structure_checks``; ``replica_checks``), the step
+(``payloads``, ``step_pipeline``), replicas, tables and SparseCore limits
+(docs/layout.md lists each module's role).
 """
 
 from __future__ import annotations
@@ -299,17 +286,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     # row runs once over all replicas' values (replica_checks.py).
     if (len(batches) > 1 and self._validate and not tf.executing_eagerly()
         and not check_runner.in_xla_context()):
-      inputs = {replica: self._inputs(features, weights)
-                for replica, (features, weights) in batches.items()}
-      own = replica_checks.own_checks(self._features, list(inputs.values()))
-      prepared = {replica: self._prepare(
-          batches[replica][0], None, training, check=False, inputs=flat,
-          own_checked=replica_checks.gates(own)) for replica, flat in inputs.items()}
-      verdict = replica_checks.batch_verdict(
-          [p.occurrences for p in prepared.values()], own, self._features,
-          self._tables)
-      prepared = {replica: self._limited(pending._replace(verdict=verdict), replica)
-                  for replica, pending in prepared.items()}
+      prepared = replica_checks.prepare_together(self, batches, training)
     else:
       prepared = {replica: self._prepare(features, weights, training,
                                          replica=replica)
@@ -355,9 +332,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     evaluates a last, smaller batch), read when the batch runs if unknown
     when traced; nothing is recorded.
 
-    ``check=False``: the batch checks are left to the caller (``_put``),
-    which passes the ``inputs`` (``_inputs``) and which features' own checks
-    it ran (``own_checked``).
+    ``check=False``: the caller runs the checks (replica_checks.py).
     """
     flat, flat_weights = inputs or self._inputs(features, weights)
     own_checked = own_checked or [None] * len(flat)

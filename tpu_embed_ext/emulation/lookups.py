@@ -31,8 +31,7 @@ from tpu_embed_ext.emulation import check_runner, checks, structure_checks
 from tpu_embed_ext.emulation.native import lookup as native_lookup
 
 __all__ = ["Occurrences", "as_ids", "input_shape", "output_shape",
-           "feature_occurrences", "activation",
-           "occurrence_gradients"]
+           "feature_occurrences", "activation", "occurrence_gradients"]
 
 
 class Occurrences(NamedTuple):
@@ -160,9 +159,8 @@ def feature_occurrences(where: str, config, x, w, check: bool,
   XLA.
 
   ``own_checked``: the assertions of the feature's own checks (uint64 ids,
-  sparse indices, finite weights) that ``checked_together`` ran over several
-  replicas at once (None: not run). They are not run again here; what would
-  wait for them waits for those.
+  sparse indices, finite weights) run over all replicas at once
+  (replica_checks.py); None: run here. What would wait for them waits for those.
   """
   own_check = check and own_checked is None
   if not isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
@@ -196,7 +194,7 @@ def feature_occurrences(where: str, config, x, w, check: bool,
         f"{type(x).__name__}. Fix: give weights the ids' type and layout.")
   own: List[check_runner.Verdict] = []
   if x.dtype == tf.uint64:
-    x = _signed(where, config, _after(x, own_checked), own_check, own)
+    x = _signed(where, config, check_runner.after(x, own_checked), own_check, own)
   shape = _runtime_dims(x, tf.TensorShape(shape))
   if v2 and isinstance(x, tf.RaggedTensor) and x.shape[0] is not None:
     _check_count(where, "rows of ragged ids", x.shape[0], shape)
@@ -205,7 +203,7 @@ def feature_occurrences(where: str, config, x, w, check: bool,
     if x.shape.is_fully_defined() and _is_static(shape):
       _check_count(where, "ids", x.shape.num_elements(), shape)
     if w is not None:  # v2: one weighted id per sample.
-      w = _after(_weights(where, tf.reshape(w, [-1]), own_check, own), own_checked)
+      w = check_runner.after(_weights(where, tf.reshape(w, [-1]), own_check, own), own_checked)
       return _combined(config, tf.cast(ids, tf.int64),
                        tf.range(tf.size(ids, out_type=tf.int64)), w,
                        tf.size(ids, out_type=tf.int64), shape
@@ -213,7 +211,7 @@ def feature_occurrences(where: str, config, x, w, check: bool,
     occ = Occurrences(ids, None, None, tf.size(ids), shape)
   else:
     if own_checked and isinstance(x, tf.SparseTensor):
-      x = tf.SparseTensor(_after(x.indices, own_checked), x.values, x.dense_shape)
+      x = tf.SparseTensor(check_runner.after(x.indices, own_checked), x.values, x.dense_shape)
     if own_check and isinstance(x, tf.SparseTensor):
       # Every op that reads a row computed from the indices waits for the
       # check (a combiner's segment sums, the gradients' gather).
@@ -224,7 +222,7 @@ def feature_occurrences(where: str, config, x, w, check: bool,
       x = tf.SparseTensor(indices, x.values, x.dense_shape)
     weights_ok, weight = None, None
     if w is not None:
-      weight = _after(_weights(where, w.values, own_check, own), own_checked)
+      weight = check_runner.after(_weights(where, w.values, own_check, own), own_checked)
       if check:
         weights_ok = structure_checks.weights_layout_ok(where, x, w)
         if tf.executing_eagerly():
@@ -241,19 +239,6 @@ def feature_occurrences(where: str, config, x, w, check: bool,
       occ = _sparse(where, config, x, weight, shape)
     occ = occ._replace(weights_ok=weights_ok)
   return occ._replace(ids=tf.cast(occ.ids, tf.int64), checks=tuple(own))
-
-
-def _after(x, gates):
-  """``x`` (a tensor, or ragged or sparse ids: their values), read only once
-  ``gates`` ran (None or empty: ``x``)."""
-  if not gates:
-    return x
-  with tf.control_dependencies(gates):
-    if isinstance(x, tf.Tensor):
-      return tf.identity(x)
-    if isinstance(x, tf.RaggedTensor):
-      return x.with_values(tf.identity(x.values))
-    return x.with_values(tf.identity(x.values))
 
 
 def _gated(tensor, verdict, own: list):

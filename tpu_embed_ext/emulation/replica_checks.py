@@ -21,8 +21,23 @@ import tensorflow as tf
 from tpu_embed_ext.emulation import check_runner, checks
 from tpu_embed_ext.emulation.lookups import Occurrences
 
-__all__ = ["own_checks", "gates", "batch_verdict", "checked_together",
+__all__ = ["prepare_together", "own_checks", "gates", "batch_verdict", "checked_together",
            "concatenated"]
+
+
+def prepare_together(engine, batches, training: bool) -> dict:
+  """``{replica: protocol.Pending}`` of every replica's batch, for
+  ``engine._put``: each check row run once over all replicas' values."""
+  inputs = {replica: engine._inputs(features, weights)  # pylint: disable=protected-access
+            for replica, (features, weights) in batches.items()}
+  own = own_checks(engine._features, list(inputs.values()))  # pylint: disable=protected-access
+  prepared = {replica: engine._prepare(  # pylint: disable=protected-access
+      batches[replica][0], None, training, check=False, inputs=flat,
+      own_checked=gates(own)) for replica, flat in inputs.items()}
+  verdict = batch_verdict([p.occurrences for p in prepared.values()], own,
+                          engine._features, engine._tables)  # pylint: disable=protected-access
+  return {replica: engine._limited(pending._replace(verdict=verdict), replica)  # pylint: disable=protected-access
+          for replica, pending in prepared.items()}
 
 
 def own_checks(features, inputs) -> list:
