@@ -444,6 +444,23 @@ def test_per_device_enqueue_errors_name_the_device():
         [table[row].mean(0) for row in batches[r]["watched"].to_list()], rtol=1e-6)
 
 
+def _assert_one_adam_step(engine, before, batches):
+  """numpy: one Adam step (lr 0.1, ADAM) of table 'video' from all replicas'
+  rows of mean-combined ids (``batches``: each replica's rows), each
+  activation's gradient 1."""
+  grads = {}
+  for rows in batches:
+    for row in rows:
+      for i in row:
+        grads[i] = grads.get(i, 0) + 1.0 / len(row)
+  table = before.astype(np.float64)
+  for i, g in grads.items():
+    table[i], _ = references.update(
+        "adam", table[i], {"momenta": 0.0, "velocities": 0.0}, g, 0.1, **ADAM)
+  np.testing.assert_allclose(engine.variables["video"]["parameters"].numpy(), table,
+                             rtol=1e-5)
+
+
 # --- the protocol under MirroredStrategy(2) ---------------------------------------
 
 def test_protocol_misuse_and_retry_under_two_replicas():
@@ -479,17 +496,8 @@ def test_protocol_misuse_and_retry_under_two_replicas():
     engine.apply_gradients({"watched": tf.ones([2, 4])})
   strategy.run(retry)
   assert int(engine.step.numpy()) == 1
-  grads = {}
-  for batch in batches:
-    for row in batch["watched"].to_list():
-      for i in row:
-        grads[i] = grads.get(i, 0) + 1.0 / len(row)
-  table = before["parameters"].astype(np.float64)
-  for i, g in grads.items():
-    table[i], _ = references.update(
-        "adam", table[i], {"momenta": 0.0, "velocities": 0.0}, g, 0.1, **ADAM)
-  np.testing.assert_allclose(engine.variables["video"]["parameters"].numpy(), table,
-                             rtol=1e-5)
+  _assert_one_adam_step(engine, before["parameters"],
+                        [b["watched"].to_list() for b in batches])
   with pytest.raises(tee.InputError, match=re.escape(
       "apply_gradients() called before enqueue().")):
     strategy.run(retry)
@@ -558,17 +566,7 @@ def test_bad_ids_on_later_replicas_of_one_enqueue_are_named_and_change_nothing(
     np.testing.assert_array_equal(v.numpy(), before[k], err_msg=k)
   assert int(engine.step.numpy()) == 0
   run(batches=batches)
-  grads = {}
-  for batch in rows:
-    for row in batch:
-      for i in row:
-        grads[i] = grads.get(i, 0) + 1.0 / len(row)
-  table = before["parameters"].astype(np.float64)
-  for i, g in grads.items():
-    table[i], _ = references.update(
-        "adam", table[i], {"momenta": 0.0, "velocities": 0.0}, g, 0.1, **ADAM)
-  np.testing.assert_allclose(engine.variables["video"]["parameters"].numpy(), table,
-                             rtol=1e-5)
+  _assert_one_adam_step(engine, before["parameters"], rows)
   assert int(engine.step.numpy()) == 1
 
 
