@@ -97,6 +97,23 @@ def test_private_variables_are_tensorflows_sharded_variables_of_the_stacked_layo
     assert strategy.num_replicas_in_sync == sc.REPLICAS
 
 
+def _never_initialized(hook):
+  del hook
+  pytest.fail("initialized")
+
+
+def _restored_then_built(strategy, path, initialize):
+  """A TPUEmbeddingV2 restored from ``path`` before ``build``; its
+  ``_batch_initialize_tables`` calls ``initialize(TensorFlow's own)``."""
+  with strategy.scope():
+    embedding = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
+    hook = embedding._batch_initialize_tables  # pylint: disable=protected-access
+    embedding._batch_initialize_tables = lambda: initialize(hook)  # pylint: disable=protected-access
+  tf.train.Checkpoint(model=embedding).restore(path)
+  embedding.build()
+  return embedding
+
+
 def test_batch_initialize_tables_is_called_once_unless_a_restore_fills_every_table(tmp_path):
   with tee.emulate_tpu(replicas=sc.REPLICAS, sparsecore=True):
     strategy = emulated_tpu_strategy(initialize=False)
@@ -120,11 +137,7 @@ def test_batch_initialize_tables_is_called_once_unless_a_restore_fills_every_tab
     saved = tf.train.Checkpoint(model=first).write(str(tmp_path / "stacked"))
 
     # A restore waiting for build fills every variable: no initialisation.
-    with strategy.scope():
-      second = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
-      second._batch_initialize_tables = lambda *a, **k: pytest.fail("initialized")  # pylint: disable=protected-access
-    tf.train.Checkpoint(model=second).restore(saved)
-    second.build()
+    second = _restored_then_built(strategy, saved, _never_initialized)
     _assert_shards([s.numpy() for s in second._variables[STACK]["parameters"].values],  # pylint: disable=protected-access
                    initial[STACK]["parameters"])
 
@@ -132,11 +145,7 @@ def test_batch_initialize_tables_is_called_once_unless_a_restore_fills_every_tab
     cpu = tee.CPUEmbedding(sc.feature_config(sc.PER_REPLICA))
     cpu.build()
     per_table = tf.train.Checkpoint(model=cpu).write(str(tmp_path / "per_table"))
-    with strategy.scope():
-      third = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
-      third._batch_initialize_tables = lambda *a, **k: pytest.fail("initialized")  # pylint: disable=protected-access
-    tf.train.Checkpoint(model=third).restore(per_table)
-    third.build()
+    _restored_then_built(strategy, per_table, _never_initialized)
 
     # One without the accumulators: they need initial values, so it is called.
     sgd = tee.CPUEmbedding({n: api.FeatureConfig(
@@ -145,13 +154,9 @@ def test_batch_initialize_tables_is_called_once_unless_a_restore_fills_every_tab
         api.SGD(0.1))
     sgd.build()
     partial = tf.train.Checkpoint(model=sgd).write(str(tmp_path / "sgd"))
-    with strategy.scope():
-      fourth = api.TPUEmbeddingV2(sc.feature_config(sc.PER_REPLICA), None)
-      fourth_calls = []
-      hook4 = fourth._batch_initialize_tables  # pylint: disable=protected-access
-      fourth._batch_initialize_tables = lambda: (fourth_calls.append(1), hook4())[1]  # pylint: disable=protected-access
-    tf.train.Checkpoint(model=fourth).restore(partial)
-    fourth.build()
+    fourth_calls = []
+    fourth = _restored_then_built(
+        strategy, partial, lambda hook: (fourth_calls.append(1), hook())[1])
     assert fourth_calls == [1]
     expected = _stacked_reference(fourth, {n: {
         "parameters": sc.initial(n) * 2,
