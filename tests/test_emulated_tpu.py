@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.distribute import tpu_strategy
+from tensorflow.python.distribute import device_util, tpu_strategy
 from tensorflow.python.distribute.cluster_resolver.tpu import (
     tpu_cluster_resolver as real_resolver_lib)
 
@@ -423,50 +423,118 @@ def test_runner_bad_replicas_is_one_line(tmp_path, capsys, monkeypatch):
 # --- distributed datasets: MirroredStrategy's batches per replica --------------------
 
 
-def _pipeline():
-  """Shuffled (seeded), mapped with AUTOTUNE, ragged: what autotuning could touch."""
-  data = tf.data.Dataset.range(200).shuffle(50, seed=7).map(
+def _pipeline(size, batch=12):
+  """Shuffled (seeded), mapped with AUTOTUNE, ragged: what autotuning could
+  touch; ``size`` not a multiple of ``batch``: a partial last batch."""
+  data = tf.data.Dataset.range(size).shuffle(50, seed=7).map(
       lambda x: {"ids": tf.range(x % 4 + 1) + x, "y": tf.cast(x, tf.float32)},
       num_parallel_calls=tf.data.AUTOTUNE)
-  return data.ragged_batch(12).prefetch(tf.data.AUTOTUNE)
+  return data.ragged_batch(batch).prefetch(tf.data.AUTOTUNE)
 
 
-def _steps(strategy, how, steps=4):
-  """Per replica, per step: the values a step sees (eager and in a tf.function)."""
+def _as_lists(value):
+  return (value["ids"].to_list(), value["y"].numpy().tolist())
+
+
+def _steps(strategy, how, size=193, steps=4, fetch_to_device=True):
+  """Per step, per replica: the values a step sees, alternately eagerly and
+  in a tf.function; to the end of the data when ``steps`` is None."""
+  options = tf.distribute.InputOptions(experimental_fetch_to_device=fetch_to_device)
   if how == "dataset":
-    iterator = iter(strategy.experimental_distribute_dataset(_pipeline()))
+    iterator = iter(strategy.experimental_distribute_dataset(_pipeline(size),
+                                                             options=options))
   else:
     iterator = iter(strategy.distribute_datasets_from_function(
-        lambda context: _pipeline().rebatch(12 // context.num_replicas_in_sync)))
+        lambda context: _pipeline(size).rebatch(12 // context.num_replicas_in_sync),
+        options=options))
 
   @tf.function
   def step(iterator):
-    return next(iterator)
+    return iterator.get_next_as_optional()
 
   seen = []
-  for i in range(steps):
-    batch = step(iterator) if i % 2 else next(iterator)
-    seen.append([tf.nest.map_structure(lambda t: t.numpy().tolist(), value,
-                                       expand_composites=False)
-                 if not isinstance(value["ids"], tf.RaggedTensor) else
-                 (value["ids"].to_list(), value["y"].numpy().tolist())
-                 for value in strategy.experimental_local_results(batch)])
+  for i in range(steps or 1000):
+    optional = step(iterator) if i % 2 else iterator.get_next_as_optional()
+    if not optional.has_value():
+      break
+    seen.append([(_as_lists(value), value["y"].device)
+                 for value in strategy.experimental_local_results(optional.get_value())])
   return seen
 
 
+def _mirrored(replicas):
+  return tf.distribute.MirroredStrategy(
+      list(strategy_lib.logical_devices(replicas)),
+      cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+
 @pytest.mark.parametrize("how", ["dataset", "function"])
-def test_distributed_batches_are_mirrored_strategys(how):
-  """The emulated strategy's distributed datasets (no tf.data autotuning,
-  device_datasets.py) give each replica what MirroredStrategy gives it."""
-  devices = strategy_lib.logical_devices(4)
-  mirrored = tf.distribute.MirroredStrategy(
-      list(devices), cross_device_ops=tf.distribute.ReductionToOneDevice())
-  expected = _steps(mirrored, how)
-  with emulate_tpu(replicas=4):
+@pytest.mark.parametrize("replicas", [2, 4, 8])
+def test_distributed_batches_are_mirrored_strategys(how, replicas):
+  """The emulated strategy's distributed datasets (one host iterator,
+  device_datasets.py) give each replica what MirroredStrategy gives it, on
+  the same device, to the end of the data: the last global batch (193 = 16
+  x 12 + 1) leaves all replicas but one an empty batch."""
+  expected = _steps(_mirrored(replicas), how, steps=None)
+  with emulate_tpu(replicas=replicas):
     emulated = tf.distribute.TPUStrategy(
         tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
-    assert _steps(emulated, how) == expected
-  assert len({str(replica) for replica in expected[0]}) == 4  # Distinct shares.
+    assert _steps(emulated, how, steps=None) == expected
+  ys = [y for step in expected for (_, replica_ys), _ in step for y in replica_ys]
+  assert sorted(ys) == list(range(193))  # Each element once, to one replica.
+  assert [] in [ids for step in expected for (ids, _), _ in step]  # An empty batch.
+
+
+@pytest.mark.parametrize("fetch_to_device", [True, False])
+def test_distributed_iterator_with_next_in_a_function(fetch_to_device):
+  """``next(iterator)`` inside a tf.function (no partial-batch handling, an
+  infinite dataset), in the devices' order, eagerly and traced, with and
+  without fetching to the replicas' devices."""
+  data = tf.data.Dataset.range(10 ** 6).map(lambda x: tf.fill([x % 3 + 1], x))
+  data = data.ragged_batch(16, drop_remainder=True)
+
+  def run(strategy):
+    options = tf.distribute.InputOptions(experimental_fetch_to_device=fetch_to_device)
+    iterator = iter(strategy.experimental_distribute_dataset(data, options=options))
+    step = tf.function(lambda it: next(it))
+    return [[(v.to_list(), v.flat_values.device)
+             for v in strategy.experimental_local_results(
+                 step(iterator) if i % 2 else next(iterator))] for i in range(5)]
+
+  expected = run(_mirrored(8))
+  with emulate_tpu(replicas=8):
+    assert run(tf.distribute.TPUStrategy()) == expected
+  devices = [device_util.canonicalize(device) for _, device in expected[0]]
+  assert devices == ([device_util.canonicalize(d) for d in strategy_lib.logical_devices(8)]
+                     if fetch_to_device else [devices[0]] * 8)
+
+
+def test_distributed_iterator_reads_in_program_order():
+  """In a traced step, each replica's read waits for the previous one's
+  (one iterator resource: TensorFlow orders its ops as written)."""
+  with emulate_tpu(replicas=4):
+    strategy = tf.distribute.TPUStrategy()
+    iterator = iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.range(64).batch(8, drop_remainder=True)))
+    graph = tf.function(lambda it: next(it)).get_concrete_function(iterator).graph
+  reads = [op for op in graph.get_operations() if op.type == "IteratorGetNext"]
+  assert len(reads) == 4
+  for before, after in zip(reads, reads[1:]):
+    assert before in after.control_inputs
+
+
+def test_iterator_from_before_the_emulation_is_refused_in_a_function():
+  strategy = _mirrored(2)
+  iterator = iter(strategy.experimental_distribute_dataset(
+      tf.data.Dataset.range(8).batch(4)))
+  with emulate_tpu(replicas=2):
+    with pytest.raises(emulated_tpu.EmulationError) as e:
+      tf.function(lambda it: next(it))(iterator)
+  assert str(e.value) == (
+      "a distributed iterator made before emulate_tpu started was passed to a "
+      "tf.function inside it; the emulated TPU reads its datasets through its "
+      "own iterators. Fix: make the iterator (iter(...) of the distributed "
+      "dataset) inside the emulation.")
 
 
 # --- the pytest plugin's fixture ------------------------------------------------------

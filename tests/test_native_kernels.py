@@ -120,6 +120,48 @@ def test_ragged_gains_op_equals_the_tf_ops_bitwise(combiner, weighted):
 
 
 @needs_native
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_segment_gains_op_equals_the_tf_ops_bitwise(combiner, weighted):
+  """TpuEmbedExtSegmentGains against lookups._combined (segment sums,
+  divide_no_nan) and numpy: unsorted rows (a SparseTensor's), a row whose
+  weights sum to zero (gains 0), empty rows, 1,000 random ids."""
+  from tpu_embed_ext.emulation import lookups
+  from tpu_embed_ext.emulation.native import lookup as native_lookup
+  rng = np.random.default_rng(5)
+  rows = np.concatenate([[3, 0, 3, 5, 5, 1], rng.integers(6, 40, 1000)])
+  weights = np.concatenate([[.5, 2., .25, 1., -1., 3.],
+                            rng.normal(size=1000)]).astype(np.float32)
+  w = tf.constant(weights) if weighted else None
+  got = native_lookup.segment_gains(tf.constant(rows), w, 40, combiner)
+  table = api.TableConfig(VOCAB, DIM, combiner=combiner, name="t")
+  want = lookups._combined(api.FeatureConfig(table), tf.zeros(len(rows), tf.int64),
+                           tf.constant(rows), w, 40, [40])
+  if combiner == "sum" and not weighted:
+    assert got is None  # all ones: the kernels read an absent gain as 1
+    return
+  np.testing.assert_array_equal(got.numpy(), want.gains.numpy())
+  ws = weights.astype(np.float64) if weighted else np.ones(len(rows))
+  per_row = np.zeros(40)
+  np.add.at(per_row, rows, ws ** 2 if combiner == "sqrtn" else ws)
+  total = {"sum": np.ones(40), "mean": per_row, "sqrtn": np.sqrt(per_row)}[combiner]
+  expected = np.where(total[rows] != 0, ws / np.where(total[rows] != 0, total[rows], 1), 0)
+  np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+@needs_native
+def test_segment_gains_op_refuses_rows_out_of_range():
+  ops = native.load()
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=r"rows\[1\] = 4 is out of range \[0, 4\)"):
+    ops.tpu_embed_ext_segment_gains(tf.constant([0, 4], tf.int64), tf.zeros([0]),
+                                    tf.constant(4, tf.int64), combiner=1)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="weights must be empty or one per id"):
+    ops.tpu_embed_ext_segment_gains(tf.constant([0, 1], tf.int64), tf.zeros([3]),
+                                    tf.constant(4, tf.int64), combiner=1)
+
+
+@needs_native
 def test_ragged_gains_op_refuses_bad_row_splits():
   ops = native.load()
   with pytest.raises(tf.errors.InvalidArgumentError, match="row_splits must not decrease"):

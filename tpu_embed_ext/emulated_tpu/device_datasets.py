@@ -1,52 +1,58 @@
-"""Distributed datasets of the emulated TPU, without tf.data autotuning threads.
+"""Distributed datasets of the emulated TPU: one host iterator that deals.
 
 ``strategy.experimental_distribute_dataset`` and
 ``distribute_datasets_from_function`` (``MirroredStrategy``'s, which the
-emulated ``TPUStrategy`` is) feed the replicas through a
-``MultiDeviceIterator``: one host iterator deals the elements round-robin to
-one small dataset per replica (``multi_device_iterator_ops.
-_create_device_dataset``: a generator reading the host buffer, then a
-``prefetch`` of one element). Each of those is iterated by its own tf.data
-``RootDataset`` iterator, and by default each starts an autotuning thread
-(``Model::OptimizeLoop``) that has nothing to tune there (a fixed buffer of
-one).
+emulated ``TPUStrategy`` is) build TensorFlow's distributed dataset and
+iterator (``input_lib``): rebatching, partial batches, ``PerReplica`` values
+and their type specs are all TensorFlow's. Under them, each input worker
+feeds its replicas through an ``OwnedMultiDeviceIterator``
+(``multi_device_iterator_ops``): a host iterator resource deals elements
+round-robin (element ``i`` to replica ``i % replicas``) into one buffer per
+replica, and each replica reads its buffer through a dataset and an iterator
+of its own (a ``generator_dataset`` of six traced functions that fetch with a
+``remote_call``, then a ``prefetch``), so that data lands in each GPU's or
+TPU's memory ahead of the step.
 
-Why it matters (issue 34): freeing such an iterator joins that thread in
-``RootDataset::Iterator::~Iterator``. Under ``emulate --replicas 8`` (9 such
-iterators per distributed iterator), TensorFlow's own test file
-``tpu_embedding_v2_valid_input_test.py`` hung there in 2 runs of 2: the main
-thread, tracing the next test and holding the GIL, freed an old iterator and
-waited in ``UnboundedThreadPool::LogicalThreadWrapper::~LogicalThreadWrapper``
-at 0% CPU (minutes; killed after 12 min in one run), while every
-``OptimizeLoop`` thread slept in its condition variable (gdb: all 59
-threads). The same file with autotuning off on these per-replica datasets
-ran through (9 tests, 70 s). With autotuning off on the per-replica datasets
-only, the wait moved to the host side: the last per-replica iterator freed
-the ``MultiDeviceIterator``, whose host ``RootDataset`` iterator waited for
-its own autotuning thread (a 17.6 s collection, then a hang). So both ends
-run without it:
+Every emulated "device" is the host CPU, so the emulated TPU replaces that
+iterator (``patching.PATCHES``, while the emulation is active) with
+``HostIterator``: one iterator over the same dataset, with the same options,
+read ``replicas`` times in replica order for each step, each element then
+placed on its replica's device. That is the same dealing: element
+``s * replicas + k`` is replica ``k``'s in step ``s``, and at the end of the
+data the first replicas get the last elements and the others get none, as
+TensorFlow's round-robin gives them. Inside a ``tf.function`` the reads are
+ops on one iterator resource, which TensorFlow runs in program order
+(automatic control dependencies).
 
-* ``create_device_dataset``: TensorFlow's per-replica dataset with
-  ``options.autotune.enabled = False`` (patched in by ``patching.PATCHES``
-  while the emulation is active);
-* ``without_autotuning``: the host dataset the emulated strategy distributes
-  (``strategy.EmulatedTPUExtended``), the same elements in the same order;
-  only the speed of ``AUTOTUNE`` parallelism and buffers can change, which a
-  CPU run does not predict anyway.
+Why (issue 34): TensorFlow's form costs one dataset, one iterator and six
+traced functions per replica for every distributed iterator (at 8 replicas,
+a third of a TPU-style test's time), and its per-replica iterators and
+prefetch threads are what froze the main thread at 8 replicas:
+``tpu_embedding_v2_valid_input_test.py`` hung in 2 runs of 2 in
+``RootDataset::Iterator::~Iterator``, joining an autotuning thread
+(``UnboundedThreadPool::LogicalThreadWrapper::~LogicalThreadWrapper``, 0%
+CPU for minutes). ``HostIterator`` has one iterator per input worker and no
+threads of its own. The host dataset runs without tf.data autotuning
+(``without_autotuning``): the same elements in the same order; only the
+speed of ``AUTOTUNE`` parallelism and buffers can change, which a CPU run
+does not predict anyway.
 
-Which element goes to which replica stays TensorFlow's own round-robin
-(``tests/test_emulated_tpu.py`` compares with a plain ``MirroredStrategy``).
+``tests/test_emulated_tpu.py`` compares every replica's batches, eagerly and
+in a ``tf.function``, to the end of the data (partial batches included),
+with a plain ``MirroredStrategy``'s at 2, 4 and 8 replicas.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
+from tensorflow.python.data.ops import iterator_ops, multi_device_iterator_ops
+from tensorflow.python.data.ops import options as options_lib
+from tensorflow.python.distribute import device_util
+from tensorflow.python.framework import ops
 
-from tpu_embed_ext.emulated_tpu import patching
+from tpu_embed_ext.emulated_tpu.errors import EmulationError, NotEmulatedError
 
-__all__ = ["create_device_dataset", "without_autotuning"]
-
-_MODULE = "tensorflow.python.data.ops.multi_device_iterator_ops"
+__all__ = ["HostIterator", "HostIteratorSpec", "without_autotuning"]
 
 
 def without_autotuning(dataset):
@@ -56,7 +62,100 @@ def without_autotuning(dataset):
   return dataset.with_options(options)
 
 
-def create_device_dataset(*args, **kwargs):
-  """TensorFlow's per-replica dataset, with autotuning off (see above)."""
-  return without_autotuning(
-      patching.original(_MODULE, "_create_device_dataset")(*args, **kwargs))
+class HostIteratorSpec(multi_device_iterator_ops.MultiDeviceIteratorSpec):
+  """The type spec of a ``HostIterator``: its one host iterator."""
+
+  __slots__ = []
+
+  @property
+  def value_type(self):
+    return HostIterator
+
+  @property
+  def _component_specs(self):
+    return [iterator_ops.IteratorSpec(self._element_spec)]
+
+  def _to_components(self, value):
+    if not isinstance(value, HostIterator):
+      raise EmulationError(
+          "a distributed iterator made before emulate_tpu started was passed "
+          "to a tf.function inside it; the emulated TPU reads its datasets "
+          "through its own iterators. Fix: make the iterator (iter(...) of the "
+          "distributed dataset) inside the emulation.")
+    return [value._iterator]  # pylint: disable=protected-access
+
+  def _from_components(self, components):
+    return HostIterator(devices=self._devices, source_device=self._source_device,
+                        components=components, element_spec=self._element_spec)
+
+  @staticmethod
+  def from_value(value):
+    return value._type_spec  # pylint: disable=protected-access
+
+
+class HostIterator(multi_device_iterator_ops.OwnedMultiDeviceIterator):
+  """``OwnedMultiDeviceIterator`` of the emulated TPU (see above).
+
+  Takes TensorFlow's arguments. ``max_buffer_size`` and
+  ``prefetch_buffer_size`` size TensorFlow's per-device buffers, which this
+  iterator does not have: they change when elements are read, never which.
+  """
+
+  def __init__(self, dataset=None, devices=None, max_buffer_size=1,  # pylint: disable=super-init-not-called
+               prefetch_buffer_size=1, source_device="/cpu:0",
+               components=None, element_spec=None):
+    del max_buffer_size, prefetch_buffer_size
+    if devices is None:
+      raise ValueError("`devices` must be provided.")
+    self._devices = devices
+    self._source_device = source_device
+    if dataset is None:
+      if components is None or element_spec is None:
+        raise ValueError("When `dataset` is not provided, both `components` "
+                         "and `element_spec` must be specified.")
+      self._iterator, = components
+      self._element_spec = element_spec
+      return
+    if components is not None or element_spec is not None:
+      raise ValueError("When `dataset` is provided, `element_spec` and "
+                       "`components` must not be specified.")
+    # The options TensorFlow's iterator gives its dataset.
+    options = options_lib.Options()
+    options.experimental_distribute.num_devices = len(devices)
+    dataset = dataset.with_options(options)._apply_debug_options()  # pylint: disable=protected-access
+    self._element_spec = dataset.element_spec
+    with ops.device(source_device):
+      self._iterator = iter(dataset)
+
+  def _on_device(self, element, device):
+    """``element`` (read on the host) as replica ``device``'s value."""
+    if device_util.canonicalize(device) == device_util.canonicalize(
+        self._source_device):
+      return element
+    with ops.device(device):
+      return tf.nest.map_structure(tf.identity, element, expand_composites=True)
+
+  def get_next(self, device=None):
+    """Every device's next element, in device order (as TensorFlow's)."""
+    if device is not None:
+      raise NotEmulatedError(
+          "OwnedMultiDeviceIterator.get_next(device) is not emulated: the "
+          "emulated TPU deals each step's elements to all replicas at once. "
+          "Fix: call get_next() and take the device's entry.")
+    result = []
+    for replica_device in self._devices:
+      with ops.device(self._source_device):
+        element = self._iterator.get_next()
+      result.append(self._on_device(element, replica_device))
+    return result
+
+  def get_next_as_optional(self):
+    """Every device's next element as an ``Optional``, in device order (its
+    value is read on the device, as TensorFlow's ``input_lib`` reads it)."""
+    with ops.device(self._source_device):
+      return [self._iterator.get_next_as_optional() for _ in self._devices]
+
+  @property
+  def _type_spec(self):
+    return HostIteratorSpec(self._devices, self._source_device,
+                            self._element_spec)

@@ -47,10 +47,12 @@ exists and is the object named in ``ORIGINALS``, and no other module under
   ``NotEmulatedError`` (model parallelism) instead of TensorFlow's
   ``ValueError`` about the topology.
 
-* ``multi_device_iterator_ops._create_device_dataset`` (internal, no alias)
-  -> ``device_datasets.create_device_dataset``: the per-replica datasets of
-  distributed iterators without tf.data autotuning (its thread hangs their
-  destructor at 8 replicas; ``device_datasets.py``).
+* ``multi_device_iterator_ops.OwnedMultiDeviceIterator`` and its
+  ``MultiDeviceIteratorSpec`` (internal, no alias; what ``input_lib`` feeds
+  the replicas of distributed datasets through) -> ``device_datasets.
+  HostIterator`` and ``HostIteratorSpec``: one host iterator dealing each
+  step's elements to the replicas as TensorFlow's round-robin does, instead
+  of one dataset, iterator and thread per replica (``device_datasets.py``).
 
 ``tf.X`` above is the module ``tensorflow._api.v2.X`` (what ``tf.X`` is), v1 is
 ``tensorflow._api.v2.compat.v1.X``, compat.v2 ``tensorflow._api.v2.compat.v2.X``.
@@ -107,8 +109,12 @@ ORIGINALS = {
     "TPUEmbeddingV2": ("tensorflow.python.tpu.tpu_embedding_v3", "TPUEmbeddingV2"),
     "device_assignment": ("tensorflow.python.tpu.device_assignment",
                           "device_assignment"),
-    "_create_device_dataset": ("tensorflow.python.data.ops.multi_device_iterator_ops",
-                               "_create_device_dataset"),
+    "OwnedMultiDeviceIterator": (
+        "tensorflow.python.data.ops.multi_device_iterator_ops",
+        "OwnedMultiDeviceIterator"),
+    "MultiDeviceIteratorSpec": (
+        "tensorflow.python.data.ops.multi_device_iterator_ops",
+        "MultiDeviceIteratorSpec"),
 }
 
 # Key -> replacement (module:attribute under tpu_embed_ext.emulated_tpu).
@@ -126,9 +132,10 @@ _REPLACEMENTS = {
     # (TPUEmbeddingV2 adapter). Without SparseCore, a class that refuses.
     "TPUEmbeddingV2": "sparsecore:TPUEmbeddingV2",
     "device_assignment": "strategy:device_assignment",
-    # Not an entry point: the per-replica datasets of distributed iterators,
-    # without the autotuning thread that hangs their destructor at 8 replicas.
-    "_create_device_dataset": "device_datasets:create_device_dataset",
+    # Not entry points: what feeds the replicas from distributed datasets,
+    # one host iterator instead of one per replica (device_datasets.py).
+    "OwnedMultiDeviceIterator": "device_datasets:HostIterator",
+    "MultiDeviceIteratorSpec": "device_datasets:HostIteratorSpec",
 }
 _WITHOUT_SPARSECORE = "mid_level:TPUEmbeddingV2WithoutSparseCore"
 
@@ -161,7 +168,8 @@ PATCHES: Tuple[Patch, ...] = tuple(
        for row in _rows(name, *((f"{api}.tpu.experimental.embedding", name)
                                 for api in (_API, _V1, _V2)))]
     + _rows("device_assignment")
-    + _rows("_create_device_dataset"))
+    + _rows("OwnedMultiDeviceIterator")
+    + _rows("MultiDeviceIteratorSpec"))
 
 
 def _object(path: str, emulation):

@@ -154,9 +154,8 @@ def feature_occurrences(where: str, config, x, w, check: bool,
   row or sparse row is one of the ``prod(output_shape)`` samples, dense ids
   may be weighted, and ``max_sequence_length`` plays no part.
 
-  ``native``: a combined ragged feature's rows and gains come from one
-  native op (``native.lookup.ragged_gains``, the same values); never under
-  XLA.
+  ``native``: combiner gains (and a ragged feature's rows) from one native
+  op (``native.lookup``: the same values); never under XLA.
 
   ``own_checked``: the assertions of the feature's own checks (uint64 ids,
   sparse indices, finite weights) run over all replicas at once
@@ -236,7 +235,7 @@ def feature_occurrences(where: str, config, x, w, check: bool,
     if isinstance(x, tf.RaggedTensor):
       occ = _ragged(where, config, x, weight, shape, native)
     else:
-      occ = _sparse(where, config, x, weight, shape)
+      occ = _sparse(where, config, x, weight, shape, native)
     occ = occ._replace(weights_ok=weights_ok)
   return occ._replace(ids=tf.cast(occ.ids, tf.int64), checks=tuple(own))
 
@@ -339,7 +338,7 @@ def _ragged(where, config, x, weight, shape, native=False) -> Occurrences:
   return _sequence(ids, x.value_rowids(), _positions(x), batch, length, shape)
 
 
-def _sparse(where, config, x, weight, shape) -> Occurrences:
+def _sparse(where, config, x, weight, shape, native=False) -> Occurrences:
   rank = x.shape.rank
   if config.max_sequence_length > 0 and not config.output_shape and rank == 2:
     length = config.max_sequence_length
@@ -352,10 +351,14 @@ def _sparse(where, config, x, weight, shape) -> Occurrences:
   outer = static.as_list() if static.is_fully_defined() else x.dense_shape[:-1]
   if static.is_fully_defined() and _is_static(shape):
     _check_count(where, "rows of sparse ids", static.num_elements(), shape)
-  row = tf.zeros_like(x.indices[:, 0])
-  for d in range(rank - 1):
+  # The row-major position of the outer index (rank 1: one row).
+  row = x.indices[:, 0] if rank > 1 else tf.zeros_like(x.indices[:, 0])
+  for d in range(1, rank - 1):
     row = row * outer[d] + x.indices[:, d]
   num_rows = _prod(outer) if isinstance(outer, list) else tf.reduce_prod(outer)
+  if native and not check_runner.in_xla_context():
+    gains = native_lookup.segment_gains(row, weight, num_rows, config.table.combiner)
+    return Occurrences(x.values, row, gains, num_rows, shape)
   return _combined(config, x.values, row, weight, num_rows, shape)
 
 

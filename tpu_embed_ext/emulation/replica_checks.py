@@ -100,11 +100,9 @@ def checked_together(where: str, config, xs: list, ws: list):
     rows.append((checks.UNSIGNED_IDS, check_runner.Item(
         tf.concat([flat(x) for x in xs], 0), (vocab,), dict(names, vocab=vocab))))
   if kind is tf.SparseTensor:
-    indices = [tf.convert_to_tensor(x.indices, tf.int64) for x in xs]
-    bounds = [tf.tile(tf.convert_to_tensor(x.dense_shape, tf.int64)[None],
-                      [tf.shape(i)[0], 1]) for x, i in zip(xs, indices)]
+    bounds = _dense_shapes(xs)
     rows.append((checks.SPARSE_INDICES, check_runner.Item(
-        tf.concat(indices, 0), (tf.concat(bounds, 0),), names)))
+        tf.concat([x.indices for x in xs], 0), (bounds,), names)))
   if all(weighted):
     rows.append((checks.WEIGHTS_FINITE, check_runner.Item(
         tf.concat([tf.cast(flat(w), tf.float32) for w in ws], 0), names=names)))
@@ -125,3 +123,17 @@ def concatenated(per_replica: List[List[Occurrences]]) -> List[Occurrences]:
         weights_ok=tf.stack(layouts) if layouts else None,
         checks=tuple(v for o in feature for v in o.checks)))
   return merged
+
+
+def _dense_shapes(xs) -> tf.Tensor:
+  """The dense_shape each index row of the replicas' SparseTensors ``xs``
+  is bounded by: one for all of them when their shapes are static and equal
+  (a fully defined static shape is the dense_shape's value: TensorFlow
+  derives it from that tensor, or makes the tensor from it), else each
+  replica's own, one row per index row."""
+  static = {tuple(x.shape.as_list()) if x.shape.is_fully_defined() else None
+            for x in xs}
+  if len(static) == 1 and None not in static:
+    return tf.constant(static.pop(), tf.int64)
+  rows = tf.stack([tf.shape(x.indices, tf.int64) for x in xs])[:, 0]
+  return tf.repeat(tf.stack([x.dense_shape for x in xs]), rows, axis=0)

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tpu_embed_ext.emulation.native import loader
 
-__all__ = ["activation", "ragged_gains"]
+__all__ = ["activation", "ragged_gains", "segment_gains"]
 
 _COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 
@@ -33,6 +33,17 @@ def ragged_gains(row_splits, weights, combiner: str):
       _empty(tf.float32) if weights is None else weights,
       combiner=_COMBINERS[combiner])
   return rows, (None if combiner == "sum" and weights is None else gains)
+
+
+def segment_gains(rows, weights, num_rows, combiner: str):
+  """What ``lookups._combined`` computes for ids whose output rows are
+  ``rows`` (of ``num_rows``), in one op (None: all ones, a sum without
+  weights)."""
+  if combiner == "sum" and weights is None:
+    return None
+  return loader.load().tpu_embed_ext_segment_gains(
+      tf.cast(rows, tf.int64), _empty(tf.float32) if weights is None else weights,
+      tf.cast(num_rows, tf.int64), combiner=_COMBINERS[combiner])
 
 
 def activation(params, occ, table_config, check=None):

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -321,6 +322,94 @@ class RaggedGainsOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("TpuEmbedExtRaggedGains").Device(DEVICE_CPU),
                         RaggedGainsOp);
+
+}  // namespace
+}  // namespace tensorflow
+
+// TpuEmbedExtSegmentGains: the combiner's gain per id of a feature whose
+// output row per id is given (a SparseTensor's row-major outer index), what
+// lookups._combined computes with TensorFlow ops, with the same float32
+// operations in the same order as TpuEmbedExtRaggedGains (per-row sums start
+// at 0 and add in input order, as unsorted_segment_sum; sqrt; divide_no_nan),
+// so the same bits. Rows need not be sorted. combiner: 0 sum, 1 mean,
+// 2 sqrtn; a sum without weights has no gains (an empty output: all ones).
+namespace tensorflow {
+namespace {
+
+REGISTER_OP("TpuEmbedExtSegmentGains")
+    .Input("rows: int64")
+    .Input("weights: float")
+    .Input("num_rows: int64")
+    .Output("gains: float")
+    .Attr("combiner: int")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Vector(shape_inference::InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc("combiner gains of a feature from each id's output row (tpu_embed_ext).");
+
+class SegmentGainsOp : public OpKernel {
+ public:
+  explicit SegmentGainsOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("combiner", &combiner_));
+    OP_REQUIRES(c, combiner_ >= 0 && combiner_ <= 2,
+                errors::InvalidArgument("combiner must be 0, 1 or 2"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& rows_t = ctx->input(0);
+    const Tensor& weights_t = ctx->input(1);
+    const Tensor& num_rows_t = ctx->input(2);
+    OP_REQUIRES(ctx, rows_t.dims() == 1,
+                errors::InvalidArgument("rows must be a vector"));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(num_rows_t.shape()),
+                errors::InvalidArgument("num_rows must be a scalar"));
+    const int64_t n = rows_t.NumElements();
+    const int64_t num_rows = num_rows_t.scalar<int64_t>()();
+    OP_REQUIRES(ctx, num_rows >= 0,
+                errors::InvalidArgument("num_rows must not be negative"));
+    const int64_t* rows = rows_t.flat<int64_t>().data();
+    for (int64_t i = 0; i < n; ++i) {
+      OP_REQUIRES(ctx, rows[i] >= 0 && rows[i] < num_rows,
+                  errors::InvalidArgument("rows[", i, "] = ", rows[i],
+                                          " is out of range [0, ", num_rows, ")"));
+    }
+    const bool weighted = weights_t.NumElements() > 0;
+    OP_REQUIRES(ctx, !weighted || weights_t.NumElements() == n,
+                errors::InvalidArgument("weights must be empty or one per id: ",
+                                        weights_t.NumElements(), " vs ", n));
+    const bool ones = combiner_ == 0 && !weighted;
+    Tensor* gains_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({ones ? 0 : n}),
+                                             &gains_t));
+    if (ones) return;
+    float* gains = gains_t->flat<float>().data();
+    const float* w = weighted ? weights_t.flat<float>().data() : nullptr;
+    if (combiner_ == 0) {
+      std::copy(w, w + n, gains);
+      return;
+    }
+    std::vector<float> totals(num_rows, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = w ? w[i] : 1.0f;
+      totals[rows[i]] += combiner_ == 2 ? x * x : x;
+    }
+    if (combiner_ == 2) {
+      for (float& total : totals) total = std::sqrt(total);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = w ? w[i] : 1.0f;
+      const float total = totals[rows[i]];
+      gains[i] = total == 0.0f ? 0.0f : x / total;  // divide_no_nan
+    }
+  }
+
+ private:
+  int combiner_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("TpuEmbedExtSegmentGains").Device(DEVICE_CPU),
+                        SegmentGainsOp);
 
 }  // namespace
 }  // namespace tensorflow
