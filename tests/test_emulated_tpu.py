@@ -509,15 +509,17 @@ def test_distributed_iterator_with_next_in_a_function(fetch_to_device):
                      if fetch_to_device else [devices[0]] * 8)
 
 
-def test_distributed_iterator_reads_in_program_order():
+@pytest.mark.parametrize("read", ["IteratorGetNext", "IteratorGetNextAsOptional"])
+def test_distributed_iterator_reads_in_program_order(read):
   """In a traced step, each replica's read waits for the previous one's
-  (one iterator resource: TensorFlow orders its ops as written)."""
+  (one iterator resource: TensorFlow orders its ops as written); with a
+  partial last batch, reads are optionals."""
+  data = tf.data.Dataset.range(64).batch(8, drop_remainder=read == "IteratorGetNext")
   with emulate_tpu(replicas=4):
     strategy = tf.distribute.TPUStrategy()
-    iterator = iter(strategy.experimental_distribute_dataset(
-        tf.data.Dataset.range(64).batch(8, drop_remainder=True)))
+    iterator = iter(strategy.experimental_distribute_dataset(data))
     graph = tf.function(lambda it: next(it)).get_concrete_function(iterator).graph
-  reads = [op for op in graph.get_operations() if op.type == "IteratorGetNext"]
+  reads = [op for op in graph.get_operations() if op.type == read]
   assert len(reads) == 4
   for before, after in zip(reads, reads[1:]):
     assert before in after.control_inputs

@@ -21,9 +21,9 @@ then the interpreter's finalization (open files, ``gzip`` / ``zipfile`` /
 them under ``python SCRIPT``; ``tests/test_emulate_command.py`` compares
 each). Until issue 34 the runner ended with ``os._exit`` to skip that
 finalization, where TensorFlow's destructors of distributed iterators waited
-on tf.data autotuning threads for seconds to minutes at 8 replicas; those
-threads are gone from the emulated TPU's distributed datasets
-(``device_datasets.py``). The rest of the exit's time was the interpreter's
+on tf.data autotuning threads for seconds to minutes at 8 replicas; the
+emulated TPU's distributed datasets have neither those threads nor
+per-replica iterators (``device_datasets.py``). The rest of the exit's time was the interpreter's
 final collections walking TensorFlow's start-up objects (1.1-2.3 s after the
 script's last line at 8 replicas); on the command line ``_start`` freezes
 them (``start_up_objects.py``) before the script runs, and

@@ -46,9 +46,11 @@ as a difference):
   (``/device:CPU:0``), so inputs prefetched to core 0 (all of them with one
   replica) cannot be told from the host's, and, as in TensorFlow's own check,
   tensors of an iterator passed to a ``tf.function`` as an argument carry no
-  device; distributed datasets run
-  without tf.data autotuning (``device_datasets.py``: the same elements per
-  replica; autotuning's threads hung their destructors at 8 replicas);
+  device; distributed datasets feed the
+  replicas from one host iterator, without tf.data autotuning
+  (``device_datasets.py``: the same elements per replica as
+  ``MirroredStrategy``'s per-replica iterators, whose threads hung their
+  destructors at 8 replicas);
   memory limits and speed are the CPU's.
 """
 

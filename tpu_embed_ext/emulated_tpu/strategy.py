@@ -271,7 +271,8 @@ class EmulatedTPUExtended(mirrored_strategy.MirroredExtended):
     raise _not_emulated("TPUStrategy.extended.experimental_logical_device")
 
   # Datasets: MirroredStrategy's, with no tf.data autotuning thread on the
-  # host side (its destructor hangs at 8 replicas: device_datasets.py).
+  # host (its destructor hung at 8 replicas); the replicas read them through
+  # device_datasets.HostIterator (patched in by patching.PATCHES).
   def _experimental_distribute_dataset(self, dataset, options):
     return super()._experimental_distribute_dataset(
         device_datasets.without_autotuning(dataset), options)

@@ -24,6 +24,11 @@ def _empty(dtype):
   return tf.zeros([0], dtype)
 
 
+def _int64(x):
+  """``x`` as an int64 tensor (a Python int: one constant, no cast op)."""
+  return tf.constant(x, tf.int64) if isinstance(x, int) else tf.cast(x, tf.int64)
+
+
 def ragged_gains(row_splits, weights, combiner: str):
   """``(rows, gains)`` of a combined ragged feature in one op: its
   ``value_rowids`` and what ``lookups._combined`` computes (gains None:
@@ -43,7 +48,7 @@ def segment_gains(rows, weights, num_rows, combiner: str):
     return None
   return loader.load().tpu_embed_ext_segment_gains(
       tf.cast(rows, tf.int64), _empty(tf.float32) if weights is None else weights,
-      tf.cast(num_rows, tf.int64), combiner=_COMBINERS[combiner])
+      _int64(num_rows), combiner=_COMBINERS[combiner])
 
 
 def activation(params, occ, table_config, check=None):
@@ -58,9 +63,12 @@ def activation(params, occ, table_config, check=None):
   rows = (_empty(tf.int64) if occ.rows is None
           else tf.cast(occ.rows, tf.int64))
   gains = _empty(tf.float32) if occ.gains is None else occ.gains
-  num_rows = tf.cast(occ.num_rows, tf.int64)
+  num_rows = _int64(occ.num_rows)
   with tf.control_dependencies([check] if check is not None else []):
     out = ops.tpu_embed_ext_lookup(
         params.handle, tf.cast(occ.ids, tf.int64), rows, gains, num_rows,
         dim=table_config.dim, segmented=occ.rows is not None, **attrs)
-  return tf.reshape(out, list(occ.shape) + [table_config.dim])
+  shape = list(occ.shape) + [table_config.dim]
+  if all(isinstance(d, int) for d in shape) and out.shape.as_list() == shape:
+    return out  # Already [rows, dim].
+  return tf.reshape(out, shape)
