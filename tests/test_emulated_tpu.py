@@ -525,6 +525,24 @@ def test_distributed_iterator_reads_in_program_order(read):
     assert before in after.control_inputs
 
 
+def test_one_devices_read_is_not_emulated():
+  """TensorFlow's per-device read (``OwnedMultiDeviceIterator.get_next(device)``,
+  which ``input_lib`` does not call) would take an element out of turn."""
+  with emulate_tpu(replicas=2):
+    strategy = tf.distribute.TPUStrategy()
+    iterator = iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.range(8).batch(4)))
+    host = iterator._iterators[0]._iterator  # pylint: disable=protected-access
+    with pytest.raises(emulated_tpu.NotEmulatedError) as e:
+      host.get_next(strategy.extended.worker_devices[1])
+    assert [v.numpy().tolist() for v in strategy.experimental_local_results(
+        next(iterator))] == [[0, 1], [2, 3]]  # Nothing was read.
+  assert str(e.value) == (
+      "OwnedMultiDeviceIterator.get_next(device) is not emulated: the emulated "
+      "TPU deals each step's elements to all replicas at once. Fix: call "
+      "get_next() and take the device's entry.")
+
+
 def test_iterator_from_before_the_emulation_is_refused_in_a_function():
   strategy = _mirrored(2)
   iterator = iter(strategy.experimental_distribute_dataset(

@@ -15,9 +15,8 @@ before the combiner, forward only (docs/semantics.md, other options).
 
 Shapes and the inputs accepted are ``TPUEmbedding``'s, the object the engine
 stands in for, where ``TPUEmbeddingForServing`` differs (docs/shapes.md):
-dense ids of rank >= 2 must end in a dimension of 1, which is dropped
-(``[B, 1] -> [B, dim]``, ``[B, 4, 1] -> [B, 4, dim]``); ``[B, k]`` with
-``k > 1`` is rejected.
+dense ids of rank >= 2 must end in a dimension of 1, which is dropped (``[B,
+1] -> [B, dim]``, ``[B, 4, 1] -> [B, 4, dim]``); ``[B, k > 1]`` is rejected.
 """
 
 from __future__ import annotations
@@ -341,12 +340,10 @@ def _ragged(where, config, x, weight, shape, native=False) -> Occurrences:
 def _sparse(where, config, x, weight, shape, native=False) -> Occurrences:
   rank = x.shape.rank
   if config.max_sequence_length > 0 and not config.output_shape and rank == 2:
-    length = config.max_sequence_length
-    batch = x.dense_shape[0]
-    return _sequence(x.values, x.indices[:, 0], x.indices[:, 1], batch,
-                     length, shape)
-  # Combine over the last dimension, as embedding_lookup_sparse does. A
-  # static outer shape is used when known (XLA needs static shapes).
+    return _sequence(x.values, x.indices[:, 0], x.indices[:, 1], x.dense_shape[0],
+                     config.max_sequence_length, shape)
+  # Combine over the last dimension, as embedding_lookup_sparse does, on the
+  # static outer shape when known (XLA needs static shapes).
   static = x.shape[:-1]
   outer = static.as_list() if static.is_fully_defined() else x.dense_shape[:-1]
   if static.is_fully_defined() and _is_static(shape):
@@ -357,8 +354,8 @@ def _sparse(where, config, x, weight, shape, native=False) -> Occurrences:
     row = row * outer[d] + x.indices[:, d]
   num_rows = _prod(outer) if isinstance(outer, list) else tf.reduce_prod(outer)
   if native and not check_runner.in_xla_context():
-    gains = native_lookup.segment_gains(row, weight, num_rows, config.table.combiner)
-    return Occurrences(x.values, row, gains, num_rows, shape)
+    return Occurrences(x.values, row, native_lookup.segment_gains(
+        row, weight, num_rows, config.table.combiner), num_rows, shape)
   return _combined(config, x.values, row, weight, num_rows, shape)
 
 

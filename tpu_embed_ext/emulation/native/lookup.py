@@ -68,7 +68,4 @@ def activation(params, occ, table_config, check=None):
     out = ops.tpu_embed_ext_lookup(
         params.handle, tf.cast(occ.ids, tf.int64), rows, gains, num_rows,
         dim=table_config.dim, segmented=occ.rows is not None, **attrs)
-  shape = list(occ.shape) + [table_config.dim]
-  if all(isinstance(d, int) for d in shape) and out.shape.as_list() == shape:
-    return out  # Already [rows, dim].
-  return tf.reshape(out, shape)
+  return tf.reshape(out, list(occ.shape) + [table_config.dim])
