@@ -104,6 +104,13 @@ def tiny_data_dir():
   return path
 
 
+@pytest.fixture(scope="session")
+def data_dir(tiny_data_dir):
+  """``tiny_data_dir`` under the name the job tests pass on (test_cli.py
+  builds its own, to keep tfds's progress bars out of its stderr)."""
+  return tiny_data_dir
+
+
 @pytest.fixture
 def no_op_determinism():
   """Keras turns XLA off while op determinism is on (the training job sets it)."""

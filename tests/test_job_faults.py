@@ -29,11 +29,6 @@ from tpu_embed_ext import job as train_lib
 CONFIG = jobs.TINY_CONFIG
 
 
-@pytest.fixture(scope="module")
-def data_dir(tiny_data_dir):
-  return tiny_data_dir  # the session's: the tiny dataset is built once per process
-
-
 _TRAIN = {"steps_per_checkpoint": 5, "eval_batches": 1}  # the config's train: fields
 
 

@@ -25,11 +25,6 @@ STEPS = 30
 BLOCK = 10
 
 
-@pytest.fixture(scope="module")
-def data_dir(tiny_data_dir):
-  return tiny_data_dir  # the session's: the tiny dataset is built once per process
-
-
 def _train(model_dir, data_dir, steps, config=CONFIG, **overrides):
   return jobs.train_tiny(model_dir, data_dir, steps, config,
                          **{"steps_per_checkpoint": BLOCK, **overrides})

@@ -18,11 +18,6 @@ from tpu_embed_ext.spec import EmbeddingSpec
 CONFIG = jobs.TINY_CONFIG
 
 
-@pytest.fixture(scope="module")
-def data_dir(tiny_data_dir):
-  return tiny_data_dir  # the session's: the tiny dataset is built once per process
-
-
 def _train(model_dir, data_dir, steps):
   """The job's metrics (quiet: verbose=0)."""
   return jobs.train_tiny(model_dir, data_dir, steps, verbose=0)[0]
