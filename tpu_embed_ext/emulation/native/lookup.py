@@ -42,10 +42,10 @@ def ragged_gains(row_splits, weights, combiner: str):
 
 def segment_gains(rows, weights, num_rows, combiner: str):
   """What ``lookups._combined`` computes for ids whose output rows are
-  ``rows`` (of ``num_rows``), in one op (None: all ones, a sum without
-  weights)."""
-  if combiner == "sum" and weights is None:
-    return None
+  ``rows`` (of ``num_rows``): a sum's gains are its weights (None: all
+  ones), the other combiners' one op."""
+  if combiner == "sum":
+    return weights
   return loader.load().tpu_embed_ext_segment_gains(
       tf.cast(rows, tf.int64), _empty(tf.float32) if weights is None else weights,
       _int64(num_rows), combiner=_COMBINERS[combiner])

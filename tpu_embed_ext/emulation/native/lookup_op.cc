@@ -248,6 +248,31 @@ REGISTER_KERNEL_BUILDER(Name("TpuEmbedExtLookup").Device(DEVICE_CPU), LookupOp);
 namespace tensorflow {
 namespace {
 
+// The combiner's gain of each of n ids whose output rows are rows[i] (each
+// in [0, num_rows)), weights w (nullptr: all 1): per-row sums start at 0 and
+// add in input order (as unsorted_segment_sum), then sqrt (sqrtn), then
+// w / sum or 0 (divide_no_nan). Both gain ops use it.
+void CombinerGains(const int64_t* rows, const float* w, int64_t n,
+                   int64_t num_rows, int combiner, float* gains) {
+  if (combiner == 0) {  // sum: the weights (the caller has some)
+    std::copy(w, w + n, gains);
+    return;
+  }
+  std::vector<float> totals(num_rows, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = w ? w[i] : 1.0f;
+    totals[rows[i]] += combiner == 2 ? x * x : x;
+  }
+  if (combiner == 2) {
+    for (float& total : totals) total = std::sqrt(total);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = w ? w[i] : 1.0f;
+    const float total = totals[rows[i]];
+    gains[i] = total == 0.0f ? 0.0f : x / total;  // divide_no_nan
+  }
+}
+
 REGISTER_OP("TpuEmbedExtRaggedGains")
     .Input("row_splits: int64")
     .Input("weights: float")
@@ -296,24 +321,9 @@ class RaggedGainsOp : public OpKernel {
     float* gains = gains_t->flat<float>().data();
     const float* w = weighted ? weights_t.flat<float>().data() : nullptr;
     for (int64_t r = 0; r < batch; ++r) {
-      const int64_t begin = splits[r], end = splits[r + 1];
-      for (int64_t i = begin; i < end; ++i) rows[i] = r;
-      if (ones) continue;
-      if (combiner_ == 0) {
-        for (int64_t i = begin; i < end; ++i) gains[i] = w[i];
-        continue;
-      }
-      float total = 0.0f;
-      for (int64_t i = begin; i < end; ++i) {
-        const float x = w ? w[i] : 1.0f;
-        total += combiner_ == 2 ? x * x : x;
-      }
-      if (combiner_ == 2) total = std::sqrt(total);
-      for (int64_t i = begin; i < end; ++i) {
-        const float x = w ? w[i] : 1.0f;
-        gains[i] = total == 0.0f ? 0.0f : x / total;  // divide_no_nan
-      }
+      for (int64_t i = splits[r]; i < splits[r + 1]; ++i) rows[i] = r;
     }
+    if (!ones) CombinerGains(rows, w, n, batch, combiner_, gains);
   }
 
  private:
@@ -328,10 +338,8 @@ REGISTER_KERNEL_BUILDER(Name("TpuEmbedExtRaggedGains").Device(DEVICE_CPU),
 
 // TpuEmbedExtSegmentGains: the combiner's gain per id of a feature whose
 // output row per id is given (a SparseTensor's row-major outer index), what
-// lookups._combined computes with TensorFlow ops, with the same float32
-// operations in the same order as TpuEmbedExtRaggedGains (per-row sums start
-// at 0 and add in input order, as unsorted_segment_sum; sqrt; divide_no_nan),
-// so the same bits. Rows need not be sorted. combiner: 0 sum, 1 mean,
+// lookups._combined computes with TensorFlow ops (CombinerGains, as
+// TpuEmbedExtRaggedGains), so the same bits. Rows need not be sorted. combiner: 0 sum, 1 mean,
 // 2 sqrtn; a sum without weights has no gains (an empty output: all ones).
 namespace tensorflow {
 namespace {
@@ -383,25 +391,8 @@ class SegmentGainsOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({ones ? 0 : n}),
                                              &gains_t));
     if (ones) return;
-    float* gains = gains_t->flat<float>().data();
-    const float* w = weighted ? weights_t.flat<float>().data() : nullptr;
-    if (combiner_ == 0) {
-      std::copy(w, w + n, gains);
-      return;
-    }
-    std::vector<float> totals(num_rows, 0.0f);
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = w ? w[i] : 1.0f;
-      totals[rows[i]] += combiner_ == 2 ? x * x : x;
-    }
-    if (combiner_ == 2) {
-      for (float& total : totals) total = std::sqrt(total);
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = w ? w[i] : 1.0f;
-      const float total = totals[rows[i]];
-      gains[i] = total == 0.0f ? 0.0f : x / total;  // divide_no_nan
-    }
+    CombinerGains(rows, weighted ? weights_t.flat<float>().data() : nullptr, n,
+                  num_rows, combiner_, gains_t->flat<float>().data());
   }
 
  private:
