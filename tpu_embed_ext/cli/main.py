@@ -1,7 +1,7 @@
 """Command line: ``tpu-embed COMMAND [flags]`` (also ``python -m tpu_embed_ext``).
 
   plan    --config C [--proto] [--engine v2 --topology T [--data N]]
-  train   --config C [--steps N] [--model_dir DIR] [--tpu auto|none|emulate[:N]|NAME]
+  train   --config C [--steps N] [--model_dir DIR] [--tpu auto|none|emulate[:N|:TOPOLOGY]|NAME]
   export  --config C --model_dir DIR [--out DIR]
   convert-checkpoint --checkpoint PREFIX --out PREFIX --topology T|none [--config C]
   emulate [--replicas N] [--sparsecore] [--topology T] [--no-xla] (SCRIPT | -m MODULE) [ARGS...]
@@ -52,7 +52,9 @@ _FLAGS = {
                   "name without extension>).", {}),
     "tpu": ("string", "auto", "'auto' (use a TPU if one is attached), 'none' (CPU "
             "emulation), 'emulate' or 'emulate:N' (the job's TPU path on an "
-            "emulated TPU of N replicas, default 8, on CPU), or a TPU name/address.",
+            "emulated TPU of N replicas, default 8, on CPU: TPUEmbedding), "
+            "'emulate:TOPOLOGY' (an emulated TPU with SparseCore, e.g. "
+            "emulate:v5p:4, emulate:v6e:8: TPUEmbeddingV2), or a TPU name/address.",
             {}),
     "out": ("string", None, "export: where to write the SavedModel (default: "
             "<model_dir>/serving); convert-checkpoint: the prefix of the converted "

@@ -14,7 +14,16 @@ from tpu_embed_ext.tf import optimizers as tf_optimizers
 from tpu_embed_ext.spec import EmbeddingSpec
 from tpu_embed_ext.emulation import engine as engine_lib
 
-__all__ = ["create_embedding"]
+__all__ = ["create_embedding", "uses_sparsecore"]
+
+
+def uses_sparsecore(strategy=None) -> bool:
+  """Whether ``create_embedding`` makes a ``TPUEmbeddingV2`` under ``strategy``
+  (default: the one in scope): a ``TPUStrategy`` on SparseCore hardware."""
+  from tensorflow.python.distribute import tpu_strategy
+  strategy = strategy or tf.distribute.get_strategy()
+  return (isinstance(strategy, (tpu_strategy.TPUStrategy, tpu_strategy.TPUStrategyV2))
+          and _sparsecore(strategy))
 
 
 def _sparsecore(strategy) -> bool:

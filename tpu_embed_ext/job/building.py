@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import keras
+import tensorflow as tf
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.emulation import dispatch
 from tpu_embed_ext.host import model_dir as model_dir_lib
 from tpu_embed_ext.job.config import TrainConfig, keras_config
-from tpu_embed_ext.job.data import feature_columns
 from tpu_embed_ext.job.outputs import StepLoss
 from tpu_embed_ext.job.replicated import call_model, rows
 from tpu_embed_ext.keras.model import RankingModel
@@ -18,15 +21,38 @@ __all__ = ["build_model", "build_variables", "restore"]
 
 def build_model(spec: EmbeddingSpec, cfg: TrainConfig, *, engine=None):
   keras.utils.set_random_seed(cfg.seed)
-  multi_hot = [name for name, (_, layout) in feature_columns(spec, cfg).items()
-               if layout != "dense"]
-  model = RankingModel(spec, engine=engine, multi_hot=multi_hot, **dict(cfg.model))
+  model = RankingModel(with_output_shapes(spec, cfg), engine=engine, **dict(cfg.model))
   loss = keras.losses.BinaryCrossentropy(from_logits=True)
   model.compile(
       optimizer=keras.optimizers.get(keras_config(cfg.dense_optimizer)),
       loss=loss, metrics=[keras.metrics.AUC(from_logits=True, name="auc"),
                           StepLoss(loss)])
   return model
+
+
+def with_output_shapes(spec: EmbeddingSpec, cfg: TrainConfig) -> EmbeddingSpec:
+  """``spec`` as the engine of the strategy in scope takes it.
+
+  ``TPUEmbeddingV2`` (SparseCore) needs every feature's ``output_shape``
+  (``tpu_embedding_v3.py`` builds its stacked buffers from it): the
+  per-replica batch (and a sequence feature's length), as TensorFlow's own
+  SparseCore tests set it. Other engines take the spec as it is.
+  """
+  strategy = tf.distribute.get_strategy()
+  if not dispatch.uses_sparsecore(strategy):
+    return spec
+  replicas = strategy.num_replicas_in_sync
+  if cfg.batch_size % replicas:
+    raise errors.ConfigError(
+        f"batch_size {cfg.batch_size} does not split over {replicas} replicas. "
+        f"Fix: use a batch size divisible by {replicas}.", path="train.batch_size")
+  per_replica = cfg.batch_size // replicas
+  features = tuple(
+      f if f.output_shape else dataclasses.replace(
+          f, output_shape=(per_replica,) + ((f.max_sequence_length,)
+                                            if f.max_sequence_length else ()))
+      for f in spec.features)
+  return dataclasses.replace(spec, features=features)
 
 
 def build_variables(model, batch, batch_size=None):

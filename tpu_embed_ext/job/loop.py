@@ -35,7 +35,7 @@ from tpu_embed_ext.host import checkpoint_scan
 from tpu_embed_ext.host import model_dir as model_dir_lib
 from tpu_embed_ext.job.building import build_model, build_variables, restore
 from tpu_embed_ext.job.config import TrainConfig, check_steps, in_file, load
-from tpu_embed_ext.job.data import feature_columns, first_batch, input_datasets
+from tpu_embed_ext.job.data import first_batch, input_datasets
 from tpu_embed_ext.job.evaluation import evaluate, planted_auc
 from tpu_embed_ext.host.memory import check_memory
 from tpu_embed_ext.job.outputs import (STEP_LOSS, append_history,
@@ -218,29 +218,6 @@ def _run_changes(previous: Mapping[str, Any], now: Mapping[str, Any]) -> str:
   return note
 
 
-def check_tpu_inputs(spec, cfg) -> None:
-  """Refuses, before anything is built, multi-hot features on a TPU.
-
-  The job pads a multi-hot feature's ids in its input pipeline (Keras cannot
-  distribute ragged batches) and turns them into ragged ids inside the
-  model's call, i.e. inside ``strategy.run``. A TPU's ``TPUEmbedding``
-  refuses ids computed there (``tpu_embedding_v2.py``,
-  ``_raise_error_for_non_direct_inputs``), and so does the emulated TPU: the
-  run would fail at its first step, after the TPU was set up.
-  """
-  multi_hot = [name for name, (_, layout) in feature_columns(spec, cfg).items()
-               if layout != "dense"]
-  if multi_hot:
-    raise errors.ConfigError(
-        f"features {', '.join(multi_hot)} are multi-hot: the job turns their padded "
-        "ids into ragged ids inside the training step, and a TPU's TPUEmbedding "
-        "refuses ids computed inside strategy.run (tpu_embedding_v2.py, "
-        "_raise_error_for_non_direct_inputs), so this run would fail at its first "
-        "step. Fix: train this config with --tpu none (CPU emulation), or leave "
-        "the multi-hot features out of the config's features for a TPU run.",
-        path="--tpu")
-
-
 def _finished(metrics_path: str) -> Optional[Dict[str, Any]]:
   """metrics.json of a finished run, or None (absent, or not whole JSON)."""
   try:
@@ -254,8 +231,6 @@ def _train(spec, cfg, model_dir, total, tpu, verbose, log):
   strategy, where = resolve_strategy(tpu)
   if strategy is None:
     check_memory(spec)
-  else:
-    check_tpu_inputs(spec, cfg)
   log(f"Training on {where}.")
   tf.config.experimental.enable_op_determinism()
   checkpoints = os.path.join(model_dir, "checkpoints")

@@ -17,7 +17,6 @@ import weakref
 import tensorflow as tf
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.keras.layer import PAD_ID
 
 __all__ = ["call_model", "rows", "fit_dataset"]
 
@@ -88,30 +87,23 @@ def _rows_slice(x, start: int, count: int):
 
 
 def fit_dataset(make_dataset):
-  """The training dataset as ``fit`` under a strategy needs it.
+  """The training dataset as ``fit`` under a strategy needs it, distributed.
 
   Under a strategy Keras's ``fit`` iterates the dataset twice: it takes the
-  first batch of one iterator to build the model (reduced with MEAN across
-  replicas), then trains from a new iterator. So:
+  first batch of one iterator to build the model, then trains from a new
+  iterator. Every iterator must see the batches of the first: the shuffle
+  reshuffles per iterator (``reshuffle_each_iteration``), and a second
+  iterator would train on another order than ``--tpu none`` and a resumed
+  run. So the dataset is built anew inside each iterator (``flat_map``),
+  whose first pass is the order of a single run.
 
-  * every iterator must see the batches of the first: the shuffle reshuffles
-    per iterator (``reshuffle_each_iteration``), and a second iterator would
-    train on another order than ``--tpu none`` and a resumed run. The dataset
-    is built anew inside each iterator (``flat_map``), whose first pass is the
-    order of a single run;
-  * ragged and sparse ids cannot be reduced: they become ``[B, L]`` matrices
-    padded with -1, which the model reads back as ragged rows
-    (``RankingModel(multi_hot=...)``).
+  Multi-hot ids stay ``tf.RaggedTensor`` / ``tf.SparseTensor``, made on the
+  host by the input pipeline, as a TPU's ``TPUEmbedding`` takes them (it
+  refuses ids computed inside ``strategy.run``). A TPU's strategy does not
+  prefetch those to its devices (``TPUStrategy._check_spec``), hence
+  ``experimental_fetch_to_device=False``; Keras's first-batch build of such
+  a batch: ``keras/distributed_fit.py``.
   """
-  return tf.data.Dataset.range(1).flat_map(lambda _: _pad_multi_hot(make_dataset()))
-
-
-def _pad_multi_hot(dataset):
-  def pad(features, label):
-    categorical = {
-        name: (x.to_tensor(default_value=PAD_ID) if isinstance(x, tf.RaggedTensor)
-               else tf.sparse.to_dense(x, default_value=PAD_ID)
-               if isinstance(x, tf.SparseTensor) else x)
-        for name, x in features["categorical"].items()}
-    return dict(features, categorical=categorical), label
-  return dataset.map(pad)
+  dataset = tf.data.Dataset.range(1).flat_map(lambda _: make_dataset())
+  return tf.distribute.get_strategy().experimental_distribute_dataset(
+      dataset, options=tf.distribute.InputOptions(experimental_fetch_to_device=False))

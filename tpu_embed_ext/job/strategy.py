@@ -4,55 +4,86 @@
 ``emulate_tpu`` (N replicas on logical CPU devices, default that of
 ``emulate_tpu``): the resolver, ``initialize_tpu_system``, ``TPUStrategy`` and
 the layer's ``TPUEmbedding`` branch are the emulation's.
+``--tpu emulate:TOPOLOGY`` (``emulate:v5p:4``, ``emulate:v6e:8``,
+``emulate:8x2``: the spellings of ``emulate --topology``) emulates a TPU with
+SparseCore of that many chips, one replica each: the layer then takes the
+``TPUEmbeddingV2`` branch, as on a v5p or v6e.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import tensorflow as tf
 
 from tpu_embed_ext import emulated_tpu, errors
+from tpu_embed_ext.sparsecore import topology as topology_lib
 
-__all__ = ["resolve_strategy", "emulation", "emulated_replicas"]
+__all__ = ["resolve_strategy", "emulation", "emulated_tpu_of", "EmulatedTPU"]
 
-_EMULATE = re.compile(r"emulate(?::(\d+))?")
+_EMULATE = re.compile(r"emulate(?::(.+))?")
 
 
-def emulated_replicas(tpu: str) -> Optional[int]:
-  """N of ``--tpu emulate:N`` (0: ``emulate``, the default), None otherwise."""
+class EmulatedTPU(NamedTuple):
+  """What ``--tpu emulate[:N|:TOPOLOGY]`` asks for (``replicas`` 0: the default)."""
+  replicas: int
+  topology: Optional[topology_lib.Topology] = None
+
+
+def emulated_tpu_of(tpu: str) -> Optional[EmulatedTPU]:
+  """The emulated TPU of ``--tpu emulate[:N|:TOPOLOGY]``, None for another ``--tpu``."""
   if not tpu.startswith("emulate"):
     return None
   match = _EMULATE.fullmatch(tpu)
-  if match is None or (match.group(1) is not None and int(match.group(1)) < 1):
-    raise errors.ConfigError(
-        f"{tpu!r} is not an emulated TPU. Fix: write emulate (the default "
-        "number of replicas) or emulate:N with N >= 1 replicas, e.g. emulate:2.",
-        path="--tpu")
-  return int(match.group(1) or 0)
+  fix = ("Fix: write emulate (the default number of replicas), emulate:N with "
+         "N >= 1 replicas (TPUEmbedding), e.g. emulate:2, or emulate:TOPOLOGY for "
+         "SparseCore (TPUEmbeddingV2), e.g. emulate:v5p:4, emulate:v6e:8 or "
+         "emulate:8x2.")
+  if match is None:
+    raise errors.ConfigError(f"{tpu!r} is not an emulated TPU. {fix}", path="--tpu")
+  rest = match.group(1)
+  if rest is None:
+    return EmulatedTPU(0)
+  if rest.isdigit():
+    if int(rest) < 1:
+      raise errors.ConfigError(f"{tpu!r} is not an emulated TPU. {fix}", path="--tpu")
+    return EmulatedTPU(int(rest))
+  try:
+    topology = topology_lib.check_slice(rest)
+  except errors.ConfigError as e:
+    raise errors.ConfigError(f"{tpu!r} is not an emulated TPU: {e}", path="--tpu") from None
+  return EmulatedTPU(topology.chips, topology)
 
 
 def emulation(tpu: str):
-  """The emulated TPU around a run for ``--tpu emulate[:N]``, else nothing."""
-  replicas = emulated_replicas(tpu)
-  if replicas is None:
+  """The emulated TPU around a run for ``--tpu emulate[:N|:TOPOLOGY]``, else nothing."""
+  asked = emulated_tpu_of(tpu)
+  if asked is None:
     return contextlib.nullcontext()
-  return (emulated_tpu.emulate_tpu(replicas=replicas) if replicas
+  if asked.topology is not None:
+    return emulated_tpu.emulate_tpu(replicas=asked.replicas, sparsecore=True,
+                                    topology=asked.topology)
+  return (emulated_tpu.emulate_tpu(replicas=asked.replicas) if asked.replicas
           else emulated_tpu.emulate_tpu())
 
 
 def resolve_strategy(tpu: str):
   """Returns (strategy or None, description of where training runs).
 
-  ``emulate[:N]`` must run inside ``emulation(tpu)``.
+  ``emulate[:N|:TOPOLOGY]`` must run inside ``emulation(tpu)``.
   """
   if tpu == "none":
     return None, "CPU emulation (CPUEmbedding)"
-  if emulated_replicas(tpu) is not None:
+  asked = emulated_tpu_of(tpu)
+  if asked is not None:
     _, strategy = _tpu_strategy("")
-    return strategy, f"emulated TPU, {strategy.num_replicas_in_sync} replicas (TPUEmbedding)"
+    replicas = strategy.num_replicas_in_sync
+    if asked.topology is not None:
+      return strategy, (f"emulated TPU {asked.topology}, {replicas} replicas "
+                        "(TPUEmbeddingV2, SparseCore)")
+    return strategy, f"emulated TPU, {replicas} replicas (TPUEmbedding)"
   try:
     resolver, strategy = _tpu_strategy("" if tpu == "auto" else tpu)
     return strategy, f"TPU ({resolver.master()}) via TPUEmbedding"

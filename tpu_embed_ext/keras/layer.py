@@ -36,6 +36,7 @@ from tensorflow.python.eager import record
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.keras import distributed_fit
 from tpu_embed_ext.keras import gradients as layer_gradients
 from tpu_embed_ext.keras import weights as layer_weights
 from tpu_embed_ext.emulation import dispatch
@@ -96,6 +97,8 @@ class EmbeddingLayer(keras.layers.Layer):
     self.embedding = dispatch.create_embedding(
         spec_or_feature_config, optimizer, engine=engine, validate=validate)
     self._kind = _engine_kind(self.embedding)
+    # fit/evaluate under a strategy with ragged or sparse ids (keras/distributed_fit.py).
+    distributed_fit.install()
     if self._kind == "cpu":
       self.embedding.build()
     # The engine leaves its step out of its own checkpoint keys (they equal

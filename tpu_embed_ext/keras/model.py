@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.keras.layer import PAD_ID, EmbeddingLayer
+from tpu_embed_ext.keras.layer import EmbeddingLayer
 
 __all__ = ["RankingModel"]
 
@@ -28,18 +28,14 @@ def _mlp(units: Sequence[int], name: str, last_activation="relu"):
 class RankingModel(keras.Model):
   """``features = {"dense": [B, n], "categorical": {name: ids}}`` -> logits [B, 1].
 
-  ``multi_hot``: features whose ids may also arrive as an integer ``[B, L]``
-  matrix padded with ``PAD_ID`` (-1), read as ragged rows. Keras cannot
-  distribute ragged or sparse batches (``fit`` under a strategy reduces the
-  first batch with MEAN to build the model), so the job pads them there.
+  A multi-hot feature's ids are a ``tf.RaggedTensor`` or ``tf.SparseTensor``,
+  on CPU and under a TPU strategy alike (``keras/distributed_fit.py``).
   """
 
   def __init__(self, spec, *, bottom: Sequence[int] = (64, 16),
                top: Sequence[int] = (64, 32), interaction: str = "dot",
-               engine: Optional[str] = None, validate: bool = True,
-               multi_hot: Sequence[str] = (), **kwargs):
+               engine: Optional[str] = None, validate: bool = True, **kwargs):
     super().__init__(**kwargs)
-    self.multi_hot = tuple(multi_hot)
     if interaction not in ("dot", "concat"):
       raise errors.ConfigError(
           f'interaction must be "dot" or "concat", got {interaction!r}.',
@@ -59,12 +55,7 @@ class RankingModel(keras.Model):
     self.top = _mlp(tuple(top) + (1,), "top_mlp", last_activation=None)
 
   def call(self, inputs, training=False):
-    categorical = dict(inputs["categorical"])
-    for name in self.multi_hot:
-      if isinstance(categorical[name], tf.Tensor):
-        categorical[name] = tf.RaggedTensor.from_tensor(categorical[name],
-                                                        padding=PAD_ID)
-    activations = self.embedding(categorical, training=training)
+    activations = self.embedding(dict(inputs["categorical"]), training=training)
     vectors = [self.bottom(inputs["dense"])]
     for name in self.feature_names:
       a = activations[name]

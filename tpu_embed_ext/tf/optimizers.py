@@ -58,6 +58,12 @@ def to_tf(spec: OptimizerSpec, learning_rate: Optional[LearningRate] = None):
     kwargs[name] = getattr(spec, name)
   if learning_rate is not None:
     kwargs["learning_rate"] = learning_rate
+  if not kwargs["multiply_weight_decay_factor_by_learning_rate"]:
+    # TensorFlow's default, None: TPUEmbeddingV2 refuses any value but None
+    # ("weight_decay_factor and multiply_weight_decay_factor_by_learning_rate
+    # are not supported yet", tpu_embedding_v3.py), and False means the same
+    # as None to TPUEmbedding (_set_optimization_parameters sets it if true).
+    kwargs["multiply_weight_decay_factor_by_learning_rate"] = None
   if not (isinstance(kwargs["learning_rate"], numbers.Real)
           or _is_zero_arg_callable(kwargs["learning_rate"])):
     raise errors.ConfigTypeError(
