@@ -59,6 +59,7 @@ bench: $(VENV)/.bench-installed
 	$(PY) -m benchmarks.emulation
 	$(PY) -m benchmarks.emulation --xla-costs
 	$(PY) -m benchmarks.replica_suite
+	$(PY) -m benchmarks.job_tpu
 
 # The documentation site, built offline into site/ (fails on a broken link or
 # a missing API symbol; tests/test_docs.py runs the same build in `make test`).

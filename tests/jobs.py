@@ -10,6 +10,7 @@ import yaml
 from tpu_embed_ext.cli import main as cli
 from tpu_embed_ext.host import atomic
 from tpu_embed_ext import job as train_lib
+from tests.builders import checkpoint_values
 
 TINY_CONFIG = "configs/tiny.yaml"
 
@@ -72,3 +73,57 @@ def rewrite_checkpoint(prefix, key, fill):
     os.remove(name)
   tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names),
                     tensors=[tf.constant(v) for v in values])
+
+
+# --- shipped configs on the session's tiny dataset (the emulated-TPU job tests) ---
+
+def scaled_config(tmp_path, data_dir, name, **train):
+  """Shipped config ``name`` scaled down to the session's ``synthetic_clicks/tiny``.
+
+  Each table's vocabulary becomes that of the column its feature reads in the
+  tiny dataset (every id stays in range); optimizers, overrides, schedules
+  and the model are as shipped. ``movielens`` keeps its own dataset (the
+  caller mocks tfds). ``train`` updates the config's train: section.
+  """
+  from tpu_embed_ext.data import synthetic_clicks
+  with open(f"configs/{name}.yaml") as f:
+    config = yaml.safe_load(f)
+  section = config.setdefault("train", {})
+  if name != "movielens":
+    vocabulary = synthetic_clicks.vocabulary_sizes("tiny")
+    columns = section.get("features", {})
+    for feature, entry in config["features"].items():
+      column = columns.get(feature, {}).get("column", feature)
+      config["tables"][entry["table"]]["vocabulary_size"] = vocabulary[column]
+    section.update(dataset="synthetic_clicks/tiny", data_dir=data_dir)
+  section.update(train)
+  path = tmp_path / f"{name}.yaml"
+  path.write_text(yaml.safe_dump(config))
+  return str(path)
+
+
+def train_in_process(config, model_dir, tpu, steps, **overrides):
+  """(metrics, log lines) of ``train`` run in this process (``--tpu`` ``tpu``)."""
+  lines = []
+  metrics = train_lib.train(config, model_dir=str(model_dir), steps=steps, tpu=tpu,
+                            verbose=0, log=lines.append, overrides=overrides)
+  return metrics, lines
+
+
+def assert_same_checkpoints(got_prefix, want_prefix):
+  """Every variable of two checkpoints equal, floats to float32 reordering
+  (replicas sum their gradients in another order than one device); returns
+  the worst relative difference of the float values."""
+  got, want = checkpoint_values(got_prefix), checkpoint_values(want_prefix)
+  assert sorted(got) == sorted(want)
+  worst = 0.0
+  for key, value in want.items():
+    if np.asarray(value).dtype.kind == "f":
+      np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+      if np.size(value):
+        worst = max(worst, float(np.max(np.abs(got[key] - value) /
+                                        np.maximum(np.abs(value), 1e-3))))
+    else:
+      np.testing.assert_array_equal(got[key], value, err_msg=key)
+  return worst
+

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 
 import keras
 import tensorflow as tf
 
 from tpu_embed_ext import errors
 from tpu_embed_ext.emulation import dispatch
+from tpu_embed_ext.sparsecore import convert
 from tpu_embed_ext.host import model_dir as model_dir_lib
 from tpu_embed_ext.job.config import TrainConfig, keras_config
 from tpu_embed_ext.job.outputs import StepLoss
@@ -66,17 +69,31 @@ def build_variables(model, batch, batch_size=None):
   model.optimizer.build(model.trainable_variables)
 
 
-def restore(model, checkpoint, path: str) -> None:
+def restore(model, checkpoint, path: str, spec: EmbeddingSpec) -> None:
   """Checks ``path`` against the model (tables first), then restores it.
 
-  A refused checkpoint raises before any variable is written.
+  A refused checkpoint raises before any variable is written. A SparseCore
+  run's checkpoint (``TPUEmbeddingV2``'s stacked tables) restored into the
+  CPU engine (``export``, ``--tpu none``) is first converted to per-table
+  keys (``sparsecore.convert``: values copied, padding dropped) in a
+  temporary directory; ``TPUEmbeddingV2`` reads either layout itself.
   """
   embedding = model.embedding.embedding
   if hasattr(embedding, "check_checkpoint"):
+    if convert.checkpoint_layouts(path, prefix=_EMBEDDING) is not None:
+      with tempfile.TemporaryDirectory(prefix="per-table-") as staging:
+        per_table = os.path.join(staging, os.path.basename(path))
+        convert.convert_checkpoint(path, per_table, spec, prefix=_EMBEDDING,
+                                   log=lambda _: None)
+        return restore(model, checkpoint, per_table, spec)
     try:
-      embedding.check_checkpoint(path, prefix="model/embedding/embedding")
+      embedding.check_checkpoint(path, prefix=_EMBEDDING)
     except errors.ConfigError as e:
       raise model_dir_lib.CheckpointError(
           f"{e} Or pass another --model_dir.") from None
   model_dir_lib.check_checkpoint(checkpoint, path, what="the model of this config")
   checkpoint.restore(path).assert_existing_objects_matched()
+  return None
+
+
+_EMBEDDING = "model/embedding/embedding"  # The engine's path in the job's checkpoints.

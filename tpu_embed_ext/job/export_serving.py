@@ -53,7 +53,7 @@ def export(config_path: str, *, model_dir: str, out: str,
   model = build_model(spec, cfg)
   build_variables(model, batch)
   checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
-  restore(model, checkpoint, path)
+  restore(model, checkpoint, path, spec)
   log(f"Exporting {path} (table step {int(model.embedding.step.numpy())}).")
   features, _ = batch
   vocabulary = {f.name: spec.table(f.table).vocabulary_size for f in spec.features}

@@ -247,7 +247,7 @@ def _train(spec, cfg, model_dir, total, tpu, verbose, log):
     build_variables(model, first_batch(eval_ds, cfg), cfg.batch_size)
     done = 0
     if resume:
-      restore(model, checkpoint, resume)
+      restore(model, checkpoint, resume, spec)
       done = int(model.embedding.step.numpy())
       log(f"Resumed from {resume} (step {done}).")
       if done != named:

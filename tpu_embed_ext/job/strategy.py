@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional
 import tensorflow as tf
 
 from tpu_embed_ext import emulated_tpu, errors
+from tpu_embed_ext.emulation import dispatch
 from tpu_embed_ext.sparsecore import topology as topology_lib
 
 __all__ = ["resolve_strategy", "emulation", "emulated_tpu_of", "EmulatedTPU"]
@@ -86,7 +87,9 @@ def resolve_strategy(tpu: str):
     return strategy, f"emulated TPU, {replicas} replicas (TPUEmbedding)"
   try:
     resolver, strategy = _tpu_strategy("" if tpu == "auto" else tpu)
-    return strategy, f"TPU ({resolver.master()}) via TPUEmbedding"
+    engine = ("TPUEmbeddingV2 (SparseCore)" if dispatch.uses_sparsecore(strategy)
+              else "TPUEmbedding")
+    return strategy, f"TPU ({resolver.master()}) via {engine}"
   except (ValueError, RuntimeError, OSError, tf.errors.OpError) as e:
     if tpu != "auto":
       raise errors.ConfigError(
