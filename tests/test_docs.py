@@ -273,7 +273,10 @@ def _exists(reference: str, source: pathlib.Path) -> bool:
   bases = [source.parent, ROOT]
   if source.name == "mkdocs.yml":
     bases.append(DOCS)  # nav entries are relative to docs_dir
-  return any((base / target).exists() for base in bases)
+  # Inside the repository: an absolute path (/work/shared/X.md) or one out of
+  # it may exist on the machine that wrote it, never in a reader's clone.
+  return any((base / target).exists() and (base / target).resolve().is_relative_to(
+      ROOT.resolve()) for base in bases)
 
 
 def _dangling(path: pathlib.Path):
@@ -297,6 +300,14 @@ def test_dangling_reference_detection():
   page = DOCS / "guides" / "cpu-testing.md"
   assert _exists("../semantics.md#replicas", page) and _exists("README.md", page)
   assert not _exists("SEMANTICS" + ".md", page)
+
+
+def test_a_document_outside_the_repository_is_dangling_even_if_it_exists(tmp_path):
+  outside = tmp_path / "SEMANTICS.md"  # As tests/references.py once named one.
+  outside.write_text("# outside\n")
+  page = DOCS / "guides" / "cpu-testing.md"
+  assert not _exists(str(outside), page)
+  assert _exists(str(DOCS / "semantics.md"), page)
 
 
 def test_cited_tests_exist():

@@ -105,6 +105,11 @@ class Plan:
       if tag is not None:
         self._rates.setdefault(tag, table.optimizer.learning_rate)
 
+  def __reduce__(self):
+    # The plan is a function of its spec; its TensorFlow config (a variable,
+    # closures over it) is not picklable, so a pickle holds the spec alone.
+    return (Plan, (self.spec,))
+
   @property
   def total_bytes(self) -> int:
     return sum(t.total_bytes for t in self.tables)
