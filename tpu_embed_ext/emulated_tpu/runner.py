@@ -2,17 +2,29 @@
 
 SCRIPT runs as ``__main__``, as ``python SCRIPT ARGS`` runs it:
 ``sys.argv`` is ``[SCRIPT, *ARGS]``, ``sys.path[0]`` the script's directory,
-and absl's flag registry holds only what the script defines (the command
-line dispatches ``emulate`` here before it defines its own flags), so a
-script's ``app.run(main)`` parses its own flags. ``-m MODULE ARGS`` runs a
-module as ``python -m MODULE ARGS`` does: ``sys.argv[0]`` is the module's
-file and ``sys.path[0]`` the current directory. The logical CPU devices are
-set up before the script runs, then the whole script runs inside
-``emulate_tpu``.
+``__file__`` the script's absolute path (deleted once its code ends, unless
+by ``sys.exit``, as ``python`` does), and absl's flag registry holds only
+what the script defines (the command line dispatches ``emulate`` here before
+it defines its own flags), so a script's ``app.run(main)`` parses its own
+flags. ``-m MODULE ARGS`` runs a module as ``python -m MODULE ARGS`` does:
+``sys.argv[0]`` is the module's file and ``sys.path[0]`` the current
+directory. The logical CPU devices are set up before the script runs, then
+the whole script runs inside ``emulate_tpu``.
+
+The script's world lasts until the interpreter exits (issue 42): on the
+command line ``__main__`` (so pickles of the script's classes), ``sys.argv``,
+``sys.path[0]`` (so imports of modules next to it) and the emulation are
+never put back; its ``atexit`` handlers and non-daemon threads see them as
+under ``python``. The emulation is left by an ``atexit`` handler registered
+before the script runs, so after the script's own. Called as a library
+(``main(argv)``), they are put back before ``main`` returns.
 
 Exit status: the script's own (``sys.exit(code)``; 0 when it returns; 1
-after the script's ``sys.excepthook`` reported an exception); 2 for a bad
-``emulate`` command line (one line, as the other commands).
+after the script's ``sys.excepthook`` reported an exception; killed by
+SIGINT after an uncaught ``KeyboardInterrupt``, as ``python``: on the command
+line the exception leaves ``main`` for Python's top level, and the hook is
+given the script's frames only); 2 for a bad ``emulate`` command line (one
+line, as the other commands).
 
 Exit: Python's own. ``main`` returns the status and the command line ends
 with ``sys.exit``: the script's ``atexit`` handlers and non-daemon threads,
@@ -33,13 +45,17 @@ The script's own objects are collected and finalized as under ``python``.
 
 from __future__ import annotations
 
+import atexit
+import builtins
 import contextlib
 import dataclasses
+import importlib.machinery
 import importlib.util
+import io
 import os
-import runpy
 import sys
 import traceback
+import types
 from typing import List, Optional
 
 from tpu_embed_ext import errors
@@ -205,36 +221,106 @@ def _exit_code(e: SystemExit) -> int:
   return 1
 
 
-def _run_program(command: Command) -> int:
-  if command.module is not None:
-    saved = sys.argv, sys.path[0]
-    sys.path[0] = os.getcwd()
-    try:
-      spec = importlib.util.find_spec(command.module)
-    except (ImportError, ValueError):
-      spec = None
-    if spec is None or spec.origin is None:
-      sys.path[0] = saved[1]
-      raise UsageError(f"no module named {command.module!r} (looked in the "
-                       "current directory and sys.path, as python -m does).")
-    filename = spec.origin
-    sys.argv = [filename] + list(command.args)
-    run = lambda: runpy.run_module(command.module, run_name="__main__",
-                                   alter_sys=True)
-  else:
+@dataclasses.dataclass
+class _Program:
+  """The program's ``__main__`` module and code, and its ``sys`` settings."""
+  module: types.ModuleType
+  code: types.CodeType
+  argv: List[str]
+  path0: str
+
+
+def _program(command: Command) -> _Program:
+  """``__main__`` as ``python SCRIPT`` / ``python -m MODULE`` makes it: an
+  absolute ``__file__``, the loader, and for a module its spec."""
+  main = types.ModuleType("__main__")
+  main.__dict__["__builtins__"] = builtins
+  if command.module is None:
     filename = os.path.abspath(command.script)
-    saved = sys.argv, sys.path[0]
-    sys.argv = [command.script] + list(command.args)
-    sys.path[0] = os.path.dirname(filename)
-    run = lambda: runpy.run_path(command.script, run_name="__main__")
+    with io.open_code(filename) as f:
+      code = compile(f.read(), filename, "exec", dont_inherit=True)
+    main.__dict__.update(__file__=filename, __cached__=None, __package__=None,
+                         __loader__=importlib.machinery.SourceFileLoader(
+                             "__main__", filename))
+    return _Program(main, code, [command.script] + list(command.args),
+                    os.path.dirname(filename))
+  saved = sys.path[0]
+  sys.path[0] = os.getcwd()
   try:
-    run()
+    spec = importlib.util.find_spec(command.module)
+    if spec is not None and spec.submodule_search_locations is not None:
+      spec = importlib.util.find_spec(f"{command.module}.__main__")  # A package.
+  except (ImportError, ValueError):
+    spec = None
+  finally:
+    sys.path[0] = saved
+  code = spec.loader.get_code(spec.name) if spec and spec.loader else None
+  if spec is None or spec.origin is None or code is None:
+    raise UsageError(f"no module named {command.module!r} (looked in the "
+                     "current directory and sys.path, as python -m does).")
+  main.__dict__.update(__file__=spec.origin, __cached__=spec.cached,
+                       __package__=spec.parent, __loader__=spec.loader,
+                       __spec__=spec)
+  return _Program(main, code, [spec.origin] + list(command.args), os.getcwd())
+
+
+def _enter(program: _Program) -> None:
+  sys.argv, sys.path[0] = program.argv, program.path0
+  sys.modules["__main__"] = program.module
+
+
+def _run_kept(program: _Program) -> int:
+  """Runs the program in a process it owns: its ``__main__``, ``sys.argv``,
+  ``sys.path[0]`` (and the emulation) stay until the interpreter exits, for its
+  ``atexit`` handlers and threads; an exception (``SystemExit``,
+  ``KeyboardInterrupt`` too) ends the process as Python's top level does."""
+  _enter(program)
+  try:
+    exec(program.code, program.module.__dict__)  # pylint: disable=exec-used
+  except SystemExit:
+    raise  # Python exits from there on: __file__ stays (_script_ended).
+  except BaseException:
+    # The interpreter calls sys.excepthook as the exception leaves the
+    # process: the script's own hook, given the program's frames only.
+    hook = sys.excepthook
+    def report(kind, value, tb):
+      sys.excepthook = hook
+      tb = _script_frames(tb, program.code.co_filename)
+      if isinstance(value, BaseException):  # The default hook prints its own.
+        value.__traceback__ = tb
+      sys.last_traceback = tb
+      try:
+        hook(kind, value, tb)
+      finally:
+        _script_ended(program)
+    sys.excepthook = report
+    raise
+  _script_ended(program)
+  return 0
+
+
+def _script_ended(program: _Program) -> None:
+  """``python SCRIPT`` deletes ``__file__`` and ``__cached__`` from
+  ``__main__`` once the script's code has returned or its exception was
+  reported, not after ``sys.exit`` (pythonrun.c); ``python -m`` keeps them."""
+  if program.module.__dict__.get("__spec__") is None:
+    program.module.__dict__.pop("__file__", None)
+    program.module.__dict__.pop("__cached__", None)
+
+
+def _run_restoring(program: _Program) -> int:
+  """Runs the program inside a caller's process, then puts ``__main__``,
+  ``sys.argv`` and ``sys.path[0]`` back; the status as Python would exit."""
+  saved = sys.argv, sys.path[0], sys.modules.get("__main__")
+  _enter(program)
+  try:
+    exec(program.code, program.module.__dict__)  # pylint: disable=exec-used
   except SystemExit as e:
     return _exit_code(e)
   except BaseException as e:  # pylint: disable=broad-except
     # As the interpreter does for an uncaught exception: the script's own
     # sys.excepthook (the default prints the traceback) and status 1.
-    e.__traceback__ = _script_frames(e.__traceback__, filename)
+    e.__traceback__ = _script_frames(e.__traceback__, program.code.co_filename)
     sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
     try:
       sys.excepthook(type(e), e, sys.last_traceback)
@@ -242,7 +328,9 @@ def _run_program(command: Command) -> int:
       traceback.print_exc()
     return 130 if isinstance(e, KeyboardInterrupt) else 1
   finally:
-    sys.argv, sys.path[0] = saved
+    sys.argv, sys.path[0] = saved[:2]
+    if saved[2] is not None:
+      sys.modules["__main__"] = saved[2]
   return 0
 
 
@@ -252,7 +340,11 @@ def main(argv: Optional[List[str]] = None, *, owns_process: bool = False) -> int
   Returns the exit status (the script's, or 2 for a bad command line): call
   it as ``sys.exit(main(argv))``, which ends the process as Python does.
   ``owns_process`` (the command line's way): TensorFlow's start-up lines go
-  to the library log, not the terminal.
+  to the library log, not the terminal, and the script's world (``__main__``,
+  ``sys.argv``, ``sys.path[0]``, the emulation) is kept until the interpreter
+  exits; an exception leaving the script (``SystemExit`` too) leaves ``main``
+  for Python's top level. Without it, they are put back before ``main``
+  returns the status.
   """
   argv = sys.argv[1:] if argv is None else list(argv)
   if any(a in ("-h", "--help") for a in argv[:_first_program_word(argv)]):
@@ -266,16 +358,26 @@ def main(argv: Optional[List[str]] = None, *, owns_process: bool = False) -> int
   except UsageError as e:
     print(f"error: emulate: {e} Usage: {USAGE}", file=sys.stderr)
     return 2
-  with contextlib.ExitStack() as stack:
-    try:
-      _start(stack, shape, owns_process)
-      return _run_program(command)
-    except UsageError as e:
-      print(f"error: emulate: {e} Usage: {USAGE}", file=sys.stderr)
-      return 2
-    except errors.Error as e:  # Set-up (replicas, devices): one line.
-      print(f"error: emulate: {' '.join(str(e).split())}", file=sys.stderr)
-      return 2
+  stack = contextlib.ExitStack()
+  try:
+    _start(stack, shape, owns_process)
+    program = _program(command)
+  except (UsageError, errors.Error) as e:  # Set-up (replicas, devices): one line.
+    stack.close()
+    line = " ".join(str(e).split())
+    print(f"error: emulate: {line}" + (f" Usage: {USAGE}" if isinstance(
+        e, UsageError) else ""), file=sys.stderr)
+    return 2
+  except BaseException:
+    stack.close()
+    raise
+  if owns_process:
+    # Left by the last atexit handler: after the script's own handlers (run
+    # in reverse order of registration) and its non-daemon threads.
+    atexit.register(stack.close)
+    return _run_kept(program)
+  with stack:
+    return _run_restoring(program)
 
 
 def _start(stack: contextlib.ExitStack, shape, owns_process: bool) -> None:
