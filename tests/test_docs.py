@@ -404,3 +404,16 @@ def test_criteo_header_states_what_plan_computes():
   tables = tee.plan(tee.EmbeddingSpec.from_file(str(ROOT / "configs" / "criteo.yaml"))).tables
   assert int(rows.replace(",", "")) == sum(t.rows for t in tables)
   assert gib == f"{sum(t.total_bytes for t in tables) / 2**30:.1f}"
+
+
+def test_the_sparsecore_page_says_which_engines_load_keras_weight_files():
+  """docs/sparsecore.md once said every engine loads a .weights.h5 file; a
+  TPU engine refuses it (issue 42): the page quotes the refusal."""
+  import types
+  from tpu_embed_ext import errors
+  from tpu_embed_ext.keras import weights
+  with pytest.raises(errors.ConfigError) as refused:
+    weights.keyed_variables(types.SimpleNamespace(_kind="tpu_v2", name="<name>"))
+  text = " ".join((DOCS / "sparsecore.md").read_text().split())
+  assert f"ConfigError: {refused.value}" in text
+  assert "on every engine" not in text

@@ -19,6 +19,8 @@ under ``python``. The emulation is left by an ``atexit`` handler registered
 before the script runs, so after the script's own. Called as a library
 (``main(argv)``), they are put back before ``main`` returns.
 
+The program runs in ``programs.py``.
+
 Exit status: the script's own (``sys.exit(code)``; 0 when it returns; 1
 after the script's ``sys.excepthook`` reported an exception; killed by
 SIGINT after an uncaught ``KeyboardInterrupt``, as ``python``: on the command
@@ -46,20 +48,15 @@ The script's own objects are collected and finalized as under ``python``.
 from __future__ import annotations
 
 import atexit
-import builtins
 import contextlib
 import dataclasses
-import importlib.machinery
 import importlib.util
-import io
 import os
 import sys
-import traceback
-import types
 from typing import List, Optional
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.emulated_tpu import session, start_up_objects
+from tpu_embed_ext.emulated_tpu import programs, session, start_up_objects
 from tpu_embed_ext.host import library_log
 
 __all__ = ["main", "parse", "check_slice", "UsageError", "USAGE", "OPTIONS"]
@@ -87,7 +84,8 @@ def _replicas(text: str) -> int:
 # Options by name; a new option is a new entry (the parser reads this table).
 OPTIONS = {
     "--replicas": Option("N", "TPU cores (replicas), one logical CPU device "
-                         "each (default 8).", _replicas),
+                         "each (default: the --topology's chips, else 8).",
+                         _replicas),
     "--sparsecore": Option(None, "The TPU has SparseCore: TPUEmbeddingV2 is "
                            "emulated."),
     "--topology": Option("T", "The TPU slice, e.g. v5p:8, v6e:8, tpu7x:8 or "
@@ -174,14 +172,16 @@ def _help() -> str:
 
 def _shape(command: Command):
   """(replicas, sparsecore, topology, xla) with the slice checked."""
-  topology = command.get("--topology")
+  topology, replicas = command.get("--topology"), command.get("--replicas")
   if topology is not None:
     try:
-      check_slice(topology)
+      chips = check_slice(topology).chips
     except errors.Error as e:
       raise UsageError(f"--topology: {' '.join(str(e).split())}") from None
+    if "--replicas" not in command.options:  # One replica per chip.
+      replicas = chips
   sparsecore = command.get("--sparsecore") or topology is not None
-  return command.get("--replicas"), sparsecore, topology, not command.get("--no-xla")
+  return replicas, sparsecore, topology, not command.get("--no-xla")
 
 
 def check_slice(topology):
@@ -201,137 +201,6 @@ def check_slice(topology):
     sys.modules[spec.name] = module  # dataclasses look the module up.
     spec.loader.exec_module(module)
   return module.check_slice(topology)
-
-
-def _script_frames(tb, filename: str):
-  """The traceback from the program's first frame on, as ``python`` shows."""
-  start = tb
-  while start is not None and start.tb_frame.f_code.co_filename != filename:
-    start = start.tb_next
-  return start or tb
-
-
-def _exit_code(e: SystemExit) -> int:
-  """What Python's own exit makes of ``sys.exit(e.code)``."""
-  if e.code is None:
-    return 0
-  if isinstance(e.code, int):
-    return e.code
-  print(e.code, file=sys.stderr)
-  return 1
-
-
-@dataclasses.dataclass
-class _Program:
-  """The program's ``__main__`` module and code, and its ``sys`` settings."""
-  module: types.ModuleType
-  code: types.CodeType
-  argv: List[str]
-  path0: str
-
-
-def _program(command: Command) -> _Program:
-  """``__main__`` as ``python SCRIPT`` / ``python -m MODULE`` makes it: an
-  absolute ``__file__``, the loader, and for a module its spec."""
-  main = types.ModuleType("__main__")
-  main.__dict__["__builtins__"] = builtins
-  if command.module is None:
-    filename = os.path.abspath(command.script)
-    with io.open_code(filename) as f:
-      code = compile(f.read(), filename, "exec", dont_inherit=True)
-    main.__dict__.update(__file__=filename, __cached__=None, __package__=None,
-                         __loader__=importlib.machinery.SourceFileLoader(
-                             "__main__", filename))
-    return _Program(main, code, [command.script] + list(command.args),
-                    os.path.dirname(filename))
-  saved = sys.path[0]
-  sys.path[0] = os.getcwd()
-  try:
-    spec = importlib.util.find_spec(command.module)
-    if spec is not None and spec.submodule_search_locations is not None:
-      spec = importlib.util.find_spec(f"{command.module}.__main__")  # A package.
-  except (ImportError, ValueError):
-    spec = None
-  finally:
-    sys.path[0] = saved
-  code = spec.loader.get_code(spec.name) if spec and spec.loader else None
-  if spec is None or spec.origin is None or code is None:
-    raise UsageError(f"no module named {command.module!r} (looked in the "
-                     "current directory and sys.path, as python -m does).")
-  main.__dict__.update(__file__=spec.origin, __cached__=spec.cached,
-                       __package__=spec.parent, __loader__=spec.loader,
-                       __spec__=spec)
-  return _Program(main, code, [spec.origin] + list(command.args), os.getcwd())
-
-
-def _enter(program: _Program) -> None:
-  sys.argv, sys.path[0] = program.argv, program.path0
-  sys.modules["__main__"] = program.module
-
-
-def _run_kept(program: _Program) -> int:
-  """Runs the program in a process it owns: its ``__main__``, ``sys.argv``,
-  ``sys.path[0]`` (and the emulation) stay until the interpreter exits, for its
-  ``atexit`` handlers and threads; an exception (``SystemExit``,
-  ``KeyboardInterrupt`` too) ends the process as Python's top level does."""
-  _enter(program)
-  try:
-    exec(program.code, program.module.__dict__)  # pylint: disable=exec-used
-  except SystemExit:
-    raise  # Python exits from there on: __file__ stays (_script_ended).
-  except BaseException:
-    # The interpreter calls sys.excepthook as the exception leaves the
-    # process: the script's own hook, given the program's frames only.
-    hook = sys.excepthook
-    def report(kind, value, tb):
-      sys.excepthook = hook
-      tb = _script_frames(tb, program.code.co_filename)
-      if isinstance(value, BaseException):  # The default hook prints its own.
-        value.__traceback__ = tb
-      sys.last_traceback = tb
-      try:
-        hook(kind, value, tb)
-      finally:
-        _script_ended(program)
-    sys.excepthook = report
-    raise
-  _script_ended(program)
-  return 0
-
-
-def _script_ended(program: _Program) -> None:
-  """``python SCRIPT`` deletes ``__file__`` and ``__cached__`` from
-  ``__main__`` once the script's code has returned or its exception was
-  reported, not after ``sys.exit`` (pythonrun.c); ``python -m`` keeps them."""
-  if program.module.__dict__.get("__spec__") is None:
-    program.module.__dict__.pop("__file__", None)
-    program.module.__dict__.pop("__cached__", None)
-
-
-def _run_restoring(program: _Program) -> int:
-  """Runs the program inside a caller's process, then puts ``__main__``,
-  ``sys.argv`` and ``sys.path[0]`` back; the status as Python would exit."""
-  saved = sys.argv, sys.path[0], sys.modules.get("__main__")
-  _enter(program)
-  try:
-    exec(program.code, program.module.__dict__)  # pylint: disable=exec-used
-  except SystemExit as e:
-    return _exit_code(e)
-  except BaseException as e:  # pylint: disable=broad-except
-    # As the interpreter does for an uncaught exception: the script's own
-    # sys.excepthook (the default prints the traceback) and status 1.
-    e.__traceback__ = _script_frames(e.__traceback__, program.code.co_filename)
-    sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
-    try:
-      sys.excepthook(type(e), e, sys.last_traceback)
-    except Exception:  # pylint: disable=broad-except  # A hook that fails.
-      traceback.print_exc()
-    return 130 if isinstance(e, KeyboardInterrupt) else 1
-  finally:
-    sys.argv, sys.path[0] = saved[:2]
-    if saved[2] is not None:
-      sys.modules["__main__"] = saved[2]
-  return 0
 
 
 def main(argv: Optional[List[str]] = None, *, owns_process: bool = False) -> int:
@@ -361,7 +230,10 @@ def main(argv: Optional[List[str]] = None, *, owns_process: bool = False) -> int
   stack = contextlib.ExitStack()
   try:
     _start(stack, shape, owns_process)
-    program = _program(command)
+    program = programs.find(command.script, command.module, command.args)
+    if program is None:
+      raise UsageError(f"no module named {command.module!r} (looked in the "
+                       "current directory and sys.path, as python -m does).")
   except (UsageError, errors.Error) as e:  # Set-up (replicas, devices): one line.
     stack.close()
     line = " ".join(str(e).split())
@@ -375,9 +247,9 @@ def main(argv: Optional[List[str]] = None, *, owns_process: bool = False) -> int
     # Left by the last atexit handler: after the script's own handlers (run
     # in reverse order of registration) and its non-daemon threads.
     atexit.register(stack.close)
-    return _run_kept(program)
+    return programs.run_kept(program)
   with stack:
-    return _run_restoring(program)
+    return programs.run_restoring(program)
 
 
 def _start(stack: contextlib.ExitStack, shape, owns_process: bool) -> None:
@@ -389,10 +261,17 @@ def _start(stack: contextlib.ExitStack, shape, owns_process: bool) -> None:
   if owns_process:
     log = library_log.LibraryLog("emulate")
   try:
-    stack.enter_context(session.emulate_tpu(*shape))
+    emulation = stack.enter_context(session.emulate_tpu(*shape))
   finally:
     if log is not None:
       log.close()
+  topology = (f" --topology {shape[2]}" if shape[2] else
+              " --sparsecore" if shape[1] else "") + ("" if shape[3] else " --no-xla")
+  session.hosted_by(
+      f"`python -m tpu_embed_ext emulate --replicas {emulation.replicas}{topology}`",
+      "run the program with `python -m tpu_embed_ext emulate --replicas "
+      "{replicas}{flags} ...` (its emulate_tpu then joins the runner's), or "
+      "with plain `python`, where its emulate_tpu makes its own.")
   if owns_process:
     # TensorFlow's and the set-up's objects out of every full collection and
     # of the exit's (start_up_objects.py); the script's own are untouched.
