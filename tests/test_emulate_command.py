@@ -333,3 +333,83 @@ def test_atexit_and_threads_keep_the_scripts_world_as_under_python(how, tmp_path
         str(tmp_path / "python"), str(tmp_path / "emulate"))
   else:
     assert emulate.stderr == python.stderr == ""
+
+
+# --- a program's own emulation and devices, pytest under emulate ---------------
+
+_OWN_EMULATION = """
+import tensorflow as tf
+import tpu_embed_ext as tee
+with tee.emulate_tpu(replicas=2, xla=False) as emulation:
+  print(emulation.replicas, emulation.xla,
+        tf.distribute.TPUStrategy().num_replicas_in_sync)
+print("after", tee.emulated_tpu.current().replicas, tee.emulated_tpu.current().xla)
+"""
+
+
+def test_a_programs_own_emulate_tpu_joins_the_runners(tmp_path, capsys):
+  script = tmp_path / "own.py"
+  script.write_text(_OWN_EMULATION)
+  assert runner.main(["--replicas", "2", str(script)]) == 0
+  assert capsys.readouterr().out == "2 False 2\nafter 2 True\n"
+
+
+def test_a_programs_own_emulate_tpu_of_another_shape_names_the_command(tmp_path, capsys):
+  script = tmp_path / "own.py"
+  script.write_text(_OWN_EMULATION)
+  assert runner.main(["--replicas", "1", str(script)]) == 1
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      "tpu_embed_ext.emulated_tpu.errors.EmulationError: emulate_tpu(replicas=2) "
+      "entered inside `python -m tpu_embed_ext emulate --replicas 1`, whose emulated "
+      "TPU has 1 replicas: one emulation per process, and the program's own "
+      "emulate_tpu joins it only with the same shape. Fix: run the program with "
+      "`python -m tpu_embed_ext emulate --replicas 2 ...` (its emulate_tpu then "
+      "joins the runner's), or with plain `python`, where its emulate_tpu makes "
+      "its own.")
+
+
+def test_a_programs_own_logical_devices_get_the_runners_fix(tmp_path, capsys):
+  script = tmp_path / "devices.py"
+  script.write_text(
+      "import tensorflow as tf\n"
+      "cpu = tf.config.list_physical_devices('CPU')[0]\n"
+      "tf.config.set_logical_device_configuration(\n"
+      "    cpu, [tf.config.LogicalDeviceConfiguration()] * 3)\n")
+  assert runner.main(["--replicas", "2", str(script)]) == 1
+  assert capsys.readouterr().err.splitlines()[-2:] == [
+      "RuntimeError: Virtual devices cannot be modified after being initialized",
+      "emulate: the emulated TPU made 2 logical CPU devices (one per replica) before "
+      "the program ran, and TensorFlow fixes them then. Fix: give emulate --replicas "
+      "the number of CPU devices the program sets (TensorFlow accepts the same "
+      "configuration again), or skip its device set-up when "
+      "tpu_embed_ext.emulated_tpu.is_active()."]
+
+
+_TESTS_UNDER_EMULATE = """
+import pytest
+
+@pytest.mark.emulate_tpu(replicas=2)
+def test_same_shape(emulated_tpu):
+  assert (emulated_tpu.replicas, emulated_tpu.xla) == (2, True)
+
+@pytest.mark.emulate_tpu(replicas=2, xla=False)
+def test_xla_off(emulated_tpu):
+  assert emulated_tpu.xla is False
+
+@pytest.mark.emulate_tpu(replicas=4)
+def test_other_shape(emulated_tpu):
+  pass
+"""
+
+
+def test_emulate_m_pytest_gives_emulated_tpu_tests_the_runners_emulation(tmp_path):
+  (tmp_path / "test_under_emulate.py").write_text(_TESTS_UNDER_EMULATE)
+  done = subprocess.run(
+      [sys.executable, "-m", "tpu_embed_ext", "emulate", "--replicas", "2", "-m",
+       "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore",
+       "test_under_emulate.py"], capture_output=True, text=True, timeout=LIMIT,
+      check=False, cwd=str(tmp_path), env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert "2 passed, 1 skipped" in done.stdout
+  assert ("needs emulate_tpu(replicas=4, sparsecore=False); the session runs on "
+          "`python -m tpu_embed_ext emulate --replicas 2`") in done.stdout
