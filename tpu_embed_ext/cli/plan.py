@@ -74,7 +74,7 @@ class TableRow:
 
 
 class Plan:
-  """What the TPU embedding engine will get for a spec."""
+  """What the TPU embedding engine will get for a spec (pickles as its spec)."""
 
   def __init__(self, spec):
     self.spec = spec

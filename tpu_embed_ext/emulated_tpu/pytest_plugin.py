@@ -12,6 +12,10 @@
   replicas or SparseCore; a marker's ``xla`` is honoured (the session's
   emulation with the test's XLA check, ``session.xla_switched``).
 
+Under the runner (``python -m tpu_embed_ext emulate -m pytest``) the fixture
+gives the runner's emulation as it gives the session's, and a test's own
+``emulate_tpu`` of the same shape joins either (``session.hosted_by``).
+
 Order-independent: without ``--emulate-tpu``, the logical CPU devices the
 collected ``emulated_tpu`` tests need (the most any marker asks for) are set
 up once collection ends, before any test runs, so a fixture's result does
