@@ -1,13 +1,13 @@
 """``python -m tpu_embed_ext``: the command line (tpu_embed_ext/cli/main.py).
 
-Before the layout move this module held the commands: ``main`` and ``run``
-are ``cli/main.py``'s, ``where_everything_went`` is ``cli/job_commands.py``'s
+Before the layout move this module held the commands: ``COMMANDS``, ``main``
+and ``run`` are ``cli/main.py``'s, ``where_everything_went`` is ``cli/job_commands.py``'s
 (loaded on first use: it imports the job and TensorFlow).
 """
 
 import importlib
 
-from tpu_embed_ext.cli.main import main, run
+from tpu_embed_ext.cli.main import COMMANDS, main, run
 
 __all__ = ["where_everything_went", "main", "run"]
 
