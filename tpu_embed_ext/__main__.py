@@ -7,7 +7,7 @@ and ``run`` are ``cli/main.py``'s, ``where_everything_went`` is ``cli/job_comman
 
 import importlib
 
-from tpu_embed_ext.cli.main import COMMANDS, main, run
+from tpu_embed_ext.cli.main import COMMANDS, main, run  # pylint: disable=unused-import
 
 __all__ = ["where_everything_went", "main", "run"]
 
