@@ -1,8 +1,8 @@
 """Numpy references of the TPU embedding optimizers: the one copy the tests use.
 
-Written from docs/semantics.md (the formulas of /work/shared/SEMANTICS.md),
-never from the package's rules: a test compares the package against these,
-so they must not share its code. One row per optimizer in ``REFERENCES``
+Written from docs/semantics.md (each optimizer's formulas), never from the
+package's rules: a test compares the package against these, so they must not
+share its code. One row per optimizer in ``REFERENCES``
 (its rule, slots and TensorFlow's defaults); adding an optimizer is adding
 one row here (tests/test_optimizer_rows.py checks both tables list the same
 optimizers).

@@ -300,7 +300,7 @@ def test_convert_command_errors_are_one_line(tmp_path, tiny_checkpoint):
   env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
   out = subprocess.run(
       [sys.executable, "-m", "tpu_embed_ext", "convert-checkpoint", "--config", TINY,
-       "--checkpoint", src, "--out", src, "--topology", "v5p:1"],
+       "--checkpoint", src, "--out", src, "--topology", "1x4"],  # No v5p slice has 1 chip.
       capture_output=True, text=True, timeout=600, env=env)
   assert out.returncode == 2, out.stderr
   lines = [l for l in out.stderr.splitlines() if l.startswith("error:") or "Traceback" in l]

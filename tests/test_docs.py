@@ -273,7 +273,10 @@ def _exists(reference: str, source: pathlib.Path) -> bool:
   bases = [source.parent, ROOT]
   if source.name == "mkdocs.yml":
     bases.append(DOCS)  # nav entries are relative to docs_dir
-  return any((base / target).exists() for base in bases)
+  # Inside the repository: an absolute path (/work/shared/X.md) or one out of
+  # it may exist on the machine that wrote it, never in a reader's clone.
+  return any((base / target).exists() and (base / target).resolve().is_relative_to(
+      ROOT.resolve()) for base in bases)
 
 
 def _dangling(path: pathlib.Path):
@@ -297,6 +300,14 @@ def test_dangling_reference_detection():
   page = DOCS / "guides" / "cpu-testing.md"
   assert _exists("../semantics.md#replicas", page) and _exists("README.md", page)
   assert not _exists("SEMANTICS" + ".md", page)
+
+
+def test_a_document_outside_the_repository_is_dangling_even_if_it_exists(tmp_path):
+  outside = tmp_path / "SEMANTICS.md"  # As tests/references.py once named one.
+  outside.write_text("# outside\n")
+  page = DOCS / "guides" / "cpu-testing.md"
+  assert not _exists(str(outside), page)
+  assert _exists(str(DOCS / "semantics.md"), page)
 
 
 def test_cited_tests_exist():
@@ -393,3 +404,16 @@ def test_criteo_header_states_what_plan_computes():
   tables = tee.plan(tee.EmbeddingSpec.from_file(str(ROOT / "configs" / "criteo.yaml"))).tables
   assert int(rows.replace(",", "")) == sum(t.rows for t in tables)
   assert gib == f"{sum(t.total_bytes for t in tables) / 2**30:.1f}"
+
+
+def test_the_sparsecore_page_says_which_engines_load_keras_weight_files():
+  """docs/sparsecore.md once said every engine loads a .weights.h5 file; a
+  TPU engine refuses it (issue 42): the page quotes the refusal."""
+  import types
+  from tpu_embed_ext import errors
+  from tpu_embed_ext.keras import weights
+  with pytest.raises(errors.ConfigError) as refused:
+    weights.keyed_variables(types.SimpleNamespace(_kind="tpu_v2", name="<name>"))
+  text = " ".join((DOCS / "sparsecore.md").read_text().split())
+  assert f"ConfigError: {refused.value}" in text
+  assert "on every engine" not in text

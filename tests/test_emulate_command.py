@@ -5,7 +5,9 @@ script's excepthook, the status); ``-m MODULE`` runs as ``python -m``; a bad
 command line is one line and status 2.
 """
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import zipfile
@@ -234,3 +236,180 @@ def test_no_xla_switches_the_check_off(flags, status, tmp_path):
 def test_no_xla_is_parsed_into_the_shape():
   assert runner._shape(runner.parse(["--no-xla", "s.py"]))[3] is False  # pylint: disable=protected-access
   assert runner._shape(runner.parse(["s.py"]))[3] is True  # pylint: disable=protected-access
+
+
+# --- the script's world until the interpreter exits ---------------------------
+
+_WORLD = '''
+import atexit, importlib, json, os, pickle, signal, sys, threading, time
+
+OUT = os.path.abspath(sys.argv[1])
+HERE = __file__  # Absolute under python; deleted when the script's code ends.
+
+
+class Finding:  # Defined in the script: pickled by reference to __main__.
+  def __init__(self, where):
+    self.where = where
+
+
+def world(where):
+  os.chdir(os.path.dirname(OUT))  # Away from the script's directory.
+  found = {"pickled": pickle.loads(pickle.dumps(Finding(where))).where,
+           "neighbour": importlib.import_module("neighbour_" + where).NAME,
+           "__file__": HERE, "has __file__": "__file__" in globals(), "argv": sys.argv,
+           "main": sys.modules["__main__"].__name__}
+  if os.environ.get("ON_EMULATED_TPU"):
+    import tensorflow as tf
+    found["resolver"] = tf.distribute.cluster_resolver.TPUClusterResolver.__module__
+  with open(os.path.join(OUT, where + ".json"), "w") as f:
+    json.dump(found, f)
+
+
+def late():
+  time.sleep(1.0)  # Still running when the script's last line has run.
+  world("thread")
+
+
+atexit.register(world, "atexit")
+threading.Thread(target=late).start()
+how = sys.argv[2]
+if how == "raise":
+  raise ValueError("the end")
+if how == "sigterm":
+  signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+  os.kill(os.getpid(), signal.SIGTERM)
+if how == "sigint":
+  os.kill(os.getpid(), signal.SIGINT)
+time.sleep(30 if how.startswith("sig") else 0)  # The signal interrupts it.
+'''
+
+
+def _keeps_its_world(tmp_path, how, runner_words):
+  run = tmp_path / ("emulate" if runner_words else "python")
+  (run / "project").mkdir(parents=True)
+  (run / "out").mkdir()
+  (run / "project" / "keeps_its_world.py").write_text(_WORLD)
+  for where in ("thread", "atexit"):
+    (run / "project" / f"neighbour_{where}.py").write_text(f"NAME = 'next to {where}'\n")
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  if runner_words:
+    env["ON_EMULATED_TPU"] = "1"
+  done = subprocess.run(
+      [sys.executable, *runner_words, os.path.join("project", "keeps_its_world.py"),
+       "out", how], capture_output=True, text=True, env=env, timeout=LIMIT,
+      check=False, cwd=str(run))  # run() kills the process on a timeout.
+  found = {}
+  for name in sorted(os.listdir(run / "out")):
+    found[name] = json.loads((run / "out" / name).read_text())
+    assert os.path.isabs(found[name]["__file__"]), found[name]
+    found[name]["__file__"] = os.path.relpath(found[name]["__file__"], run)
+  return done, found
+
+
+@pytest.mark.parametrize("how", ["return", "raise", "sigterm", "sigint"])
+def test_atexit_and_threads_keep_the_scripts_world_as_under_python(how, tmp_path):
+  """An atexit handler and a non-daemon thread pickle a class of the script
+  and import a module next to it after an os.chdir; the status, the
+  traceback and the signals' ends are python's (issue 42)."""
+  python, python_found = _keeps_its_world(tmp_path, how, [])
+  emulate, emulate_found = _keeps_its_world(
+      tmp_path, how, ["-m", "tpu_embed_ext", "emulate", "--replicas", "2"])
+  resolvers = {emulate_found[name].pop("resolver", None) for name in emulate_found}
+  assert emulate_found == python_found, emulate.stderr[-3000:]
+  assert sorted(python_found) == ["atexit.json", "thread.json"], python.stderr
+  assert python_found["atexit.json"] == {
+      "pickled": "atexit", "neighbour": "next to atexit", "main": "__main__",
+      "__file__": os.path.join("project", "keeps_its_world.py"),  # Absolute.
+      # python deletes it once the script's code ends, unless by sys.exit.
+      "has __file__": how == "sigterm",
+      "argv": [os.path.join("project", "keeps_its_world.py"), "out", how]}
+  # The emulation is still active: TPUClusterResolver is the emulated one.
+  assert resolvers == {"tpu_embed_ext.emulated_tpu.strategy"}, resolvers
+  assert emulate.returncode == python.returncode == {
+      "return": 0, "raise": 1, "sigterm": 143, "sigint": -signal.SIGINT}[how]
+  assert emulate.stdout == python.stdout
+  if how in ("raise", "sigint"):  # The traceback from the script's frame on.
+    assert emulate.stderr == python.stderr.replace(
+        str(tmp_path / "python"), str(tmp_path / "emulate"))
+  else:
+    assert emulate.stderr == python.stderr == ""
+
+
+# --- a program's own emulation and devices, pytest under emulate ---------------
+
+_OWN_EMULATION = """
+import tensorflow as tf
+import tpu_embed_ext as tee
+with tee.emulate_tpu(replicas=2, xla=False) as emulation:
+  print(emulation.replicas, emulation.xla,
+        tf.distribute.TPUStrategy().num_replicas_in_sync)
+print("after", tee.emulated_tpu.current().replicas, tee.emulated_tpu.current().xla)
+"""
+
+
+def test_a_programs_own_emulate_tpu_joins_the_runners(tmp_path, capsys):
+  script = tmp_path / "own.py"
+  script.write_text(_OWN_EMULATION)
+  assert runner.main(["--replicas", "2", str(script)]) == 0
+  assert capsys.readouterr().out == "2 False 2\nafter 2 True\n"
+
+
+def test_a_programs_own_emulate_tpu_of_another_shape_names_the_command(tmp_path, capsys):
+  script = tmp_path / "own.py"
+  script.write_text(_OWN_EMULATION)
+  assert runner.main(["--replicas", "1", str(script)]) == 1
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      "tpu_embed_ext.emulated_tpu.errors.EmulationError: emulate_tpu(replicas=2) "
+      "entered inside `python -m tpu_embed_ext emulate --replicas 1`, whose emulated "
+      "TPU has 1 replicas: one emulation per process, and the program's own "
+      "emulate_tpu joins it only with the same shape. Fix: run the program with "
+      "`python -m tpu_embed_ext emulate --replicas 2 ...` (its emulate_tpu then "
+      "joins the runner's), or with plain `python`, where its emulate_tpu makes "
+      "its own.")
+
+
+def test_a_programs_own_logical_devices_get_the_runners_fix(tmp_path, capsys):
+  script = tmp_path / "devices.py"
+  script.write_text(
+      "import tensorflow as tf\n"
+      "cpu = tf.config.list_physical_devices('CPU')[0]\n"
+      "tf.config.set_logical_device_configuration(\n"
+      "    cpu, [tf.config.LogicalDeviceConfiguration()] * 3)\n")
+  assert runner.main(["--replicas", "2", str(script)]) == 1
+  assert capsys.readouterr().err.splitlines()[-2:] == [
+      "RuntimeError: Virtual devices cannot be modified after being initialized",
+      "emulate: the emulated TPU made 2 logical CPU devices (one per replica) before "
+      "the program ran, and TensorFlow fixes them then. Fix: give emulate --replicas "
+      "the number of CPU devices the program sets (TensorFlow accepts the same "
+      "configuration again), or skip its device set-up when "
+      "tpu_embed_ext.emulated_tpu.is_active()."]
+
+
+_TESTS_UNDER_EMULATE = """
+import pytest
+
+@pytest.mark.emulate_tpu(replicas=2)
+def test_same_shape(emulated_tpu):
+  assert (emulated_tpu.replicas, emulated_tpu.xla) == (2, True)
+
+@pytest.mark.emulate_tpu(replicas=2, xla=False)
+def test_xla_off(emulated_tpu):
+  assert emulated_tpu.xla is False
+
+@pytest.mark.emulate_tpu(replicas=4)
+def test_other_shape(emulated_tpu):
+  pass
+"""
+
+
+def test_emulate_m_pytest_gives_emulated_tpu_tests_the_runners_emulation(tmp_path):
+  (tmp_path / "test_under_emulate.py").write_text(_TESTS_UNDER_EMULATE)
+  done = subprocess.run(
+      [sys.executable, "-m", "tpu_embed_ext", "emulate", "--replicas", "2", "-m",
+       "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore",
+       "test_under_emulate.py"], capture_output=True, text=True, timeout=LIMIT,
+      check=False, cwd=str(tmp_path), env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert "2 passed, 1 skipped" in done.stdout
+  assert ("needs emulate_tpu(replicas=4, sparsecore=False); the session runs on "
+          "`python -m tpu_embed_ext emulate --replicas 2`") in done.stdout

@@ -128,3 +128,43 @@ def test_a_tests_reference_cycles_are_still_collected(tmp_path):
   done = _pytest(tmp_path, _CYCLES, "--emulate-tpu=2")
   assert done.returncode == 0, done.stdout + done.stderr
   assert "1 passed" in done.stdout
+
+
+_MARKER_XLA = """
+import pytest
+import tensorflow as tf
+import tpu_embed_ext as tee
+from tpu_embed_ext import emulated_tpu
+
+@pytest.mark.emulate_tpu(replicas=2, xla=False)
+def test_a_marker_switches_the_check_off(emulated_tpu):
+  assert emulated_tpu.xla is False and tee.emulated_tpu.current().xla is False
+  strategy = tf.distribute.TPUStrategy()
+  assert strategy.extended._emulation.xla is False
+
+def test_the_session_keeps_its_own(emulated_tpu):
+  assert emulated_tpu.xla is True
+
+def test_a_tests_own_emulate_tpu_of_the_sessions_shape_joins_it():
+  with tee.emulate_tpu(replicas=2) as emulation:
+    assert emulation is emulated_tpu.current()
+
+def test_another_shape_names_the_fix():
+  with pytest.raises(emulated_tpu.EmulationError) as refused:
+    with tee.emulate_tpu(replicas=4):
+      pass
+  print("MESSAGE", refused.value)
+"""
+
+
+def test_a_markers_xla_and_a_tests_own_emulate_tpu_under_emulate_tpu(tmp_path):
+  done = _pytest(tmp_path, _MARKER_XLA, "--emulate-tpu=2", "-s")
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert "4 passed" in done.stdout
+  assert (
+      "MESSAGE emulate_tpu(replicas=4) entered inside `pytest --emulate-tpu=2`, whose "
+      "emulated TPU has 2 replicas: one emulation per process, and the program's own "
+      "emulate_tpu joins it only with the same shape. Fix: use the emulated_tpu "
+      "fixture with @pytest.mark.emulate_tpu(replicas=4) (skipped unless the session "
+      "matches), or run the test with pytest --emulate-tpu=4, or without "
+      "--emulate-tpu, where its emulate_tpu makes its own.\n") in done.stdout

@@ -10,6 +10,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 
 __version__ = "0.1.0"
 
@@ -33,8 +34,10 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 # Former module paths -> where the module lives now. ``import
-# tpu_embed_ext.keras.layer`` (and ``from tpu_embed_ext import layer``) give the
-# module at its new path, the same object, so existing code and patches work.
+# tpu_embed_ext.layer`` (and ``from tpu_embed_ext import layer``) give an alias
+# of ``tpu_embed_ext.keras.layer``: a module of its own name and spec that
+# reads and writes the real module's names, so existing code and patches work
+# and the real module's spec is never touched (docs/layout.md).
 MOVED = {
     "optimizers": "spec.optimizers", "numeric_traps": "spec.numeric_traps",
     "learning_rates": "spec.schedules", "spec_fields": "spec.fields",
@@ -53,9 +56,67 @@ MOVED = {
     "train": "job", "job.memory": "host.memory",
 }
 
+# Public names of a former module that did not move with it: name -> the
+# module that defines it now ("module:function()": the function's value).
+MOVED_NAMES = {
+    "learning_rates": {
+        "RateBinder": "tf.rates", "describe": "tf.rates", "value_at": "tf.rates",
+        "assign_tags": "tf.tags", "check_tag_rules": "tf.tags",
+        "SCHEDULE_CLASSES": "spec.schedules:schedule_classes()"},
+    "text_table": {"human_bytes": "host.memory"},
+    "sparsecore.report": {"measure_training_data": "cli.training_data"},
+}
+
+
+class _FormerModule(types.ModuleType):
+  """A former module path: reads, writes and deletes go to the real module."""
+
+  def _real(self):
+    return self.__dict__["__moved_to__"]
+
+  def __getattr__(self, name):
+    if "__moved_to__" not in self.__dict__ or name == "__path__":
+      raise AttributeError(name)  # Not a package: no second copy of submodules.
+    former = self.__name__[len("tpu_embed_ext."):]
+    home = MOVED_NAMES.get(former, {}).get(name)
+    if home is not None:
+      module, _, call = home.partition(":")
+      module = importlib.import_module(f"tpu_embed_ext.{module}")
+      return getattr(module, call[:-2])() if call else getattr(module, name)
+    if name == "__all__":
+      return list(getattr(self._real(), "__all__", ())) + list(
+          MOVED_NAMES.get(former, ()))
+    try:
+      return getattr(self._real(), name)
+    except AttributeError:
+      raise AttributeError(
+          f"module {self.__name__!r} (now {self._real().__name__}) has no "
+          f"attribute {name!r}") from None
+
+  def __setattr__(self, name, value):
+    if name.startswith("__") and name.endswith("__"):  # The import system's.
+      super().__setattr__(name, value)
+    else:
+      setattr(self._real(), name, value)
+
+  def __delattr__(self, name):
+    if name.startswith("__") and name.endswith("__"):
+      super().__delattr__(name)
+    else:
+      delattr(self._real(), name)
+
+  def __dir__(self):
+    former = self.__name__[len("tpu_embed_ext."):]
+    return sorted(set(dir(self._real())) | set(MOVED_NAMES.get(former, ())))
+
+  def __repr__(self):
+    real = self.__dict__.get("__moved_to__")
+    return (f"<module {self.__name__!r}, former path of "
+            f"{getattr(real, '__name__', '?')!r}>")
+
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-  """Finds a former path of ``MOVED`` and loads the module from its new one."""
+  """Finds a former path of ``MOVED``: an alias of the module at its new path."""
 
   def find_spec(self, fullname, path=None, target=None):
     del path, target
@@ -65,11 +126,13 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     return None
 
   def create_module(self, spec):
-    return importlib.import_module(
-        f"tpu_embed_ext.{MOVED[spec.name[len('tpu_embed_ext.'):]]}")
+    return _FormerModule(spec.name)
 
   def exec_module(self, module):
-    del module  # Already executed at its new path.
+    real = importlib.import_module(
+        f"tpu_embed_ext.{MOVED[module.__name__[len('tpu_embed_ext.'):]]}")
+    module.__dict__["__moved_to__"] = real
+    module.__dict__["__doc__"] = real.__doc__
 
 
 if not any(isinstance(f, _MovedModules) for f in sys.meta_path):

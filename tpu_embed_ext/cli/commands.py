@@ -17,8 +17,21 @@ from tpu_embed_ext.spec.embedding_spec import EmbeddingSpec
 __all__ = ["COMMANDS", "plan_command", "convert_checkpoint_command"]
 
 
+def _topology(f) -> str:
+  """``--topology`` as the command line reads it everywhere (``emulate``
+  too): GENERATION:CHIPS names a Cloud TPU slice (``v5p:2`` is none: v5p
+  slices start at 2x2x1, 4 chips); CHIPSxSPARSECORES (``2x4``) any count."""
+  try:
+    sparsecore.check_slice(f.topology)
+  except errors.ConfigError as e:
+    raise errors.ConfigError(f"--topology: {' '.join(str(e).split())}") from None
+  return f.topology
+
+
 def plan_command(f, config: str, progress):
   del progress
+  if f["topology"].present:
+    _topology(f)
   spec = EmbeddingSpec.from_file(config)
   hotness = None
   if f.data:
@@ -67,7 +80,7 @@ def convert_checkpoint_command(f, config: str, progress):
     raise errors.ConfigError(
         "convert-checkpoint needs --checkpoint PREFIX|DIR --out PREFIX --topology T "
         "(a SparseCore topology, or none for per-table). Fix: pass all three.")
-  topology = None if f.topology == "none" else f.topology
+  topology = None if f.topology == "none" else _topology(f)
   # Without --config the checkpoint's own tables, slots and shapes are used.
   spec = _tables_spec(config) if f["config"].present else None
   source = f.checkpoint

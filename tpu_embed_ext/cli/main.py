@@ -106,7 +106,21 @@ _COMMAND_HELP = {
     ("plan", "topology"): "With --engine v2: the SparseCore topology, "
                           "GENERATION:CHIPS (v5p:4, v6e:8, tpu7x:4) or "
                           "CHIPSxSPARSECORES.",
+    ("convert-checkpoint", "config"): (
+        "The config: a .yaml/.json file, or the name of a shipped config (tiny, "
+        "ranking, criteo, movielens). Without it, the tables, slots and shapes "
+        "are read from the checkpoint."),
+    ("convert-checkpoint", "out"): "The prefix of the converted checkpoint (required).",
+    ("convert-checkpoint", "topology"): (
+        "The SparseCore layout to write: GENERATION:CHIPS, a Cloud TPU slice "
+        "(v5p:4, v6e:8, tpu7x:4), or CHIPSxSPARSECORES (2x4); none for "
+        "per-table keys (required)."),
 }
+# A flag's default where the shared one would contradict the command's help:
+# convert-checkpoint's --config is optional (the checkpoint's own tables) and
+# its --topology required.
+_COMMAND_DEFAULTS = {("convert-checkpoint", "config"): None,
+                     ("convert-checkpoint", "topology"): None}
 
 
 def _flag_values(command: str):
@@ -116,6 +130,7 @@ def _flag_values(command: str):
   for name in (*console.COMMAND_FLAGS[command], "verbose"):
     kind, default, text, kwargs = _FLAGS[name]
     text = _COMMAND_HELP.get((command, name), text)
+    default = _COMMAND_DEFAULTS.get((command, name), default)
     getattr(flags, f"DEFINE_{kind}")(name=name, default=default, help=text,
                                      flag_values=values, **kwargs)
   return values
@@ -219,7 +234,7 @@ class _AbslCommand:
     try:
       if self.name == "train" or (self.name == "plan" and f.data > 0):
         _quiet_datasets()
-      self._run(f, files.resolve(f.config), progress)
+      self._run(f, None if f.config is None else files.resolve(f.config), progress)
       status = 0
     except (Exception, KeyboardInterrupt) as e:  # pylint: disable=broad-except
       line = _one_line(e, self.name)

@@ -74,7 +74,7 @@ class TableRow:
 
 
 class Plan:
-  """What the TPU embedding engine will get for a spec."""
+  """What the TPU embedding engine will get for a spec (pickles as its spec)."""
 
   def __init__(self, spec):
     self.spec = spec
@@ -104,6 +104,11 @@ class Plan:
       tag = self.tags[table.name]
       if tag is not None:
         self._rates.setdefault(tag, table.optimizer.learning_rate)
+
+  def __reduce__(self):
+    # The plan is a function of its spec; its TensorFlow config (a variable,
+    # closures over it) is not picklable, so a pickle holds the spec alone.
+    return (Plan, (self.spec,))
 
   @property
   def total_bytes(self) -> int:

@@ -8,7 +8,13 @@
 * The ``emulated_tpu`` fixture gives a test its own emulated TPU, shaped by
   ``@pytest.mark.emulate_tpu(replicas=2, sparsecore=False, topology=None,
   xla=True)`` (default 8 replicas). In a session already under ``--emulate-tpu`` it
-  yields the session's, and skips a test whose marker asks for another.
+  yields the session's, and skips a test whose marker asks for other
+  replicas or SparseCore; a marker's ``xla`` is honoured (the session's
+  emulation with the test's XLA check, ``session.xla_switched``).
+
+Under the runner (``python -m tpu_embed_ext emulate -m pytest``) the fixture
+gives the runner's emulation as it gives the session's, and a test's own
+``emulate_tpu`` of the same shape joins either (``session.hosted_by``).
 
 Order-independent: without ``--emulate-tpu``, the logical CPU devices the
 collected ``emulated_tpu`` tests need (the most any marker asks for) are set
@@ -35,7 +41,7 @@ import sys
 import pytest
 
 from tpu_embed_ext import emulated_tpu as lib, errors
-from tpu_embed_ext.emulated_tpu import runner, start_up_objects
+from tpu_embed_ext.emulated_tpu import runner, session as session_lib, start_up_objects
 
 _STACK = pytest.StashKey[contextlib.ExitStack]()
 # Where TensorFlow was first seen initialised (a collected module's node id).
@@ -151,6 +157,14 @@ def pytest_configure(config):
   except errors.Error as e:
     raise pytest.UsageError(f"--emulate-tpu={shape[0]}: {e}") from None
   config.stash[_STACK] = stack
+  session_lib.hosted_by(
+      f"`pytest --emulate-tpu={shape[0]}"
+      + (f" --emulate-tpu-topology={shape[2]}" if shape[2] else
+         " --emulate-tpu-sparsecore" if shape[1] else "") + "`",
+      "use the emulated_tpu fixture with @pytest.mark.emulate_tpu(replicas="
+      "{replicas}) (skipped unless the session matches), or run the test with "
+      "pytest --emulate-tpu={replicas}, or without --emulate-tpu, where its "
+      "emulate_tpu makes its own.")
   # TensorFlow's and the set-up's objects out of every full collection and of
   # the exit's (start_up_objects.py); the tests' own objects are untouched.
   start_up_objects.freeze_start_up()
@@ -168,15 +182,20 @@ def emulated_tpu(request):
   """The test's emulated TPU (an ``Emulation``): see the module docstring."""
   wanted = _marker_kwargs(request.node)
   session = _session_shape(request.config)
-  if session is not None:
-    active = lib.current()
+  active = lib.current()
+  # The session's emulation, or the runner's (`emulate -m pytest`): shared.
+  if session is not None or (active is not None and session_lib.host()):
     asked = (wanted.get("replicas", active.replicas),
              wanted.get("sparsecore", active.sparsecore))
     if asked != (active.replicas, active.sparsecore):
       pytest.skip(f"needs emulate_tpu(replicas={asked[0]}, sparsecore={asked[1]}); "
-                  f"the session runs --emulate-tpu={active.replicas}"
-                  + (" --emulate-tpu-sparsecore" if active.sparsecore else ""))
-    yield active
+                  f"the session runs on {session_lib.host()}")
+    if wanted.get("xla", active.xla) == active.xla:
+      yield active
+      return
+    # The marker's XLA check, not the session's, for this test.
+    with session_lib.xla_switched(wanted["xla"]) as switched:
+      yield switched
     return
   try:
     context = lib.emulate_tpu(**wanted)

@@ -2,17 +2,31 @@
 
 SCRIPT runs as ``__main__``, as ``python SCRIPT ARGS`` runs it:
 ``sys.argv`` is ``[SCRIPT, *ARGS]``, ``sys.path[0]`` the script's directory,
-and absl's flag registry holds only what the script defines (the command
-line dispatches ``emulate`` here before it defines its own flags), so a
-script's ``app.run(main)`` parses its own flags. ``-m MODULE ARGS`` runs a
-module as ``python -m MODULE ARGS`` does: ``sys.argv[0]`` is the module's
-file and ``sys.path[0]`` the current directory. The logical CPU devices are
-set up before the script runs, then the whole script runs inside
-``emulate_tpu``.
+``__file__`` the script's absolute path (deleted once its code ends, unless
+by ``sys.exit``, as ``python`` does), and absl's flag registry holds only
+what the script defines (the command line dispatches ``emulate`` here before
+it defines its own flags), so a script's ``app.run(main)`` parses its own
+flags. ``-m MODULE ARGS`` runs a module as ``python -m MODULE ARGS`` does:
+``sys.argv[0]`` is the module's file and ``sys.path[0]`` the current
+directory. The logical CPU devices are set up before the script runs, then
+the whole script runs inside ``emulate_tpu``.
+
+The script's world lasts until the interpreter exits (issue 42): on the
+command line ``__main__`` (so pickles of the script's classes), ``sys.argv``,
+``sys.path[0]`` (so imports of modules next to it) and the emulation are
+never put back; its ``atexit`` handlers and non-daemon threads see them as
+under ``python``. The emulation is left by an ``atexit`` handler registered
+before the script runs, so after the script's own. Called as a library
+(``main(argv)``), they are put back before ``main`` returns.
+
+The program runs in ``programs.py``.
 
 Exit status: the script's own (``sys.exit(code)``; 0 when it returns; 1
-after the script's ``sys.excepthook`` reported an exception); 2 for a bad
-``emulate`` command line (one line, as the other commands).
+after the script's ``sys.excepthook`` reported an exception; killed by
+SIGINT after an uncaught ``KeyboardInterrupt``, as ``python``: on the command
+line the exception leaves ``main`` for Python's top level, and the hook is
+given the script's frames only); 2 for a bad ``emulate`` command line (one
+line, as the other commands).
 
 Exit: Python's own. ``main`` returns the status and the command line ends
 with ``sys.exit``: the script's ``atexit`` handlers and non-daemon threads,
@@ -33,17 +47,16 @@ The script's own objects are collected and finalized as under ``python``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import importlib.util
 import os
-import runpy
 import sys
-import traceback
 from typing import List, Optional
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.emulated_tpu import session, start_up_objects
+from tpu_embed_ext.emulated_tpu import programs, session, start_up_objects
 from tpu_embed_ext.host import library_log
 
 __all__ = ["main", "parse", "check_slice", "UsageError", "USAGE", "OPTIONS"]
@@ -71,7 +84,8 @@ def _replicas(text: str) -> int:
 # Options by name; a new option is a new entry (the parser reads this table).
 OPTIONS = {
     "--replicas": Option("N", "TPU cores (replicas), one logical CPU device "
-                         "each (default 8).", _replicas),
+                         "each (default: the --topology's chips, else 8).",
+                         _replicas),
     "--sparsecore": Option(None, "The TPU has SparseCore: TPUEmbeddingV2 is "
                            "emulated."),
     "--topology": Option("T", "The TPU slice, e.g. v5p:8, v6e:8, tpu7x:8 or "
@@ -158,14 +172,16 @@ def _help() -> str:
 
 def _shape(command: Command):
   """(replicas, sparsecore, topology, xla) with the slice checked."""
-  topology = command.get("--topology")
+  topology, replicas = command.get("--topology"), command.get("--replicas")
   if topology is not None:
     try:
-      check_slice(topology)
+      chips = check_slice(topology).chips
     except errors.Error as e:
       raise UsageError(f"--topology: {' '.join(str(e).split())}") from None
+    if "--replicas" not in command.options:  # One replica per chip.
+      replicas = chips
   sparsecore = command.get("--sparsecore") or topology is not None
-  return command.get("--replicas"), sparsecore, topology, not command.get("--no-xla")
+  return replicas, sparsecore, topology, not command.get("--no-xla")
 
 
 def check_slice(topology):
@@ -187,72 +203,17 @@ def check_slice(topology):
   return module.check_slice(topology)
 
 
-def _script_frames(tb, filename: str):
-  """The traceback from the program's first frame on, as ``python`` shows."""
-  start = tb
-  while start is not None and start.tb_frame.f_code.co_filename != filename:
-    start = start.tb_next
-  return start or tb
-
-
-def _exit_code(e: SystemExit) -> int:
-  """What Python's own exit makes of ``sys.exit(e.code)``."""
-  if e.code is None:
-    return 0
-  if isinstance(e.code, int):
-    return e.code
-  print(e.code, file=sys.stderr)
-  return 1
-
-
-def _run_program(command: Command) -> int:
-  if command.module is not None:
-    saved = sys.argv, sys.path[0]
-    sys.path[0] = os.getcwd()
-    try:
-      spec = importlib.util.find_spec(command.module)
-    except (ImportError, ValueError):
-      spec = None
-    if spec is None or spec.origin is None:
-      sys.path[0] = saved[1]
-      raise UsageError(f"no module named {command.module!r} (looked in the "
-                       "current directory and sys.path, as python -m does).")
-    filename = spec.origin
-    sys.argv = [filename] + list(command.args)
-    run = lambda: runpy.run_module(command.module, run_name="__main__",
-                                   alter_sys=True)
-  else:
-    filename = os.path.abspath(command.script)
-    saved = sys.argv, sys.path[0]
-    sys.argv = [command.script] + list(command.args)
-    sys.path[0] = os.path.dirname(filename)
-    run = lambda: runpy.run_path(command.script, run_name="__main__")
-  try:
-    run()
-  except SystemExit as e:
-    return _exit_code(e)
-  except BaseException as e:  # pylint: disable=broad-except
-    # As the interpreter does for an uncaught exception: the script's own
-    # sys.excepthook (the default prints the traceback) and status 1.
-    e.__traceback__ = _script_frames(e.__traceback__, filename)
-    sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
-    try:
-      sys.excepthook(type(e), e, sys.last_traceback)
-    except Exception:  # pylint: disable=broad-except  # A hook that fails.
-      traceback.print_exc()
-    return 130 if isinstance(e, KeyboardInterrupt) else 1
-  finally:
-    sys.argv, sys.path[0] = saved
-  return 0
-
-
 def main(argv: Optional[List[str]] = None, *, owns_process: bool = False) -> int:
   """Runs ``emulate``'s command line (the words after ``emulate``).
 
   Returns the exit status (the script's, or 2 for a bad command line): call
   it as ``sys.exit(main(argv))``, which ends the process as Python does.
   ``owns_process`` (the command line's way): TensorFlow's start-up lines go
-  to the library log, not the terminal.
+  to the library log, not the terminal, and the script's world (``__main__``,
+  ``sys.argv``, ``sys.path[0]``, the emulation) is kept until the interpreter
+  exits; an exception leaving the script (``SystemExit`` too) leaves ``main``
+  for Python's top level. Without it, they are put back before ``main``
+  returns the status.
   """
   argv = sys.argv[1:] if argv is None else list(argv)
   if any(a in ("-h", "--help") for a in argv[:_first_program_word(argv)]):
@@ -266,16 +227,29 @@ def main(argv: Optional[List[str]] = None, *, owns_process: bool = False) -> int
   except UsageError as e:
     print(f"error: emulate: {e} Usage: {USAGE}", file=sys.stderr)
     return 2
-  with contextlib.ExitStack() as stack:
-    try:
-      _start(stack, shape, owns_process)
-      return _run_program(command)
-    except UsageError as e:
-      print(f"error: emulate: {e} Usage: {USAGE}", file=sys.stderr)
-      return 2
-    except errors.Error as e:  # Set-up (replicas, devices): one line.
-      print(f"error: emulate: {' '.join(str(e).split())}", file=sys.stderr)
-      return 2
+  stack = contextlib.ExitStack()
+  try:
+    _start(stack, shape, owns_process)
+    program = programs.find(command.script, command.module, command.args)
+    if program is None:
+      raise UsageError(f"no module named {command.module!r} (looked in the "
+                       "current directory and sys.path, as python -m does).")
+  except (UsageError, errors.Error) as e:  # Set-up (replicas, devices): one line.
+    stack.close()
+    line = " ".join(str(e).split())
+    print(f"error: emulate: {line}" + (f" Usage: {USAGE}" if isinstance(
+        e, UsageError) else ""), file=sys.stderr)
+    return 2
+  except BaseException:
+    stack.close()
+    raise
+  if owns_process:
+    # Left by the last atexit handler: after the script's own handlers (run
+    # in reverse order of registration) and its non-daemon threads.
+    atexit.register(stack.close)
+    return programs.run_kept(program)
+  with stack:
+    return programs.run_restoring(program)
 
 
 def _start(stack: contextlib.ExitStack, shape, owns_process: bool) -> None:
@@ -287,10 +261,17 @@ def _start(stack: contextlib.ExitStack, shape, owns_process: bool) -> None:
   if owns_process:
     log = library_log.LibraryLog("emulate")
   try:
-    stack.enter_context(session.emulate_tpu(*shape))
+    emulation = stack.enter_context(session.emulate_tpu(*shape))
   finally:
     if log is not None:
       log.close()
+  topology = (f" --topology {shape[2]}" if shape[2] else
+              " --sparsecore" if shape[1] else "") + ("" if shape[3] else " --no-xla")
+  session.hosted_by(
+      f"`python -m tpu_embed_ext emulate --replicas {emulation.replicas}{topology}`",
+      "run the program with `python -m tpu_embed_ext emulate --replicas "
+      "{replicas}{flags} ...` (its emulate_tpu then joins the runner's), or "
+      "with plain `python`, where its emulate_tpu makes its own.")
   if owns_process:
     # TensorFlow's and the set-up's objects out of every full collection and
     # of the exit's (start_up_objects.py); the script's own are untouched.

@@ -65,7 +65,8 @@ from tpu_embed_ext import errors
 from tpu_embed_ext.emulated_tpu import patching
 from tpu_embed_ext.emulated_tpu.errors import EmulationError
 
-__all__ = ["emulate_tpu", "is_active", "current", "Emulation"]
+__all__ = ["emulate_tpu", "is_active", "current", "Emulation", "xla_switched",
+           "hosted_by", "host"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,28 +155,110 @@ def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None,
 
   Yields the ``Emulation``. Raises ``EmulationError`` if another emulation is
   active (patched names are process-wide) or TensorFlow already runs with
-  fewer logical CPU devices than ``replicas``.
+  fewer logical CPU devices than ``replicas``. Inside the runner's or the
+  pytest session's emulation (``hosted_by``), one of the same replicas and
+  SparseCore joins it (with this ``xla``) instead; another shape is refused
+  with the command line that gives it.
   """
   global _active
   replicas, sparsecore, parsed = _checked(replicas, sparsecore, topology, xla)
   with _lock:
-    if _active is not None:
-      raise EmulationError(
-          f"emulate_tpu(replicas={replicas}) entered while emulate_tpu("
-          f"replicas={_active.replicas}) is active: nested or concurrent "
-          "emulations are refused, as the patched TensorFlow names are shared "
-          "by the whole process. Fix: leave the first emulate_tpu before "
-          "entering another.")
-    # Lazy: TensorFlow loads when an emulation is entered, not at
-    # `import tpu_embed_ext.emulated_tpu` (the runner sets devices up first).
-    from tpu_embed_ext.emulated_tpu import devices  # pylint: disable=g-import-not-at-top
-    emulation = Emulation(replicas, sparsecore, parsed,
-                          devices.logical_devices(replicas), xla)
-    patches = patching.apply(emulation)
-    _active = emulation
+    outer = _active
+    if outer is not None:
+      _refuse_nested(outer, replicas, sparsecore, parsed)
+    else:
+      # Lazy: TensorFlow loads when an emulation is entered, not at
+      # `import tpu_embed_ext.emulated_tpu` (the runner sets devices up first).
+      from tpu_embed_ext.emulated_tpu import devices  # pylint: disable=g-import-not-at-top
+      emulation = Emulation(replicas, sparsecore, parsed,
+                            devices.logical_devices(replicas), xla)
+      patches = patching.apply(emulation)
+      _active = emulation
+  if outer is not None:  # Joins the runner's or the pytest session's.
+    with (xla_switched(xla) if xla != outer.xla
+          else contextlib.nullcontext(outer)) as joined:
+      yield joined
+    return
   try:
     yield emulation
   finally:
     with _lock:
       _active = None
+      _host.clear()
       patching.restore(patches)
+
+
+# Who entered the active emulation for the whole program (the runner, the
+# pytest session), and the fix for a program asking another: see hosted_by.
+_host: dict = {}
+
+
+def hosted_by(description: str, fix: str) -> None:
+  """Marks the active emulation as the program's, entered by ``description``
+  (``python -m tpu_embed_ext emulate --replicas 8``): the program's own
+  ``emulate_tpu`` of the same shape then joins it instead of being refused,
+  and another shape is refused with ``fix`` (``{replicas}``, ``{flags}``:
+  what the program asked for)."""
+  _host.update(description=description, fix=fix)
+
+
+def host() -> Optional[str]:
+  """Who entered the active emulation for the whole program (``hosted_by``),
+  or None."""
+  return _host.get("description")
+
+
+def _shape(replicas, sparsecore, parsed) -> tuple:
+  return replicas, sparsecore, parsed and (parsed.chips, parsed.sparsecores_per_chip)
+
+
+def _refuse_nested(outer: Emulation, replicas, sparsecore, parsed) -> None:
+  """Returns if ``emulate_tpu(...)`` may join the program's ``outer``."""
+  if not _host:
+    raise EmulationError(
+        f"emulate_tpu(replicas={replicas}) entered while emulate_tpu("
+        f"replicas={outer.replicas}) is active: nested or concurrent "
+        "emulations are refused, as the patched TensorFlow names are shared "
+        "by the whole process. Fix: leave the first emulate_tpu before "
+        "entering another.")
+  if _shape(replicas, sparsecore, parsed) == _shape(
+      outer.replicas, outer.sparsecore, outer.topology):
+    return
+  flags = ("" if parsed is None else f" --topology {parsed.chips}x"
+           f"{parsed.sparsecores_per_chip}") or (" --sparsecore" if sparsecore else "")
+  asked = f"replicas={replicas}" + (f", topology={parsed.name!r}" if sparsecore else "")
+  raise EmulationError(
+      f"emulate_tpu({asked}) entered inside {_host['description']}, whose "
+      f"emulated TPU has {outer.replicas} replicas"
+      + (f" and SparseCore ({outer.topology})" if outer.sparsecore else "")
+      + ": one emulation per process, and the program's own emulate_tpu joins "
+      "it only with the same shape. Fix: "
+      + _host["fix"].format(replicas=replicas, flags=flags))
+
+@contextlib.contextmanager
+def xla_switched(xla: bool):
+  """The active emulation with its XLA check ``xla`` while this is active.
+
+  The pytest plugin's way to honour a test's ``emulate_tpu(xla=...)`` marker
+  in a session already under ``--emulate-tpu``. What the test creates
+  (resolvers, strategies) reads the switched emulation; a strategy made
+  before keeps its own. The embedding engine is cleared on entry and exit,
+  as on a new emulation (``embedding_memory.py``). Yields the ``Emulation``.
+  """
+  global _active
+  if not isinstance(xla, bool):
+    raise errors.ConfigTypeError(
+        f"emulate_tpu xla must be True or False, got xla={xla!r}.")
+  with _lock:
+    before = _active
+    if before is None:
+      raise EmulationError(
+          "xla_switched needs an active emulate_tpu: it switches that "
+          "emulation's XLA check. Fix: enter emulate_tpu first.")
+    _active = dataclasses.replace(before, xla=xla)
+    switched = _active
+  try:
+    yield switched
+  finally:
+    with _lock:
+      _active = before
