@@ -65,3 +65,15 @@ def test_tiny_on_8_chips_equals_cpu_and_exports(tmp_path, tiny_data_dir):
 def test_criteo_on_2_chips_equals_cpu(tmp_path, tiny_data_dir):
   config = jobs.scaled_config(tmp_path, tiny_data_dir, "criteo", **TRAIN)
   _same_as_cpu(config, tmp_path, "emulate:2x4", "criteo")
+
+
+def test_a_batch_that_does_not_split_over_the_chips_is_one_line(capsys, tmp_path,
+                                                               tiny_data_dir):
+  """TPUEmbeddingV2's output_shape is the per-replica batch: a global batch that
+  does not split over the chips is refused before anything is built."""
+  config = jobs.scaled_config(tmp_path, tiny_data_dir, "tiny", batch_size=100)
+  line = jobs.one_line_error(capsys, "train", "--config", config, "--tpu", "emulate:v5p:8",
+                             "--model_dir", str(tmp_path / "r"), "--steps", "2")
+  assert line.endswith("train.batch_size: batch_size 100 does not split over 8 "
+                       "replicas. Fix: use a batch size divisible by 8."), line
+  assert not (tmp_path / "r" / "checkpoints").exists()
