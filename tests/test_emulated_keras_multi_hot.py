@@ -13,7 +13,8 @@ Under the emulated TPU, at 2 and 8 replicas, ``TPUEmbedding`` (v1) and
 ``TPUEmbeddingV2`` (SparseCore), functional and subclassed models with dict
 inputs: after ``fit`` the tables, slots and dense weights equal the same
 model trained on one CPU device on the same global batches, to float32
-reordering.
+reordering. The same build serves ``MirroredStrategy`` (the CPU engine on 2
+replicas).
 """
 
 import keras
@@ -163,3 +164,20 @@ def test_fit_with_multi_hot_features_equals_one_device(model_kind, replicas, spa
                            initial), table
   for got_w, want_w in zip(got_dense, reference_dense.weights):
     np.testing.assert_allclose(got_w, want_w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_fit_under_mirrored_strategy_takes_ragged_and_sparse_batches(tmp_path):
+  """The same build under MirroredStrategy (CPUEmbedding on 2 CPU replicas)."""
+  reference, reference_dense = _fit("functional", _feature_config(), GLOBAL_BATCH,
+                                    _dataset())
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with strategy.scope():
+    layer, dense = _fit("functional", _feature_config(), GLOBAL_BATCH // 2,
+                        strategy.experimental_distribute_dataset(_dataset()))
+  assert layer._kind == "cpu" and int(layer.step.numpy()) == BATCHES
+  got, want = _tables(layer, tmp_path, "mirrored"), _tables(reference, tmp_path, "one")
+  assert sorted(got) == sorted(want)
+  for key, value in want.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+  for got_w, want_w in zip(dense.weights, reference_dense.weights):
+    np.testing.assert_allclose(got_w.numpy(), want_w.numpy(), rtol=1e-5, atol=1e-6)
