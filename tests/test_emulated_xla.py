@@ -407,7 +407,8 @@ def test_a_size_from_the_data_is_refused_by_xla_when_first_traced():
       "function given to strategy.run (replica 0's TensorCore program, compiled "
       "with XLA on CPU at first trace). Fix: compute it from static values "
       "(Python numbers, tensor.shape), or pad to a fixed size: a TPU compiles the "
-      "step before it sees the data; or run with XLA off (emulate_tpu(xla=False), "
+      "step before it sees the data, with strategy.run's arguments and the replica id "
+      "as the program's inputs; or run with XLA off (emulate_tpu(xla=False), "
       "emulate --no-xla, pytest --emulate-tpu-no-xla).")
 
 
@@ -426,8 +427,8 @@ def test_replica_zeros_program_is_built_from_activations_to_gradients(monkeypatc
   built, results = [], []
   build, compile_ = xla_compile._program_graph_def, xla_compile.compile_replica_program  # pylint: disable=protected-access
 
-  def recording_build(program_ops, graph):
-    out = build(program_ops, graph)
+  def recording_build(program_ops, graph, on_host=frozenset()):
+    out = build(program_ops, graph, on_host)
     built.append((program_ops, out[1], out[2]))
     return out
 
@@ -469,7 +470,8 @@ def test_an_input_of_unknown_shape_is_not_compiled_and_says_so(caplog):
             if r.name == "tpu_embed_ext.emulated_tpu.xla_compile"]
   assert len(warned) == 1 and warned[0].startswith(
       "Replica 0's TensorCore program was not compiled with XLA (its input ")
-  assert "has shape (None,), not fully known); only its ops were checked" in warned[0]
+  assert ("has shape (None,), not fully known): this step was NOT compiled; only its "
+          "ops were checked") in warned[0]
 
 
 def _cond(activations):

@@ -13,6 +13,7 @@
 """
 
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -226,3 +227,44 @@ def test_the_soft_placement_default_inside_a_function_is_off():
         == False  # noqa: E712
   finally:
     context.context()._soft_device_placement = saved  # pylint: disable=protected-access
+
+
+# --- Keras steps_per_execution > 1 -------------------------------------------
+
+class _SizedFromData(keras.layers.Layer):
+  def call(self, x):
+    n = tf.cast(tf.reduce_max(x) * 0.0, tf.int32) + 2  # LINE:keras
+    return x + tf.reduce_sum(tf.zeros([n]))
+
+
+def _fit(spe, extra=None):
+  with tee.emulate_tpu(replicas=2):
+    strategy = tf.distribute.TPUStrategy(
+        tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
+    with strategy.scope():
+      layers = [keras.Input((4,)), keras.layers.Dense(
+          1, kernel_initializer="ones", bias_initializer="zeros")]
+      model = keras.Sequential(layers + ([extra] if extra is not None else []))
+      model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse",
+                    steps_per_execution=spe)
+    x = np.random.RandomState(3).rand(64, 4).astype(np.float32)
+    history = model.fit(x, x.sum(1, keepdims=True) * 2.0, batch_size=16, epochs=2,
+                        verbose=0, shuffle=False)
+    return history.history["loss"], model.get_weights()
+
+
+def test_keras_steps_per_execution_8_is_compiled_and_trains(soft_on, compiled, caplog):
+  losses, weights = _fit(8)
+  assert compiled[1] == [None] and not _warnings(caplog)
+  one_losses, one_weights = _fit(1)  # the same training, one step per call
+  np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
+  np.testing.assert_allclose(weights[0], one_weights[0], rtol=1e-5)
+  assert losses[1] < losses[0]
+
+
+def test_keras_steps_per_execution_8_refuses_a_size_from_the_data(soft_on):
+  with pytest.raises(xla_check.NotCompilableError,
+                     match=r"must be a compile-time constant: emulated TPU: made at "
+                     r".*test_emulated_xla_boundary\.py:\d+ in the function given to "
+                     r"strategy\.run"):
+    _fit(8, _SizedFromData())

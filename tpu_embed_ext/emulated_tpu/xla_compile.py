@@ -41,7 +41,7 @@ from tensorflow.python.eager import wrap_function
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import handle_data_util, resource_variable_ops
 
-from tpu_embed_ext.emulated_tpu import host_ops
+from tpu_embed_ext.emulated_tpu import device_datasets, host_ops
 
 
 __all__ = ["replica_zero_ops", "compile_replica_program", "failing_op", "not_compiled"]
@@ -257,7 +257,12 @@ def _compile(op_list, graph, is_engine, on_host) -> Optional[str]:
     elif t.dtype in (tf.variant, tf.string):
       raise _NotCompiled(f"its input {t.name} is a {t.dtype.name}")
     elif not t.shape.is_fully_defined():
-      raise _NotCompiled(f"its input {t.name} has shape {t.shape}, not fully known")
+      # A batch read through get_next_as_optional (Keras's
+      # steps_per_execution > 1): compiled for the shape the step runs with.
+      shape = device_datasets.batch_shape(t.dtype, t.shape)
+      if shape is None:
+        raise _NotCompiled(f"its input {t.name} has shape {t.shape}, not fully known")
+      args.append((name, tf.TensorSpec(shape, t.dtype)))
     else:
       args.append((name, tf.TensorSpec(t.shape, t.dtype)))
   fetch_names = [t.name for t in fetches]
