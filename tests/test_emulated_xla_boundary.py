@@ -268,3 +268,30 @@ def test_keras_steps_per_execution_8_refuses_a_size_from_the_data(soft_on):
                      r".*test_emulated_xla_boundary\.py:\d+ in the function given to "
                      r"strategy\.run"):
     _fit(8, _SizedFromData())
+
+
+# --- SparseCore: the batch's layout, refused when traced ---------------------
+
+def test_a_sparsecore_batch_not_split_evenly_is_refused_when_traced():
+  """Shapes are static: the error comes when the step is traced, as
+  TensorFlow's InputError, not from inside a numpy_function when it runs."""
+  from tests import sparsecore_program as sc  # pylint: disable=g-import-not-at-top
+  per_replica = 6  # 2 chips x 6 = 12 samples, not a multiple of 2 x 4 SparseCores
+  with tee.emulate_tpu(replicas=2, sparsecore=True):
+    strategy = tf.distribute.TPUStrategy(
+        tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
+    with strategy.scope():
+      embedding = tf.tpu.experimental.embedding.TPUEmbeddingV2(
+          sc.feature_config(per_replica), None)
+    step = tf.function(lambda batch: strategy.run(
+        lambda f: embedding.embedding_lookup(f)[0]["user"], args=(batch,)))
+    batch = sc.global_batches(2 * per_replica)[0]
+    inputs = strategy.experimental_distribute_values_from_function(
+        lambda ctx: sc.as_tensors(batch, ctx.replica_id_in_sync_group * per_replica,
+                                  (ctx.replica_id_in_sync_group + 1) * per_replica))
+    with pytest.raises(tee.errors.InputError,
+                       match=r"^feature 'item' \(table 'item'\) has 12 samples, not a multiple "
+                       r"of 2 chips x 4 SparseCores per chip.*Fix: use a batch size divisible "
+                       r"by 8\.$") as caught:
+      step.get_concrete_function(inputs)
+    assert "PyFunc" not in str(caught.value)
