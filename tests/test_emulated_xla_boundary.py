@@ -295,3 +295,33 @@ def test_a_sparsecore_batch_not_split_evenly_is_refused_when_traced():
                        r"by 8\.$") as caught:
       step.get_concrete_function(inputs)
     assert "PyFunc" not in str(caught.value)
+
+
+# --- what CPU raises and XLA on a TPU does not -------------------------------
+
+@pytest.mark.parametrize("step,error", [
+    (lambda ids: tf.gather(tf.constant([1.0, 2.0]), ids), r"indices\[0\] = 5 is not in \[0, 2\)"),
+    (lambda ids: tf.math.floordiv(ids, ids - 5), r"Integer division by zero"),
+], ids=["gather-out-of-range", "integer-division-by-zero"])
+def test_out_of_range_gathers_and_integer_division_by_zero_raise_on_cpu(step, error):
+  """XLA clamps gather indices and gives an implementation-defined value for
+  an integer division by zero (its operation semantics); the emulated step
+  runs as TensorFlow ops on CPU, which raise (docs/guides/tpu-on-cpu.md)."""
+  with pytest.raises(tf.errors.InvalidArgumentError, match=error):
+    _run(step, tf.constant([5]))
+
+
+def test_a_summary_placed_on_the_host_is_attributed_to_its_caller(soft_on, compiled, caplog,
+                                                                   tmp_path):
+  """tf.summary.scalar is tensorboard's (summary_v2.py): the warning names
+  the caller's line, not tensorboard's file."""
+  def step(x):
+    tf.summary.scalar("x", x, step=0)  # LINE:summary
+    return x * 2.0
+
+  with tf.summary.create_file_writer(str(tmp_path)).as_default():
+    assert [float(v) for v in _run(step, 2.0)] == [4.0, 4.0]
+  warned = [m for m in _warnings(caplog) if "automatic outside compilation" in m]
+  assert warned and all("test_emulated_xla_boundary.py:" in m and "tensorboard" not in m
+                        for m in warned), warned
+  assert compiled[1] == [None]
