@@ -20,7 +20,8 @@ import tensorflow as tf
 from tensorflow.python.tpu import tpu_replication
 
 import tpu_embed_ext as tee
-from tpu_embed_ext.emulated_tpu import xla_check, xla_compile
+from tests import xla_recording
+from tpu_embed_ext.emulated_tpu import xla_check
 
 outside_compilation = tpu_replication.outside_compilation  # tf.compat.v1.tpu's
 _LOGGERS = ("tpu_embed_ext.emulated_tpu.xla_check", "tpu_embed_ext.emulated_tpu.xla_compile")
@@ -43,25 +44,8 @@ def soft_on():
 
 @pytest.fixture
 def compiled(monkeypatch):
-  """The types of the ops of each compiled program, and each compile's result."""
-  programs, results = [], []
-  build, compile_ = xla_compile._program_graph_def, xla_compile.compile_replica_program  # pylint: disable=protected-access
-
-  def recording_build(program_ops, graph, on_host=frozenset()):
-    out = build(program_ops, graph, on_host)
-    library = {n.op for f in out[0].library.function for n in f.node_def}
-    programs.append({op.type for op in program_ops} | library)
-    return out
-
-  def recording_compile(*args):
-    results.append(compile_(*args))
-    return results[-1]
-
-  monkeypatch.setattr(xla_compile, "_program_graph_def", recording_build)
-  monkeypatch.setattr(xla_compile, "compile_replica_program", recording_compile)
-  xla_compile._logged.clear()  # pylint: disable=protected-access
-  xla_check._warned.clear()  # pylint: disable=protected-access
-  return programs, results
+  """(built, results) of each compiled program (tests/xla_recording.py)."""
+  return xla_recording.record(monkeypatch)
 
 
 def _warnings(caplog):
@@ -111,9 +95,9 @@ def test_outside_compilation_runs_on_the_host_uncompiled_and_unwarned(
   with writer.as_default():
     assert [float(v) for v in _run(step, 2.0)] == [16.0, 16.0]
   writer.flush()
-  programs, results = compiled
-  assert results == [None] and len(programs) == 1  # compiled, and XLA took it
-  assert not programs[0] & {"PrintV2", "EagerPyFunc", "WriteScalarSummary"}
+  built, results = compiled
+  assert results == [None] and len(built) == 1  # compiled, and XLA took it
+  assert not built[0][3] & {"PrintV2", "EagerPyFunc", "WriteScalarSummary"}
   assert not _warnings(caplog)
   assert tf.io.gfile.listdir(logdir)  # the summary was written on the host
 
@@ -166,6 +150,22 @@ def test_the_same_sizes_from_static_values_compile(soft_on, compiled):
   assert compiled[1] == [None, None]
 
 
+def test_a_constant_of_the_enclosing_function_stays_a_constant(soft_on, compiled):
+  """Only strategy.run's arguments are the program's inputs: a constant the
+  replica function closes over is not refused (not a false refusal)."""
+  with tee.emulate_tpu(replicas=2):
+    strategy = tf.distribute.TPUStrategy(
+        tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
+
+    @tf.function
+    def outer():
+      n = tf.constant(3)
+      return strategy.run(lambda: _sized(n + 1) + 1.0)
+
+    assert [float(v) for v in strategy.experimental_local_results(outer())] == [1.0, 1.0]
+  assert compiled[1] == [None]
+
+
 def test_all_reduce_of_an_argument_passed_unchanged_is_the_sum(compiled):
   def step(x):
     return tf.distribute.get_replica_context().all_reduce("sum", x)
@@ -196,7 +196,7 @@ def test_with_soft_placement_a_host_op_runs_and_the_rest_is_compiled(soft_on, co
     return y * 3.0
 
   assert [float(v) for v in _run(step, 2.0)] == [15.0, 15.0]
-  assert compiled[1] == [None] and "EagerPyFunc" not in compiled[0][0]
+  assert compiled[1] == [None] and "EagerPyFunc" not in compiled[0][0][3]
   assert [m for m in _warnings(caplog) if "not compiled" in m] == []
 
 

@@ -351,7 +351,7 @@ class _TPUFace:
     # Recorded for TPUEmbedding.enqueue's TPU checks (tpu_inputs.py).
     with tpu_inputs.recorded_run(self, args, kwargs), \
         outer_jit.replicas_compiled_separately(), \
-        xla_check.replica_program(self.extended._emulation):  # pylint: disable=protected-access
+        xla_check.replica_program(self.extended._emulation, (args, kwargs)):  # pylint: disable=protected-access
       return distribute_lib.StrategyBase.run(self, fn, args, kwargs, options)
 
 

@@ -9,14 +9,17 @@ devices, so a program no TPU could compile would pass silently. With XLA on
 (``emulate_tpu(xla=True)``, the default), when ``strategy.run`` is traced in
 a ``tf.function`` every op the replica function made (nested functions,
 ``tf.cond`` / ``tf.while_loop`` bodies included), except the engine's, is
-checked against these rules. The first op that fails raises
-``NotCompilableError`` (a ``tf.errors.InvalidArgumentError`` with XLA's
-phrase first) naming the op, the user's line and the fix, when soft device
-placement is off (``tf.config.set_soft_device_placement(False)``); when it
-is on (TensorFlow's default) a TPU places such ops on its host CPU instead
-("Automatic outside compilation is enabled. Ops without XLA kernels will be
-automatically placed on CPU.", ``tpu.py``), and the emulated TPU runs them
-too, logging one warning per op and line:
+checked against these rules, except ops made in
+``tf.compat.v1.tpu.outside_compilation`` (the host's: ``host_ops.py``). The
+first op that fails raises ``NotCompilableError`` (a
+``tf.errors.InvalidArgumentError`` with XLA's phrase first) naming the op,
+the user's line and the fix, the TPU's own first, when soft device placement
+is off (TensorFlow's default while a function is traced: ``context.py`` sets
+``allow_soft_placement = executing_eagerly()`` unless it was set); when it is
+on a TPU places such ops on its host CPU ("Automatic outside compilation is
+enabled. Ops without XLA kernels will be automatically placed on CPU.",
+``tpu.py``) and compiles the rest, and the emulated TPU runs them too,
+logging one warning per op and line, and compiles the rest without them:
 
 * the op has an XLA kernel: TensorFlow's ``tf2xla`` registrations for
   ``XLA_CPU_JIT`` (read from TensorFlow's kernel registry, where they appear
@@ -35,11 +38,12 @@ too, logging one warning per op and line:
   registers its kernels for every XLA device, and ``tpu.py`` turns the TPU's
   dynamic padder on by default).
 
-When every op passes (with soft placement on: when none was warned about),
-replica 0's TensorCore program is compiled with XLA on CPU, not run
-(``xla_compile.py``: the engine's ops and ``merge_call``'s cross-replica
-sums are cut out, their values the program's inputs and outputs). What only
-XLA's compiler finds (an argument that must be a compile-time constant but
+Then replica 0's TensorCore program is compiled with XLA on CPU, not run
+(``xla_compile.py``: the engine's ops, the host's and ``merge_call``'s
+cross-replica sums are cut out, their values the program's inputs and
+outputs; ``strategy.run``'s arguments and the replica id are inputs, as
+``tpu_strategy.py`` passes them to ``tpu.replicate``). What only XLA's
+compiler finds (an argument that must be a compile-time constant but
 is computed from the data's values, as in ``tf.zeros([tf.reduce_max(x)])``)
 is refused then, whatever the soft placement, with XLA's words first
 (``compile_program``).
@@ -48,7 +52,6 @@ is refused then, whatever the soft placement, with XLA's words first
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import re
 from typing import Iterable, List, Optional, Set
@@ -331,16 +334,15 @@ def check_ops(op_list, graph):
   if not soft:
     raise NotCompilableError(_message(*found[0][:3]))
   for op, problem, frames, _ in found:
-    key = (op.type, _user_line(frames))
-    if key not in _warned:
-      _warned.add(key)
-      logging.getLogger(__name__).warning(
-          "%s (%s, made at %s) in the function given to strategy.run: a TPU runs "
-          "it on its host CPU (automatic outside compilation, as soft device "
-          "placement is on), a host round trip per step, and compiles the rest "
-          "of the step (compiled here too); with soft placement off it refuses "
-          "the step. To place it on the host yourself, wrap it in "
-          "tf.compat.v1.tpu.outside_compilation.", problem, op.name, key[1])
+    line = _user_line(frames)
+    xla_compile.warn_once(
+        _warned, (op.type, line), __name__,
+        "%s (%s, made at %s) in the function given to strategy.run: a TPU runs "
+        "it on its host CPU (automatic outside compilation, as soft device "
+        "placement is on), a host round trip per step, and compiles the rest "
+        "of the step (compiled here too); with soft placement off it refuses "
+        "the step. To place it on the host yourself, wrap it in "
+        "tf.compat.v1.tpu.outside_compilation.", problem, op.name, line)
   return frozenset((function, op.name) for op, _, _, function in found)
 
 
@@ -367,13 +369,13 @@ def compile_message(error: str, op) -> str:
 _OUR_PLUMBING = re.compile(r"input \S+ is not found|duplicate function|Function \S+ is not defined")
 
 
-def compile_program(op_list, graph, on_host=frozenset()):
+def compile_program(op_list, graph, on_host=frozenset(), inputs=frozenset()):
   """Compiles replica 0's TensorCore program; raises what XLA refuses."""
-  error = xla_compile.compile_replica_program(op_list, graph, _is_engine, on_host)
+  error = xla_compile.compile_replica_program(op_list, graph, _is_engine, on_host, inputs)
   if error is None:
     return
   op = xla_compile.failing_op(
-      error, xla_compile.replica_zero_ops(op_list, _is_engine, on_host), graph)
+      error, xla_compile.replica_zero_ops(op_list, _is_engine, on_host, inputs), graph)
   if _OUR_PLUMBING.search(error):
     # The rebuilt program is ours (xla_compile.py): its faults are not the user's.
     xla_compile.not_compiled(f"the rebuilt program did not load: {error.splitlines()[0]}")
@@ -390,8 +392,11 @@ def compile_program(op_list, graph, on_host=frozenset()):
 
 
 @contextlib.contextmanager
-def replica_program(emulation):
-  """Checks the ops ``strategy.run`` makes in a graph (not eagerly, not off)."""
+def replica_program(emulation, arguments=()):
+  """Checks the ops ``strategy.run`` makes in a graph (not eagerly, not off).
+
+  ``arguments``: ``strategy.run``'s (args, kwargs), the program's inputs.
+  """
   if not getattr(emulation, "xla", False) or tf.executing_eagerly():
     yield
     return
@@ -399,4 +404,6 @@ def replica_program(emulation):
   start = len(graph.get_operations())
   yield
   new_ops = graph.get_operations()[start:]
-  compile_program(new_ops, graph, check_ops(new_ops, graph))
+  inputs = frozenset(t.op.name for t in tf.nest.flatten(arguments, expand_composites=True)
+                     if isinstance(t, tf.Tensor) and not hasattr(t, "numpy"))
+  compile_program(new_ops, graph, check_ops(new_ops, graph), inputs)

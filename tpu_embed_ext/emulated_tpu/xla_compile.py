@@ -44,7 +44,8 @@ from tensorflow.python.ops import handle_data_util, resource_variable_ops
 from tpu_embed_ext.emulated_tpu import device_datasets, host_ops
 
 
-__all__ = ["replica_zero_ops", "compile_replica_program", "failing_op", "not_compiled"]
+__all__ = ["replica_zero_ops", "compile_replica_program", "failing_op", "not_compiled",
+           "warn_once"]
 
 _MERGE_FILES = ("cross_device_ops.py", "cross_device_utils.py")
 _SKIPPED_DTYPES = (tf.resource, tf.variant)
@@ -77,13 +78,14 @@ def _is_replica_id(op, frames) -> bool:
       for f in frames)
 
 
-def replica_zero_ops(op_list, is_engine, on_host=frozenset()) -> List:
+def replica_zero_ops(op_list, is_engine, on_host=frozenset(), inputs=frozenset()) -> List:
   """Replica 0's TensorCore ops among those ``strategy.run`` made.
 
   ``is_engine(frames)``: whether an op made there is the engine's
   (``xla_check``'s rule, passed in: that module calls this one). Ops made in
   ``tf.tpu.outside_compilation`` and ``on_host`` (``(None, op name)``: placed
   on the host by soft placement) are the host's: their values are inputs.
+  ``inputs``: names of the ops giving ``strategy.run``'s arguments.
   """
   kept = []
   for op in op_list:
@@ -94,17 +96,15 @@ def replica_zero_ops(op_list, is_engine, on_host=frozenset()) -> List:
     if is_engine(frames) or _is_merge(frames) or _is_replica_id(op, frames):
       continue
     kept.append(op)
-  # Constants made in strategy.run that the program uses, wherever placed
-  # (colocated with a variable, made by the engine): constants in the
+  # Constants the program uses, wherever placed (colocated with a variable,
+  # made by the engine or in the enclosing function): constants in the
   # program, so that a shape argument they give stays a compile-time
-  # constant. Constants made before strategy.run (its arguments, tensors of
-  # the enclosing function) are inputs, as on a TPU: tpu.replicate passes
-  # them in (tpu_strategy.py, tpu_function).
+  # constant. Except strategy.run's arguments and the replica id: inputs, as
+  # on a TPU (tpu_strategy.py tpu_function passes them to tpu.replicate).
   names = {op.name for op in kept}
-  made_here = {op.name for op in op_list}
   for op in list(kept):
     for t in op.inputs:
-      if (t.op.type == "Const" and t.op.name not in names and t.op.name in made_here
+      if (t.op.type == "Const" and t.op.name not in names and t.op.name not in inputs
           and not host_ops.is_marked(t.op) and not _is_replica_id(t.op, _frames(t.op))):
         names.add(t.op.name)
         kept.append(t.op)
@@ -211,7 +211,8 @@ class _NotCompiled(Exception):
 _logged = set()
 
 
-def compile_replica_program(op_list, graph, is_engine, on_host=frozenset()) -> Optional[str]:
+def compile_replica_program(op_list, graph, is_engine, on_host=frozenset(),
+                            inputs=frozenset()) -> Optional[str]:
   """Compiles replica 0's program; returns XLA's error text, or None.
 
   Where the program cannot be built (an input of unknown shape, a resource
@@ -219,25 +220,30 @@ def compile_replica_program(op_list, graph, is_engine, on_host=frozenset()) -> O
   op check (``xla_check.py``) has run.
   """
   try:
-    return _compile(op_list, graph, is_engine, on_host)
+    return _compile(op_list, graph, is_engine, on_host, inputs)
   except _NotCompiled as reason:
     not_compiled(str(reason))
     return None
 
 
+def warn_once(seen: set, key, logger_name: str, message: str, *args) -> None:
+  """Logs ``message`` once per ``key`` (kept in ``seen``)."""
+  if key not in seen:
+    seen.add(key)
+    logging.getLogger(logger_name).warning(message, *args)
+
+
 def not_compiled(reason: str) -> None:
   """One warning per reason: the program was not compiled, only checked."""
-  if reason not in _logged:
-    _logged.add(reason)
-    logging.getLogger(__name__).warning(
-        "Replica 0's TensorCore program was not compiled with XLA (%s): this "
-        "step was NOT compiled; only its ops were checked for XLA kernels, so "
-        "what only XLA's compiler refuses (a size computed from the data) "
-        "passes here and may fail on a TPU.", reason)
+  warn_once(_logged, reason, __name__,
+            "Replica 0's TensorCore program was not compiled with XLA (%s): this "
+            "step was NOT compiled; only its ops were checked for XLA kernels, so "
+            "what only XLA's compiler refuses (a size computed from the data) "
+            "passes here and may fail on a TPU.", reason)
 
 
-def _compile(op_list, graph, is_engine, on_host) -> Optional[str]:
-  program_ops = replica_zero_ops(op_list, is_engine, on_host)
+def _compile(op_list, graph, is_engine, on_host, inputs) -> Optional[str]:
+  program_ops = replica_zero_ops(op_list, is_engine, on_host, inputs)
   if not program_ops:
     return None
   gdef, feeds, fetches = _program_graph_def(program_ops, graph, on_host)
