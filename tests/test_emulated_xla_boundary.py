@@ -116,6 +116,21 @@ def test_a_gradient_across_outside_compilation(soft_placement, compiled, caplog)
   assert compiled[1] == [None] and not _warnings(caplog)
 
 
+def test_a_gradient_colocated_with_a_host_op_is_the_hosts(soft_placement, compiled, caplog):
+  """gradients(colocate_gradients_with_ops=True) of a py_function in
+  outside_compilation: its gradient (another EagerPyFunc) is colocated with
+  it, which a TPU's context marks as the host's too."""
+  del soft_placement
+
+  def step(x):
+    y = outside_compilation(lambda v: tf.py_function(lambda w: w * w, [v], tf.float32), x)
+    y.set_shape([])
+    return tf.compat.v1.gradients(y * 3.0, [x], colocate_gradients_with_ops=True)[0]  # 6 x
+
+  assert [float(v) for v in _run(step, 2.0)] == [12.0, 12.0]
+  assert compiled[1] == [None] and not _warnings(caplog)
+
+
 # --- the program's inputs ----------------------------------------------------
 
 def _sized(n):  # LINE:sized

@@ -71,9 +71,25 @@ def outside_compilation_impl(is_map, computation, *args, **kwargs):
     context.Exit()
 
 
+_LOC = b"loc:@"
+
+
 def is_marked(op) -> bool:
-  """Whether ``op`` was made in ``tf.tpu.outside_compilation``."""
-  return ATTRIBUTE in op.node_def.attr
+  """Whether ``op`` was made in ``tf.tpu.outside_compilation``, or is the
+  gradient of such an op colocated with it (``gradients(...,
+  colocate_gradients_with_ops=True)``: a TPU's context marks those too,
+  ``TPUReplicateContext.EnterGradientColocation``)."""
+  if ATTRIBUTE in op.node_def.attr:
+    return True
+  for group in op.node_def.attr["_class"].list.s if "_class" in op.node_def.attr else ():
+    if group.startswith(_LOC):
+      try:
+        other = op.graph.get_operation_by_name(group[len(_LOC):].decode())
+      except (KeyError, ValueError):
+        continue
+      if other is not op and ATTRIBUTE in other.node_def.attr:
+        return True
+  return False
 
 
 class HostValueError(Exception):
@@ -180,8 +196,12 @@ def strip_library(library, function_graph: Callable[[str], Optional[object]],
   for fdef in library.function:
     fname = fdef.signature.name
 
-    def is_host(node, _graph, fname=fname):
-      return ATTRIBUTE in node.attr or (fname, node.name) in extra
+    marked = {n.name for n in fdef.node_def if ATTRIBUTE in n.attr}
+
+    def is_host(node, _graph, fname=fname, marked=marked):
+      colocated = node.attr["_class"].list.s if "_class" in node.attr else ()
+      return (node.name in marked or (fname, node.name) in extra or any(
+          g.startswith(_LOC) and g[len(_LOC):].decode() in marked for g in colocated))
     if _strip_function(fdef, function_graph(fname), is_host):
       changed.add(fname)
   if not changed:
