@@ -26,6 +26,13 @@ alone as ``compile_ms``) and the median step after it, with XLA on and off, for 
 TPUEmbedding step with a Keras dense layer. Written to
 ``results/emulation_xla[_quick].json``; runs one after the other (one
 emulation at a time), so machine noise is not shared as in the round robin.
+
+``--keras-xla-costs NAME``: the check's cost for a small Keras ``fit`` (two
+``Dense`` layers, 8 steps of 16 samples per replica) at 2 and 8 replicas
+with ``steps_per_execution`` 1 and 8: the seconds spent inside the check
+(``xla_check.check_ops`` and ``compile_program``, the first time XLA's
+kernels register included) and the first ``fit`` with XLA on and off, two
+interleaved rounds, written to ``results/NAME``.
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ XLA_REPLICAS = (1, 2, 8)
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0],
     [tf.config.LogicalDeviceConfiguration()] *
-    (max(XLA_REPLICAS) if "--xla-costs" in sys.argv else REPLICAS))
+    (max(XLA_REPLICAS) if any(a.endswith("xla-costs") or a.startswith("--keras-xla-costs")
+                              for a in sys.argv) else REPLICAS))
 
 import tpu_embed_ext as tee  # pylint: disable=g-import-not-at-top
 from benchmarks import round_robin, workloads  # pylint: disable=g-import-not-at-top
@@ -227,6 +235,68 @@ def xla_costs(workload, repeats):
   return out
 
 
+def _keras_fit_seconds(replicas, xla, spe):
+  """Seconds of the first ``fit`` (trace, check, compile, 8 steps) of a small
+  Keras model under ``TPUStrategy``, and of a second ``fit`` (traced already)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tpu_embed_ext.emulated_tpu import xla_check  # pylint: disable=g-import-not-at-top
+  inside = []  # seconds spent in the check itself (its op check and compile)
+  saved = {name: getattr(xla_check, name) for name in ("check_ops", "compile_program")}
+
+  def timed(function):
+    def run(*args, **kwargs):
+      start = time.perf_counter()
+      try:
+        return function(*args, **kwargs)
+      finally:
+        inside.append(time.perf_counter() - start)
+    return run
+  for name, function in saved.items():
+    setattr(xla_check, name, timed(function))
+  try:
+    times = _keras_fits(replicas, xla, spe, keras)
+  finally:
+    for name, function in saved.items():
+      setattr(xla_check, name, function)
+  return times, sum(inside)
+
+
+def _keras_fits(replicas, xla, spe, keras):
+  with tee.emulate_tpu(replicas=replicas, xla=xla):
+    strategy = tf.distribute.TPUStrategy(
+        tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
+    with strategy.scope():
+      model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                keras.layers.Dense(1)])
+      model.compile(optimizer="sgd", loss="mse", steps_per_execution=spe)
+    x = np.random.RandomState(0).rand(16 * replicas * 8, 8).astype(np.float32)
+    times = []
+    for _ in range(2):
+      start = time.perf_counter()
+      model.fit(x, x.sum(1, keepdims=True), batch_size=16 * replicas, epochs=1, verbose=0)
+      times.append(time.perf_counter() - start)
+  return times
+
+
+def keras_xla_costs(rounds=2):
+  """The check's cost for a small Keras fit at 2 and 8 replicas,
+  steps_per_execution 1 and 8: the seconds spent in the check (its op check
+  and XLA compile, timed inside), and the first fit with XLA on and off;
+  ``rounds`` interleaved."""
+  out = {}
+  for replicas in (2, 8):
+    for spe in (1, 8):
+      on, off, inside = [], [], []
+      for _ in range(rounds):
+        times, check = _keras_fit_seconds(replicas, True, spe)
+        on.append(times[0])
+        inside.append(check)
+        off.append(_keras_fit_seconds(replicas, False, spe)[0][0])
+      out[f"{replicas} replicas, steps_per_execution={spe}"] = {
+          "first_fit_s_on": on, "first_fit_s_off": off, "check_s": inside}
+  return out
+
+
 def markdown(results) -> str:
   lines = ["| case | direct (CPUEmbedding) | emulated TPU program | ratio | same tables |",
            "|---|---|---|---|---|"]
@@ -243,7 +313,18 @@ def main():
   parser.add_argument("--out", default=os.path.join(HERE, "results"))
   parser.add_argument("--xla-costs", action="store_true",
                       help="Only the XLA check's costs at 1, 2 and 8 replicas.")
+  parser.add_argument("--keras-xla-costs", metavar="JSON_NAME",
+                      help="Only the XLA check's cost for a small Keras fit at 2 "
+                           "and 8 replicas, written to results/JSON_NAME.")
   args = parser.parse_args()
+  if args.keras_xla_costs:
+    results = keras_xla_costs()
+    round_robin.write_json(os.path.join(args.out, args.keras_xla_costs), results=results)
+    for key, row in results.items():
+      print(f"{key}: check " + ", ".join(f"{c:.2f} s" for c in row["check_s"]) +
+            " (first fit on " + ", ".join(f"{c:.2f}" for c in row["first_fit_s_on"]) +
+            "; off " + ", ".join(f"{c:.2f}" for c in row["first_fit_s_off"]) + ")")
+    return
   if args.xla_costs:
     workload = workloads.w1(1_000 if args.quick else 100_000)
     repeats = 5 if args.quick else 20

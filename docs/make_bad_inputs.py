@@ -338,10 +338,10 @@ import tests.test_emulated_xla as tx
 _OFF = "; or run with XLA off (emulate_tpu(xla=False), emulate --no-xla, pytest --emulate-tpu-no-xla)."
 for extra, op, tag in tx.CASES:
   rows.append((f"emulated TPU, XLA on, soft device placement off: `{op}` ({extra.__name__.strip('_').replace('_', ' ')}) in strategy.run's function",
-               "NotCompilableError (a tf.errors.InvalidArgumentError), at first trace; runs with XLA off; runs with a warning with soft placement on (TF's default)",
+               "NotCompilableError (a tf.errors.InvalidArgumentError), at first trace (soft placement is off inside a tf.function unless set, context.py); runs with XLA off; runs on the host with a warning with soft placement on, the rest compiled",
                f"Detected unsupported operations when trying to compile graph (each replica's program) on XLA_TPU_JIT: {op} "
                f"(No registered '{op}' OpKernel for XLA_TPU_JIT devices compatible with node {{{{node {op}}}}}): emulated TPU: made at "
-               f"<your file>:<line> in the function given to strategy.run. Fix: ...{_OFF}",
+               f"<your file>:<line> in the function given to strategy.run. Fix: run it on the TPU's host with tf.compat.v1.tpu.outside_compilation(fn, ...) inside the step, or let TensorFlow place it there with tf.config.set_soft_device_placement(True); or ...{_OFF}",
                X + f"test_a_step_no_tpu_compiles_is_refused_when_first_traced[{tag}]"))
 rows += [
   ("emulated TPU, XLA on, soft device placement off: complex128 in strategy.run's function (not in kTpuAllTypes)", "NotCompilableError, at first trace",
@@ -354,8 +354,20 @@ rows += [
    "Dense tensor input should have values elements number the same as the sample count. But got 12 elements for values and sample count as 4. (emulated TPUEmbeddingV2: feature 'item' (table 'item'): ... Fix: ...)",
    X + "test_a_dense_id_tensor_of_the_wrong_size_gets_sparsecores_error"),
   ("emulated TPU, XLA on: a size computed from the data's values (tf.one_hot's depth, tf.zeros([n]), tf.range(n)) in strategy.run's function", "NotCompilableError (a tf.errors.InvalidArgumentError), at first trace, whatever the soft placement; runs with XLA off",
-   "Input 1 to node `one_hot` with op OneHot must be a compile-time constant: emulated TPU: made at <your file>:<line> in the function given to strategy.run (replica 0's TensorCore program, compiled with XLA on CPU at first trace). Fix: compute it from static values (Python numbers, tensor.shape), or pad to a fixed size: a TPU compiles the step before it sees the data" + _OFF,
+   "Input 1 to node `one_hot` with op OneHot must be a compile-time constant: emulated TPU: made at <your file>:<line> in the function given to strategy.run (replica 0's TensorCore program, compiled with XLA on CPU at first trace). Fix: compute it from static values (Python numbers, tensor.shape), or pad to a fixed size: a TPU compiles the step before it sees the data, with strategy.run's arguments and the replica id as the program's inputs" + _OFF,
    X + "test_a_size_from_the_data_is_refused_by_xla_when_first_traced"),
+  ("emulated TPU, XLA on: a size computed from an argument of strategy.run (a tf.constant, a Python number), a one_hot depth from one, or from replica_id_in_sync_group (program inputs on a TPU, tpu_strategy.py tpu_function)", "NotCompilableError, at first trace, whatever the soft placement",
+   "Input 0 to node `zeros` with op Fill must be a compile-time constant: emulated TPU: made at <your file>:<line> in the function given to strategy.run ... Fix: compute it from static values ..." + _OFF,
+   "tests/test_emulated_xla_boundary.py::test_a_size_from_the_programs_inputs_is_refused[...]"),
+  ("emulated TPU, XLA on, soft placement on: a tf.print (placed on the host) and a size from the data in one step", "NotCompilableError, at first trace (the rest of the step is compiled)",
+   "... must be a compile-time constant: emulated TPU: made at <your file>:<line> ...",
+   "tests/test_emulated_xla_boundary.py::test_with_soft_placement_one_host_op_does_not_switch_the_compile_off"),
+  ("emulated TPU, XLA on: Keras fit with steps_per_execution=8 and a size from the data in the model", "NotCompilableError, at the first step's trace",
+   "... must be a compile-time constant: emulated TPU: made at <your file>:<line> in the function given to strategy.run ...",
+   "tests/test_emulated_xla_boundary.py::test_keras_steps_per_execution_8_refuses_a_size_from_the_data"),
+  ("emulated TPUEmbeddingV2: a per-chip batch not split evenly over the SparseCores", "InputError, when the step is traced (shapes are static)",
+   "feature 'item' (table 'item') has 12 samples, not a multiple of 2 chips x 4 SparseCores per chip: the TPU splits each chip's batch evenly over its SparseCores. Fix: use a batch size divisible by 8.",
+   "tests/test_emulated_xla_boundary.py::test_a_sparsecore_batch_not_split_evenly_is_refused_when_traced"),
   ("emulate_tpu(xla='no')", "ConfigTypeError", "emulate_tpu xla must be True or False, got xla='no'.", X + "test_xla_must_be_a_bool"),
 ]
 esc = lambda t: str(t).replace("|", "\\|").replace("\n", " ")

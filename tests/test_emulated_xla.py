@@ -1,9 +1,11 @@
 """XLA on the emulated TPU: each replica's step is checked to compile as a TPU's must.
 
 A TPU places ops without XLA kernels on its host when soft device placement is
-on (TensorFlow's default; tpu.py, "Automatic outside compilation"), and
-refuses the step when it is off: the refusals here turn it off
-(``no_soft_placement``), and one test shows the default (runs, warns).
+on (tpu.py, "Automatic outside compilation"), and refuses the step when it is
+off (TensorFlow's default while a function is traced, context.py): the
+refusals here turn it off (``no_soft_placement``), and one test turns it on
+(runs, warns). Outside compilation, program inputs and Keras's
+steps_per_execution are in test_emulated_xla_boundary.py.
 
 With XLA on (``emulate_tpu(xla=True)``, the default) a ``strategy.run`` traced
 in a ``tf.function`` whose replica function holds an op no TPU compiles
@@ -172,6 +174,7 @@ def test_a_step_no_tpu_compiles_is_refused_when_first_traced(extra, op, tag, no_
 
 @pytest.mark.parametrize("extra,op,tag", CASES, ids=[c[2] for c in CASES])
 def test_with_soft_placement_on_it_runs_as_on_a_tpu_host_and_warns(extra, op, tag, caplog):
+  tf.config.set_soft_device_placement(True)
   xla_check._warned.clear()  # pylint: disable=protected-access
   table, weight = _program(2, extra)
   np.testing.assert_allclose(table, _reference(2)[0], rtol=1e-5, atol=1e-5)
@@ -407,7 +410,8 @@ def test_a_size_from_the_data_is_refused_by_xla_when_first_traced():
       "function given to strategy.run (replica 0's TensorCore program, compiled "
       "with XLA on CPU at first trace). Fix: compute it from static values "
       "(Python numbers, tensor.shape), or pad to a fixed size: a TPU compiles the "
-      "step before it sees the data; or run with XLA off (emulate_tpu(xla=False), "
+      "step before it sees the data, with strategy.run's arguments and the replica id "
+      "as the program's inputs; or run with XLA off (emulate_tpu(xla=False), "
       "emulate --no-xla, pytest --emulate-tpu-no-xla).")
 
 
@@ -422,24 +426,11 @@ def test_replica_zeros_program_is_built_from_activations_to_gradients(monkeypatc
   """The compiled program: the activations come in (the engine's lookup is
   not in it), the embedding gradient goes out, the Keras optimizer's
   cross-replica sum is cut out (its result comes in), and XLA compiles it."""
-  from tpu_embed_ext.emulated_tpu import xla_compile  # pylint: disable=g-import-not-at-top
-  built, results = [], []
-  build, compile_ = xla_compile._program_graph_def, xla_compile.compile_replica_program  # pylint: disable=protected-access
-
-  def recording_build(program_ops, graph):
-    out = build(program_ops, graph)
-    built.append((program_ops, out[1], out[2]))
-    return out
-
-  def recording_compile(*args):
-    results.append(compile_(*args))
-    return results[-1]
-
-  monkeypatch.setattr(xla_compile, "_program_graph_def", recording_build)
-  monkeypatch.setattr(xla_compile, "compile_replica_program", recording_compile)
+  from tests import xla_recording  # pylint: disable=g-import-not-at-top
+  built, results = xla_recording.record(monkeypatch)
   _program(2)
   assert results == [None] and len(built) == 1
-  program_ops, feeds, fetches = built[0]
+  program_ops, feeds, fetches, _ = built[0]
   assert not {op.type for op in program_ops} & {"TpuEmbedExtLookup", "AddN"}
   assert all("replica_1" not in op.name for op in program_ops)
   feed_ops = {t.op.type for t in feeds.values()}
@@ -469,7 +460,8 @@ def test_an_input_of_unknown_shape_is_not_compiled_and_says_so(caplog):
             if r.name == "tpu_embed_ext.emulated_tpu.xla_compile"]
   assert len(warned) == 1 and warned[0].startswith(
       "Replica 0's TensorCore program was not compiled with XLA (its input ")
-  assert "has shape (None,), not fully known); only its ops were checked" in warned[0]
+  assert ("has shape (None,), not fully known): this step was NOT compiled; only its "
+          "ops were checked") in warned[0]
 
 
 def _cond(activations):

@@ -44,6 +44,8 @@ with a plain ``MirroredStrategy``'s at 2, 4 and 8 replicas.
 
 from __future__ import annotations
 
+import collections
+
 import tensorflow as tf
 from tensorflow.python.data.ops import iterator_ops, multi_device_iterator_ops
 from tensorflow.python.data.ops import options as options_lib
@@ -93,6 +95,30 @@ class HostIteratorSpec(multi_device_iterator_ops.MultiDeviceIteratorSpec):
     return value._type_spec  # pylint: disable=protected-access
 
 
+# The per-replica element shapes of the latest host iterators: what a batch
+# read through get_next_as_optional (of a relaxed, (None, ...) spec) holds
+# when the step runs, which is the shape a TPU compiles the step for
+# (TPUCompile receives the inputs' shapes when the step runs).
+_static_shapes = collections.deque(maxlen=32)
+
+
+def _record_static_shapes(element_spec) -> None:
+  for spec in tf.nest.flatten(element_spec, expand_composites=True):
+    if isinstance(spec, tf.TensorSpec) and spec.shape.is_fully_defined():
+      key = (spec.dtype, tuple(spec.shape.as_list()))
+      if key in _static_shapes:
+        _static_shapes.remove(key)
+      _static_shapes.append(key)  # the latest last
+
+
+def batch_shape(dtype, shape):
+  """The latest recorded static shape of ``dtype`` that partial ``shape`` fits, or None."""
+  for d, s in reversed(_static_shapes):
+    if d == dtype and tf.TensorShape(s).is_compatible_with(shape):
+      return tf.TensorShape(s)
+  return None
+
+
 class HostIterator(multi_device_iterator_ops.OwnedMultiDeviceIterator):
   """``OwnedMultiDeviceIterator`` of the emulated TPU (see above).
 
@@ -124,6 +150,7 @@ class HostIterator(multi_device_iterator_ops.OwnedMultiDeviceIterator):
     options.experimental_distribute.num_devices = len(devices)
     dataset = dataset.with_options(options)._apply_debug_options()  # pylint: disable=protected-access
     self._element_spec = dataset.element_spec
+    _record_static_shapes(self._element_spec)
     with ops.device(source_device):
       self._iterator = iter(dataset)
 

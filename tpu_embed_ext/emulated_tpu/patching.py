@@ -54,6 +54,12 @@ exists and is the object named in ``ORIGINALS``, and no other module under
   step's elements to the replicas as TensorFlow's round-robin does, instead
   of one dataset, iterator and thread per replica (``device_datasets.py``).
 
+* ``tpu_replication.outside_compilation_impl`` (internal, no alias; what
+  ``tf.tpu.outside_compilation`` calls) -> ``host_ops.outside_compilation_impl``:
+  in a replica of the emulated strategy it marks the host's ops with
+  ``_xla_outside_compilation`` as TensorFlow does inside a
+  ``TPUReplicateContext``, so that the XLA check leaves them out.
+
 ``tf.X`` above is the module ``tensorflow._api.v2.X`` (what ``tf.X`` is), v1 is
 ``tensorflow._api.v2.compat.v1.X``, compat.v2 ``tensorflow._api.v2.compat.v2.X``.
 """
@@ -115,6 +121,8 @@ ORIGINALS = {
     "MultiDeviceIteratorSpec": (
         "tensorflow.python.data.ops.multi_device_iterator_ops",
         "MultiDeviceIteratorSpec"),
+    "outside_compilation_impl": ("tensorflow.python.tpu.tpu_replication",
+                                 "outside_compilation_impl"),
 }
 
 # Key -> replacement (module:attribute under tpu_embed_ext.emulated_tpu).
@@ -136,6 +144,9 @@ _REPLACEMENTS = {
     # one host iterator instead of one per replica (device_datasets.py).
     "OwnedMultiDeviceIterator": "device_datasets:HostIterator",
     "MultiDeviceIteratorSpec": "device_datasets:HostIteratorSpec",
+    # What tf.tpu.outside_compilation and map_outside_compilation call:
+    # marks the host's ops in an emulated replica (host_ops.py).
+    "outside_compilation_impl": "host_ops:outside_compilation_impl",
 }
 _WITHOUT_SPARSECORE = "mid_level:TPUEmbeddingV2WithoutSparseCore"
 
@@ -169,7 +180,8 @@ PATCHES: Tuple[Patch, ...] = tuple(
                                 for api in (_API, _V1, _V2)))]
     + _rows("device_assignment")
     + _rows("OwnedMultiDeviceIterator")
-    + _rows("MultiDeviceIteratorSpec"))
+    + _rows("MultiDeviceIteratorSpec")
+    + _rows("outside_compilation_impl"))
 
 
 def _object(path: str, emulation):

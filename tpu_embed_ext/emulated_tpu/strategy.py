@@ -45,6 +45,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf.tpu import topology_pb2
 from tensorflow.python.distribute import (distribute_lib, mirrored_strategy,
                                           tpu_strategy)
+from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.distribute.cluster_resolver.tpu import (
     tpu_cluster_resolver as tpu_resolver_lib)
 from tensorflow.python.eager import context
@@ -270,6 +271,26 @@ class EmulatedTPUExtended(mirrored_strategy.MirroredExtended):
   def experimental_logical_device(self, logical_device_id):
     raise _not_emulated("TPUStrategy.extended.experimental_logical_device")
 
+  def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+    """``all_reduce`` of a tensor every replica was given unchanged.
+
+    ``ReplicaContext.all_reduce`` reduces each value to its own device
+    (``distribute_lib._batch_reduce_destination``); a tensor passed to
+    ``strategy.run`` as it is has none in a graph, and the mirrored machinery
+    raises "destinations can not be empty". On a TPU it is a replicated input
+    of each replica: here it is reduced as one value per replica.
+    """
+    pairs = []
+    for value, destinations in value_destination_pairs:
+      if isinstance(value, tf.Tensor) and destinations == "":
+        copies = []
+        for device in self.worker_devices:
+          with tf.device(device):
+            copies.append(tf.identity(value))
+        value = destinations = values_lib.PerReplica(copies)
+      pairs.append((value, destinations))
+    return super()._batch_reduce_to(reduce_op, pairs, options)
+
   # Datasets: MirroredStrategy's, with no tf.data autotuning thread on the
   # host (its destructor hung at 8 replicas); the replicas read them through
   # device_datasets.HostIterator (patched in by patching.PATCHES).
@@ -324,12 +345,33 @@ class _TPUFace:
     tpu_strategy.validate_run_function(fn)
     if tf.executing_eagerly() and outer_jit.is_jit_function(fn):
       return outer_jit.run_eagerly_in_a_graph(self, fn, args, kwargs, options)
+    if not tf.executing_eagerly():  # the replicas' inputs are tensors, as on a TPU
+      args, kwargs = _as_tensors(args), _as_tensors(kwargs)
     fn = _with_callers_embedding_state(outer_jit.replica_function(fn))
     # Recorded for TPUEmbedding.enqueue's TPU checks (tpu_inputs.py).
     with tpu_inputs.recorded_run(self, args, kwargs), \
         outer_jit.replicas_compiled_separately(), \
-        xla_check.replica_program(self.extended._emulation):  # pylint: disable=protected-access
+        xla_check.replica_program(self.extended._emulation, (args, kwargs)):  # pylint: disable=protected-access
       return distribute_lib.StrategyBase.run(self, fn, args, kwargs, options)
+
+
+def _as_tensors(structure):
+  """Python and numpy numbers in ``structure`` as tensors.
+
+  A TPU's replicas receive every argument of ``strategy.run`` as a tensor:
+  ``tpu.replicate`` converts each (``tpu.py``, ``split_compile_and_replicate``:
+  ``ops.convert_to_tensor(x)``), so ``args=(25.0,)`` is a float32 input of the
+  program, not a constant in it, and gradients can be taken with respect to
+  it. Eager tensors are captured into the function here, likewise.
+  """
+  def convert(value):
+    if isinstance(value, (bool, int, float, np.generic, np.ndarray)) or (
+        isinstance(value, tf.Tensor) and hasattr(value, "numpy")):
+      # An eager tensor is captured here, before the replicas run: an input,
+      # not a constant of their program (FuncGraph captures small ones as Const).
+      return tf.convert_to_tensor(value)
+    return value
+  return None if structure is None else tf.nest.map_structure(convert, structure)
 
 
 def _with_callers_embedding_state(fn):

@@ -9,14 +9,17 @@ devices, so a program no TPU could compile would pass silently. With XLA on
 (``emulate_tpu(xla=True)``, the default), when ``strategy.run`` is traced in
 a ``tf.function`` every op the replica function made (nested functions,
 ``tf.cond`` / ``tf.while_loop`` bodies included), except the engine's, is
-checked against these rules. The first op that fails raises
-``NotCompilableError`` (a ``tf.errors.InvalidArgumentError`` with XLA's
-phrase first) naming the op, the user's line and the fix, when soft device
-placement is off (``tf.config.set_soft_device_placement(False)``); when it
-is on (TensorFlow's default) a TPU places such ops on its host CPU instead
-("Automatic outside compilation is enabled. Ops without XLA kernels will be
-automatically placed on CPU.", ``tpu.py``), and the emulated TPU runs them
-too, logging one warning per op and line:
+checked against these rules, except ops made in
+``tf.compat.v1.tpu.outside_compilation`` (the host's: ``host_ops.py``). The
+first op that fails raises ``NotCompilableError`` (a
+``tf.errors.InvalidArgumentError`` with XLA's phrase first) naming the op,
+the user's line and the fix, the TPU's own first, when soft device placement
+is off (TensorFlow's default while a function is traced: ``context.py`` sets
+``allow_soft_placement = executing_eagerly()`` unless it was set); when it is
+on a TPU places such ops on its host CPU ("Automatic outside compilation is
+enabled. Ops without XLA kernels will be automatically placed on CPU.",
+``tpu.py``) and compiles the rest, and the emulated TPU runs them too,
+logging one warning per op and line, and compiles the rest without them:
 
 * the op has an XLA kernel: TensorFlow's ``tf2xla`` registrations for
   ``XLA_CPU_JIT`` (read from TensorFlow's kernel registry, where they appear
@@ -35,11 +38,12 @@ too, logging one warning per op and line:
   registers its kernels for every XLA device, and ``tpu.py`` turns the TPU's
   dynamic padder on by default).
 
-When every op passes (with soft placement on: when none was warned about),
-replica 0's TensorCore program is compiled with XLA on CPU, not run
-(``xla_compile.py``: the engine's ops and ``merge_call``'s cross-replica
-sums are cut out, their values the program's inputs and outputs). What only
-XLA's compiler finds (an argument that must be a compile-time constant but
+Then replica 0's TensorCore program is compiled with XLA on CPU, not run
+(``xla_compile.py``: the engine's ops, the host's and ``merge_call``'s
+cross-replica sums are cut out, their values the program's inputs and
+outputs; ``strategy.run``'s arguments and the replica id are inputs, as
+``tpu_strategy.py`` passes them to ``tpu.replicate``). What only XLA's
+compiler finds (an argument that must be a compile-time constant but
 is computed from the data's values, as in ``tf.zeros([tf.reduce_max(x)])``)
 is refused then, whatever the soft placement, with XLA's words first
 (``compile_program``).
@@ -48,7 +52,6 @@ is refused then, whatever the soft placement, with XLA's words first
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import re
 from typing import Iterable, List, Optional, Set
@@ -56,7 +59,7 @@ from typing import Iterable, List, Optional, Set
 import tensorflow as tf
 from tensorflow.python.framework import kernels, ops
 
-from tpu_embed_ext.emulated_tpu import xla_compile
+from tpu_embed_ext.emulated_tpu import host_ops, xla_compile
 from tpu_embed_ext.emulated_tpu.errors import EmulationError
 
 __all__ = ["NotCompilableError", "replica_program", "check_ops", "first_problem"]
@@ -100,6 +103,7 @@ _ENGINE_FILES = tuple(os.path.join(_PACKAGE, "emulated_tpu", f)
                       for f in ("sparsecore.py", "mid_level.py"))
 _LIBRARY_MARKERS = (os.sep + "tensorflow" + os.sep, os.sep + "keras" + os.sep,
                     os.sep + "keras_rs" + os.sep, os.sep + "tf_keras" + os.sep,
+                    os.sep + "tensorboard" + os.sep,
                     _PACKAGE + os.sep)
 
 _FIX = {
@@ -113,6 +117,10 @@ _FIX = {
 _FIX_STRING = ("turn strings into numbers in the input pipeline (tf.data), "
                "outside strategy.run")
 _FIX_KERNEL = "replace it with ops XLA compiles, or move it outside strategy.run"
+# A TPU's own ways to run such an op in a step (tpu_replication.py, tpu.py).
+_FIX_HOST = ("run it on the TPU's host with tf.compat.v1.tpu.outside_compilation(fn, ...) "
+             "inside the step, or let TensorFlow place it there with "
+             "tf.config.set_soft_device_placement(True); or ")
 _FIX_TYPE = "cast to a type a TPU has (float32, bfloat16, int32...)"
 _OFF = "; or run with XLA off (emulate_tpu(xla=False), emulate --no-xla, pytest --emulate-tpu-no-xla)"
 
@@ -233,7 +241,7 @@ def _function_graphs(op, graph) -> Iterable:
       function = graph._get_function(name)  # pylint: disable=protected-access
       inner = getattr(function, "graph", None) if function is not None else None
       if inner is not None:
-        yield inner
+        yield name, inner
 
 
 # cond_v2 / while_v2 keep a branch's intermediates for the gradient in
@@ -250,26 +258,40 @@ def _control_flow_plumbing(op, frames) -> bool:
       for f in frames)
 
 
-def first_problem(op_list, graph, seen=None):
-  """(op, problem, frames) of the first op no TPU compiles, or None."""
+def problems(op_list, graph, function=None, seen=None, first=False):
+  """[(op, problem, frames, function name or None)] of ops no TPU compiles.
+
+  Ops made in ``tf.tpu.outside_compilation`` are the host's, not checked
+  (``host_ops.py``); ``first``: stop at the first problem.
+  """
   seen = set() if seen is None else seen
+  found = []
   for op in op_list:
-    if op.type in _PROGRAM_INPUTS:
+    if op.type in _PROGRAM_INPUTS or host_ops.is_marked(op):
       continue
     frames = _frames(op)
     if _is_engine(frames) or _control_flow_plumbing(op, frames):
       continue
     problem = _kernel_problem(op)
     if problem is not None:
-      return op, problem, frames
-    for inner in _function_graphs(op, graph):
+      found.append((op, problem, frames, function))
+      if first:
+        return found
+      continue
+    for name, inner in _function_graphs(op, graph):
       if id(inner) in seen:
         continue
       seen.add(id(inner))
-      found = first_problem(inner.get_operations(), inner, seen)
-      if found is not None:
+      found += problems(inner.get_operations(), inner, name, seen, first)
+      if first and found:
         return found
-  return None
+  return found
+
+
+def first_problem(op_list, graph):
+  """(op, problem, frames) of the first op no TPU compiles, or None."""
+  found = problems(op_list, graph, first=True)
+  return found[0][:3] if found else None
 
 
 def _message(op, problem, frames) -> str:
@@ -282,67 +304,82 @@ def _message(op, problem, frames) -> str:
             f"devices compatible with node {{{{node {op.name}}}}})")
   else:
     head = f"{op.type} ({problem}; node {op.name})"
+  host = "" if "which a TPU does not compile" in problem else _FIX_HOST
   return ("Detected unsupported operations when trying to compile graph "
           f"{_REPLICA_GRAPH} on XLA_TPU_JIT: {head}: emulated TPU: made at "
           f"{_user_line(frames)} in the function given to strategy.run. "
-          f"Fix: {fix}{_OFF}.")
+          f"Fix: {host}{fix}{_OFF}.")
 
 
 _warned = set()
 
 
 def check_ops(op_list, graph):
-  """Raises ``NotCompilableError`` for the first op no TPU compiles.
+  """The ops a TPU places on its host; raises ``NotCompilableError`` for the
+  first op no TPU compiles unless soft device placement is on.
 
-  Unless soft device placement is on: a TPU then places ops without XLA
-  kernels on its host CPU ("Automatic outside compilation",
-  ``tpu.py`` ``split_compile_and_replicate``: ``allow_soft_placement =
-  config.get_soft_device_placement()``), and so does the emulated TPU, with
-  one warning per op and line saying so.
+  With soft placement on a TPU places ops without XLA kernels on its host
+  CPU ("Automatic outside compilation", ``tpu.py``
+  ``split_compile_and_replicate``: ``allow_soft_placement =
+  config.get_soft_device_placement()``, read while the step is traced, where
+  ``context.py`` makes it False unless set) and compiles the rest; so does the
+  emulated TPU, with one warning per op and line. Returns
+  ``{(function name or None, op name)}`` of those ops.
   """
   _ensure_xla_kernels()
-  found = first_problem(op_list, graph)
-  if found is None:
-    return True
-  if not tf.config.get_soft_device_placement():
-    raise NotCompilableError(_message(*found))
-  op, problem, frames = found
-  key = (op.type, _user_line(frames))
-  if key not in _warned:
-    _warned.add(key)
-    logging.getLogger(__name__).warning(
+  soft = tf.config.get_soft_device_placement()
+  found = problems(op_list, graph, first=not soft)
+  if not found:
+    return frozenset()
+  if not soft:
+    raise NotCompilableError(_message(*found[0][:3]))
+  for op, problem, frames, _ in found:
+    line = _user_line(frames)
+    xla_compile.warn_once(
+        _warned, (op.type, line), __name__,
         "%s (%s, made at %s) in the function given to strategy.run: a TPU runs "
         "it on its host CPU (automatic outside compilation, as soft device "
-        "placement is on), a host round trip per step; with "
-        "tf.config.set_soft_device_placement(False) it refuses the step.",
-        problem, op.name, key[1])
-  return False
+        "placement is on), a host round trip per step, and compiles the rest "
+        "of the step (compiled here too); with soft placement off it refuses "
+        "the step. To place it on the host yourself, wrap it in "
+        "tf.compat.v1.tpu.outside_compilation.", problem, op.name, line)
+  return frozenset((function, op.name) for op, _, _, function in found)
 
 
 _FIX_CONSTANT = ("compute it from static values (Python numbers, tensor.shape), "
                  "or pad to a fixed size: a TPU compiles the step before it "
-                 "sees the data")
-_FIX_COMPILE = "change the op or its arguments so that XLA compiles it, or move it outside strategy.run"
+                 "sees the data, with strategy.run's arguments and the replica "
+                 "id as the program's inputs")
+_FIX_COMPILE = ("move it to the host with tf.compat.v1.tpu.outside_compilation, or change "
+                "the op or its arguments so that XLA compiles it")
 
 
 def compile_message(error: str, op) -> str:
   """XLA's refusal, its words first, with the user's line and the fix."""
   head = error.strip().splitlines()[0].strip() if error.strip() else "XLA compilation failed"
   head = head.removeprefix("Failed getting HLO text: ").strip("'\" ")
-  line = _user_line(_frames(op)) if op is not None else "(op not found)"
+  line = (_user_line(_frames(op)) if op is not None else
+          "(a line XLA did not name; the node is named above)")
   fix = _FIX_CONSTANT if "compile-time constant" in error else _FIX_COMPILE
   return (f"{head.rstrip('.')}: emulated TPU: made at {line} in the function given to "
           f"strategy.run (replica 0's TensorCore program, compiled with XLA "
           f"on CPU at first trace). Fix: {fix}{_OFF}.")
 
 
-def compile_program(op_list, graph):
+_OUR_PLUMBING = re.compile(r"input \S+ is not found|duplicate function|Function \S+ is not defined")
+
+
+def compile_program(op_list, graph, on_host=frozenset(), inputs=frozenset()):
   """Compiles replica 0's TensorCore program; raises what XLA refuses."""
-  error = xla_compile.compile_replica_program(op_list, graph, _is_engine)
+  error = xla_compile.compile_replica_program(op_list, graph, _is_engine, on_host, inputs)
   if error is None:
     return
   op = xla_compile.failing_op(
-      error, xla_compile.replica_zero_ops(op_list, _is_engine), graph)
+      error, xla_compile.replica_zero_ops(op_list, _is_engine, on_host, inputs), graph)
+  if _OUR_PLUMBING.search(error):
+    # The rebuilt program is ours (xla_compile.py): its faults are not the user's.
+    xla_compile.not_compiled(f"the rebuilt program did not load: {error.splitlines()[0]}")
+    return
   if (op is not None and _control_flow_plumbing(op, _frames(op))) or (
       op is None and re.search(r"No registered 'Optional\w+' OpKernel", error)):
     # Traced outside an XLA context, cond_v2 / while_v2 kept intermediates
@@ -355,8 +392,11 @@ def compile_program(op_list, graph):
 
 
 @contextlib.contextmanager
-def replica_program(emulation):
-  """Checks the ops ``strategy.run`` makes in a graph (not eagerly, not off)."""
+def replica_program(emulation, arguments=()):
+  """Checks the ops ``strategy.run`` makes in a graph (not eagerly, not off).
+
+  ``arguments``: ``strategy.run``'s (args, kwargs), the program's inputs.
+  """
   if not getattr(emulation, "xla", False) or tf.executing_eagerly():
     yield
     return
@@ -364,5 +404,6 @@ def replica_program(emulation):
   start = len(graph.get_operations())
   yield
   new_ops = graph.get_operations()[start:]
-  if check_ops(new_ops, graph):
-    compile_program(new_ops, graph)
+  inputs = frozenset(t.op.name for t in tf.nest.flatten(arguments, expand_composites=True)
+                     if isinstance(t, tf.Tensor) and not hasattr(t, "numpy"))
+  compile_program(new_ops, graph, check_ops(new_ops, graph), inputs)

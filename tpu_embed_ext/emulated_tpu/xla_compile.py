@@ -41,8 +41,11 @@ from tensorflow.python.eager import wrap_function
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import handle_data_util, resource_variable_ops
 
+from tpu_embed_ext.emulated_tpu import device_datasets, host_ops
 
-__all__ = ["replica_zero_ops", "compile_replica_program", "failing_op", "not_compiled"]
+
+__all__ = ["replica_zero_ops", "compile_replica_program", "failing_op", "not_compiled",
+           "warn_once"]
 
 _MERGE_FILES = ("cross_device_ops.py", "cross_device_utils.py")
 _SKIPPED_DTYPES = (tf.resource, tf.variant)
@@ -66,27 +69,43 @@ def _frames(op):
     return []
 
 
-def replica_zero_ops(op_list, is_engine) -> List:
+def _is_replica_id(op, frames) -> bool:
+  """``replica_id_in_sync_group``'s constant (``distribute_lib.py``): on a TPU
+  an input of the program (``tpu_strategy.py`` ``tpu_function`` passes
+  ``constant_op.constant(i)`` per replica to ``tpu.replicate``)."""
+  return op.type == "Const" and any(
+      f.name == "replica_id_in_sync_group" and f.filename.endswith("distribute_lib.py")
+      for f in frames)
+
+
+def replica_zero_ops(op_list, is_engine, on_host=frozenset(), inputs=frozenset()) -> List:
   """Replica 0's TensorCore ops among those ``strategy.run`` made.
 
   ``is_engine(frames)``: whether an op made there is the engine's
-  (``xla_check``'s rule, passed in: that module calls this one).
+  (``xla_check``'s rule, passed in: that module calls this one). Ops made in
+  ``tf.tpu.outside_compilation`` and ``on_host`` (``(None, op name)``: placed
+  on the host by soft placement) are the host's: their values are inputs.
+  ``inputs``: names of the ops giving ``strategy.run``'s arguments.
   """
   kept = []
   for op in op_list:
-    if op.type == "Placeholder" or not _on_replica_zero(op):
+    if (op.type == "Placeholder" or not _on_replica_zero(op)
+        or host_ops.is_marked(op) or (None, op.name) in on_host):
       continue
     frames = _frames(op)
-    if is_engine(frames) or _is_merge(frames):
+    if is_engine(frames) or _is_merge(frames) or _is_replica_id(op, frames):
       continue
     kept.append(op)
   # Constants the program uses, wherever placed (colocated with a variable,
-  # made by the engine): constants in the program, not inputs, so that a
-  # shape argument they give stays a compile-time constant.
+  # made by the engine or in the enclosing function): constants in the
+  # program, so that a shape argument they give stays a compile-time
+  # constant. Except strategy.run's arguments and the replica id: inputs, as
+  # on a TPU (tpu_strategy.py tpu_function passes them to tpu.replicate).
   names = {op.name for op in kept}
   for op in list(kept):
     for t in op.inputs:
-      if t.op.type == "Const" and t.op.name not in names:
+      if (t.op.type == "Const" and t.op.name not in names and t.op.name not in inputs
+          and not host_ops.is_marked(t.op) and not _is_replica_id(t.op, _frames(t.op))):
         names.add(t.op.name)
         kept.append(t.op)
   order = {op.name: i for i, op in enumerate(op_list)}
@@ -97,7 +116,7 @@ def _tensor_name(t) -> str:
   return t.op.name if t.value_index == 0 else f"{t.op.name}:{t.value_index}"
 
 
-def _program_graph_def(program_ops, graph):
+def _program_graph_def(program_ops, graph, on_host=frozenset()):
   """(GraphDef, feeds, fetches): the ops, outside inputs as placeholders."""
   inside = {op.name for op in program_ops}
   gdef = graph_pb2.GraphDef()
@@ -134,6 +153,12 @@ def _program_graph_def(program_ops, graph):
     if t.dtype != tf.resource:
       node.attr["shape"].shape.CopyFrom(t.shape.as_proto())
   gdef.library.CopyFrom(graph.as_graph_def().library)
+  try:  # host ops inside tf.cond / tf.while_loop bodies and nested functions
+    host_ops.strip_library(gdef.library, lambda name: getattr(
+        graph._get_function(name), "graph", None), gdef.node, on_host)  # pylint: disable=protected-access
+  except host_ops.HostValueError as error:
+    raise _NotCompiled(f"it receives {error}, which a TPU's program cannot "
+                       "stand for here") from None
   gdef.versions.CopyFrom(graph.graph_def_versions)
   return gdef, feeds, fetches
 
@@ -158,6 +183,19 @@ def _stand_in_variable(t):
     dtype, shape = reads[0].outputs[0].dtype, reads[0].outputs[0].shape
   if not shape.is_fully_defined() or dtype in _SKIPPED_DTYPES:
     return None
+  return _stand_in_variable_of(dtype, shape)
+
+
+def _only_into_functions(t, program_ops) -> bool:
+  """Whether the program's ops take ``t`` only into a function they call."""
+  inside = {op.name for op in program_ops}
+  users = [c for c in t.consumers() if c.name in inside]
+  return bool(users) and all(
+      any(v.HasField("func") or v.list.func for v in c.node_def.attr.values())
+      for c in users)
+
+
+def _stand_in_variable_of(dtype, shape):
   key = (dtype, tuple(shape.as_list()))
   if key not in _variables:
     with ops.init_scope():
@@ -173,7 +211,8 @@ class _NotCompiled(Exception):
 _logged = set()
 
 
-def compile_replica_program(op_list, graph, is_engine) -> Optional[str]:
+def compile_replica_program(op_list, graph, is_engine, on_host=frozenset(),
+                            inputs=frozenset()) -> Optional[str]:
   """Compiles replica 0's program; returns XLA's error text, or None.
 
   Where the program cannot be built (an input of unknown shape, a resource
@@ -181,39 +220,55 @@ def compile_replica_program(op_list, graph, is_engine) -> Optional[str]:
   op check (``xla_check.py``) has run.
   """
   try:
-    return _compile(op_list, graph, is_engine)
+    return _compile(op_list, graph, is_engine, on_host, inputs)
   except _NotCompiled as reason:
     not_compiled(str(reason))
     return None
 
 
+def warn_once(seen: set, key, logger_name: str, message: str, *args) -> None:
+  """Logs ``message`` once per ``key`` (kept in ``seen``)."""
+  if key not in seen:
+    seen.add(key)
+    logging.getLogger(logger_name).warning(message, *args)
+
+
 def not_compiled(reason: str) -> None:
   """One warning per reason: the program was not compiled, only checked."""
-  if reason not in _logged:
-    _logged.add(reason)
-    logging.getLogger(__name__).warning(
-        "Replica 0's TensorCore program was not compiled with XLA (%s); "
-        "only its ops were checked for XLA kernels.", reason)
+  warn_once(_logged, reason, __name__,
+            "Replica 0's TensorCore program was not compiled with XLA (%s): this "
+            "step was NOT compiled; only its ops were checked for XLA kernels, so "
+            "what only XLA's compiler refuses (a size computed from the data) "
+            "passes here and may fail on a TPU.", reason)
 
 
-def _compile(op_list, graph, is_engine) -> Optional[str]:
-  program_ops = replica_zero_ops(op_list, is_engine)
+def _compile(op_list, graph, is_engine, on_host, inputs) -> Optional[str]:
+  program_ops = replica_zero_ops(op_list, is_engine, on_host, inputs)
   if not program_ops:
     return None
-  gdef, feeds, fetches = _program_graph_def(program_ops, graph)
+  gdef, feeds, fetches = _program_graph_def(program_ops, graph, on_host)
   if not fetches:
     return None
   args, variables = [], {}
   for name, t in feeds.items():
     if t.dtype == tf.resource:
       variable = _stand_in_variable(t)
+      if variable is None and _only_into_functions(t, program_ops):
+        # A host resource (a summary writer) handed to a tf.cond or loop
+        # whose host ops use it, which are out of the program.
+        variable = _stand_in_variable_of(tf.float32, tf.TensorShape([]))
       if variable is None:
         raise _NotCompiled(f"the variable of {t.name} has no known dtype and shape")
       variables[name] = variable
     elif t.dtype in (tf.variant, tf.string):
       raise _NotCompiled(f"its input {t.name} is a {t.dtype.name}")
     elif not t.shape.is_fully_defined():
-      raise _NotCompiled(f"its input {t.name} has shape {t.shape}, not fully known")
+      # A batch read through get_next_as_optional (Keras's
+      # steps_per_execution > 1): compiled for the shape the step runs with.
+      shape = device_datasets.batch_shape(t.dtype, t.shape)
+      if shape is None:
+        raise _NotCompiled(f"its input {t.name} has shape {t.shape}, not fully known")
+      args.append((name, tf.TensorSpec(shape, t.dtype)))
     else:
       args.append((name, tf.TensorSpec(t.shape, t.dtype)))
   fetch_names = [t.name for t in fetches]
@@ -251,8 +306,8 @@ def _compile(op_list, graph, is_engine) -> Optional[str]:
           stage="hlo", platform_name="CPU")
     except (ValueError, tf.errors.OpError) as error:
       # The program runs as one call: its node names carry the call's scope.
-      return str(getattr(error, "message", error)).replace(
-          "StatefulPartitionedCall/", "")
+      return re.sub(r"\b(Stateful)?PartitionedCall/", "",
+                    str(getattr(error, "message", error)))
   return None
 
 

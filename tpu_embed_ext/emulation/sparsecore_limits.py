@@ -40,6 +40,11 @@ def state(tables, features, engine: str, feature_config, optimizer, topology,
                                   sparse_core_config)
 
 
+def _static(count):
+  value = tf.get_static_value(count)
+  return count if value is None else int(value)
+
+
 def keep(sparsecore, replicas, occurrences, verdict, replica: int = 0):
   """Each feature's occurrences SparseCore keeps this step (sparsecore/limits.py).
 
@@ -63,7 +68,9 @@ def keep(sparsecore, replicas, occurrences, verdict, replica: int = 0):
   with tf.control_dependencies(deps):  # ids in range first
     rows = [o.rows if o.rows is not None else tf.range(tf.size(o.ids, tf.int64))
             for o in occurrences]
-    samples, counts = rows, [o.num_rows for o in occurrences]
+    # Static counts stay Python numbers, so that the batch's layout is
+    # checked when the step is traced (sparsecore/state.py keep_masks).
+    samples, counts = rows, [_static(o.num_rows) for o in occurrences]
     if replicas.num_local > 1:  # this replica's batch, placed as its chip's
       samples = [tf.cast(r, tf.int64) + replica * tf.cast(n, tf.int64)
                  for r, n in zip(rows, counts)]

@@ -161,7 +161,8 @@ def _chip_pairs(features, members, by_table, topology, chip) -> _Pairs:
   return _Pairs(source[first], destination[first], column[first], out_spans)
 
 
-def _validate(features, topology):
+def validate(features, topology):
+  """The checks on the batch's layout (also run at trace time on static counts)."""
   s = topology.num_sparse_cores
   if s & (s - 1):
     raise errors.InputError(
@@ -191,7 +192,7 @@ def count_ids(features: Sequence[FeatureIds], layouts: Sequence[sc_layout.TableL
 
 
 def _count(features, layouts, topology, limits):
-  _validate(features, topology)
+  validate(features, topology)
   by_table, members = _stack_members(features, layouts)
   nsc, s = topology.sparsecores_per_chip, topology.num_sparse_cores
   out = []

@@ -104,6 +104,14 @@ class SparseCoreState:
       return [tf.constant(k) for k in self.keep(
           [np.asarray(s) for s in samples], [np.asarray(i) for i in ids],
           [int(c) for c in sample_counts])]
+    static = [tf.get_static_value(c) for c in sample_counts]
+    if all(c is not None for c in static):
+      # Shapes are static: the batch's layout is refused now, when the step
+      # is traced, not when it runs (inside the numpy_function's traceback).
+      empty = np.zeros(0, np.int64)
+      sc_limits.validate([sc_limits.FeatureIds(f.table.name, empty, empty, int(c), path)
+                          for f, path, c in zip(self._features, self._paths, static)],
+                         self.topology)
     masks = tf.numpy_function(
         lambda *a: self.keep(a[:n], a[n:2 * n], [int(c) for c in a[2 * n:]]),
         [tf.cast(s, tf.int64) for s in samples] + [tf.cast(i, tf.int64) for i in ids]
