@@ -78,7 +78,7 @@ def main():
     root.mkdir(parents=True, exist_ok=True)
     if name == "movielens":
       from tests.test_train import _movielens_examples  # pylint: disable=g-import-not-at-top
-      config = jobs.scaled_config(root, None, name, batch_size=16, **train)
+      config = jobs.scaled_config(root, None, name, batch_size=32, **train)
       with tfds.testing.mock_data(as_dataset_fn=_movielens_examples):
         results = list(_run(config, root, args.steps))
     else:

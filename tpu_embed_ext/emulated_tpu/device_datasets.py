@@ -52,6 +52,7 @@ from tensorflow.python.data.ops import options as options_lib
 from tensorflow.python.distribute import device_util
 from tensorflow.python.framework import ops
 
+from tpu_embed_ext.emulated_tpu import session
 from tpu_embed_ext.emulated_tpu.errors import EmulationError, NotEmulatedError
 
 __all__ = ["HostIterator", "HostIteratorSpec", "without_autotuning"]
@@ -95,26 +96,30 @@ class HostIteratorSpec(multi_device_iterator_ops.MultiDeviceIteratorSpec):
     return value._type_spec  # pylint: disable=protected-access
 
 
-# The per-replica element shapes of the latest host iterators: what a batch
-# read through get_next_as_optional (of a relaxed, (None, ...) spec) holds
-# when the step runs, which is the shape a TPU compiles the step for
-# (TPUCompile receives the inputs' shapes when the step runs).
+# The per-replica element shapes of the latest host iterators of the active
+# emulation: what a batch read through get_next_as_optional (of a relaxed,
+# (None, ...) spec) holds when the step runs, which is the shape a TPU
+# compiles the step for (TPUCompile receives the inputs' shapes when the step
+# runs). Keyed by the emulation: an earlier one's datasets say nothing here.
 _static_shapes = collections.deque(maxlen=32)
 
 
 def _record_static_shapes(element_spec) -> None:
+  owner = session.current()
   for spec in tf.nest.flatten(element_spec, expand_composites=True):
     if isinstance(spec, tf.TensorSpec) and spec.shape.is_fully_defined():
-      key = (spec.dtype, tuple(spec.shape.as_list()))
+      key = (owner, spec.dtype, tuple(spec.shape.as_list()))
       if key in _static_shapes:
         _static_shapes.remove(key)
       _static_shapes.append(key)  # the latest last
 
 
 def batch_shape(dtype, shape):
-  """The latest recorded static shape of ``dtype`` that partial ``shape`` fits, or None."""
-  for d, s in reversed(_static_shapes):
-    if d == dtype and tf.TensorShape(s).is_compatible_with(shape):
+  """The latest static shape of ``dtype`` that partial ``shape`` fits, recorded
+  in the active emulation, or None."""
+  owner = session.current()
+  for o, d, s in reversed(_static_shapes):
+    if o is owner and d == dtype and tf.TensorShape(s).is_compatible_with(shape):
       return tf.TensorShape(s)
   return None
 

@@ -185,11 +185,7 @@ def _kernel_problem(op) -> Optional[str]:
   return None
 
 
-def _frames(op):
-  try:
-    return list(op.traceback)
-  except Exception:  # pylint: disable=broad-except
-    return []
+_frames = xla_compile.frames
 
 
 def _is_engine(frames) -> bool:
@@ -406,4 +402,9 @@ def replica_program(emulation, arguments=()):
   new_ops = graph.get_operations()[start:]
   inputs = frozenset(t.op.name for t in tf.nest.flatten(arguments, expand_composites=True)
                      if isinstance(t, tf.Tensor) and not hasattr(t, "numpy"))
-  compile_program(new_ops, graph, check_ops(new_ops, graph), inputs)
+  with xla_compile.frames_checked():
+    # Every replica traced the same function: its ops are checked once, on
+    # replica 0's (and those on no replica's device).
+    on_host = check_ops([op for op in new_ops if not xla_compile.on_another_replica(op)],
+                        graph)
+    compile_program(new_ops, graph, on_host, inputs)

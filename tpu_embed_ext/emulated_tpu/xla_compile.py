@@ -31,6 +31,8 @@ variables of the same dtype and shape); ops of nested functions,
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import re
 from typing import Dict, List, Optional
@@ -55,18 +57,51 @@ def _is_merge(frames) -> bool:
   return any(f.filename.endswith(_MERGE_FILES) for f in frames)
 
 
+@functools.lru_cache(maxsize=64)
+def _replica_index(device: str):
+  """The CPU device index of a device string (None: no index or not a CPU)."""
+  spec = tf.DeviceSpec.from_string(device)
+  return spec.device_index if (spec.device_type or "CPU") == "CPU" else -1
+
+
 def _on_replica_zero(op) -> bool:
-  if not op.device:
-    return False
-  spec = tf.DeviceSpec.from_string(op.device)
-  return spec.device_index in (0, None) and (spec.device_type or "CPU") == "CPU"
+  return bool(op.device) and _replica_index(op.device) in (0, None)
 
 
-def _frames(op):
+def on_another_replica(op) -> bool:
+  """Made on another replica's device than replica 0's: the same function's ops
+  again (every replica traces ``strategy.run``'s function), checked once."""
+  return bool(op.device) and (_replica_index(op.device) or 0) > 0
+
+
+# op -> its traceback's frames, for the check of one step (``frames_checked``):
+# reading an op's traceback costs a frame object per Python frame, and the
+# check and the compile read each op's more than once.
+_frame_cache = {}
+
+
+def frames(op):
+  cached = _frame_cache.get(op)
+  if cached is None:
+    try:
+      cached = list(op.traceback)
+    except Exception:  # pylint: disable=broad-except
+      cached = []
+    _frame_cache[op] = cached
+  return cached
+
+
+_frames = frames
+
+
+@contextlib.contextmanager
+def frames_checked():
+  """Keeps each op's frames while one step is checked, then lets them go."""
+  _frame_cache.clear()
   try:
-    return list(op.traceback)
-  except Exception:  # pylint: disable=broad-except
-    return []
+    yield
+  finally:
+    _frame_cache.clear()
 
 
 def _is_replica_id(op, frames) -> bool:
