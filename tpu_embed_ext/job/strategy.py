@@ -86,7 +86,7 @@ def resolve_strategy(tpu: str):
     return strategy, f"emulated TPU, {replicas} replicas (TPUEmbedding)"
   try:
     resolver, strategy = _tpu_strategy("" if tpu == "auto" else tpu)
-    return strategy, f"TPU ({resolver.master()}) via TPUEmbedding"
+    return strategy, _found(resolver, strategy)
   except (ValueError, RuntimeError, OSError, tf.errors.OpError) as e:
     if tpu != "auto":
       raise errors.ConfigError(
@@ -96,6 +96,23 @@ def resolve_strategy(tpu: str):
           "VM, or --tpu none for CPU emulation.", path="--tpu") from None
     # Information, not an error: --tpu auto without a TPU is the CPU run.
     return None, "CPU emulation (CPUEmbedding), as no TPU is attached"
+
+
+def _found(resolver, strategy) -> str:
+  """Where ``auto`` or a TPU name trains: the TPU, its replicas and the
+  embedding API its hardware takes. Under ``emulate_tpu`` (a notebook kernel
+  run by ``python -m tpu_embed_ext emulate``) the resolver is the emulation's,
+  and the line says so: it never claims a real TPU."""
+  # Lazy: dispatch imports the layer's engines.
+  from tpu_embed_ext.emulation import dispatch  # pylint: disable=g-import-not-at-top
+  api = ("TPUEmbeddingV2, SparseCore" if dispatch.uses_sparsecore(strategy)
+         else "TPUEmbedding")
+  replicas = strategy.num_replicas_in_sync
+  emulation = emulated_tpu.current()
+  if emulation is not None:
+    shape = f" {emulation.topology}" if emulation.topology is not None else ""
+    return f"emulated TPU{shape}, {replicas} replicas ({api})"
+  return f"TPU ({resolver.master() or 'local'}), {replicas} replicas ({api})"
 
 
 def _tpu_strategy(tpu: str):
