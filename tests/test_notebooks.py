@@ -275,3 +275,53 @@ def test_tpu_notebook_trains_on_the_emulated_tpu(runtime):
   assert "installing " not in text
   # The learning curve was drawn from this run and displayed under its cell.
   assert os.path.getsize(workdir / "learning_curve.png") > 0
+
+
+# --- the TPU notebook's detection cell, per embedding feature -------------------
+
+def _detection_cell():
+  cell, = [c.source for c in _notebook("tpu_training.ipynb").cells
+           if c.cell_type == "code" and "TPUClusterResolver()" in c.source]
+  return cell
+
+
+_UNSUPPORTED = ("Found an emulated TPU (tpu_embed_ext.emulate_tpu, not a real TPU), 2 "
+                "cores, whose embedding_feature is UNSUPPORTED (no embedding "
+                "accelerator), so TPUEmbedding cannot run on it (TensorFlow: "
+                "https://www.tensorflow.org/api_docs/python/tf/tpu/experimental/"
+                "HardwareFeature/EmbeddingFeature): training on CPU emulation instead.\n")
+
+
+@pytest.mark.parametrize("feature, tpu, printed", [
+    pytest.param(None, "auto", "Found an emulated TPU (tpu_embed_ext.emulate_tpu, not a "
+                 "real TPU), 2 cores, embedding_feature V1: training with "
+                 "TPUEmbedding.\n", marks=pytest.mark.emulate_tpu(replicas=2), id="V1"),
+    pytest.param(None, "auto", "Found an emulated TPU (tpu_embed_ext.emulate_tpu, not a "
+                 "real TPU), 2 cores, embedding_feature V2: training with "
+                 "TPUEmbeddingV2 (SparseCore).\n",
+                 marks=pytest.mark.emulate_tpu(replicas=2, sparsecore=True,
+                                                  topology="v5p:2"), id="V2"),
+    pytest.param("UNSUPPORTED", "none", _UNSUPPORTED,
+                 marks=pytest.mark.emulate_tpu(replicas=2), id="UNSUPPORTED"),
+])
+def test_tpu_notebook_detection_cell_reads_the_embedding_feature(
+    emulated_tpu, monkeypatch, capsys, feature, tpu, printed):
+  """The notebook's own detection cell (its source, run here under the
+  emulated TPU): V1 and V2 take the TPU path (``tpu="auto"``); a TPU that
+  reports no embedding accelerator (as the emulation never does: its reported
+  feature is replaced) gets one line, with TensorFlow's source, before
+  anything is built, and the CPU emulation."""
+  del emulated_tpu
+  if feature is not None:
+    from tensorflow.core.protobuf.tpu import topology_pb2
+    from tensorflow.python.tpu import tpu_hardware_feature
+    from tpu_embed_ext.emulated_tpu import strategy as emulated_strategy
+    proto = topology_pb2.TPUHardwareFeature(
+        embedding_feature=getattr(topology_pb2.TPUHardwareFeature.EmbeddingFeature,
+                                  feature))
+    monkeypatch.setattr(emulated_strategy, "hardware_feature",
+                        lambda _: tpu_hardware_feature.HardwareFeature(proto))
+  namespace = {}
+  exec(_detection_cell(), namespace)  # pylint: disable=exec-used
+  assert namespace["TPU"] == tpu
+  assert capsys.readouterr().out == printed
