@@ -325,3 +325,21 @@ def test_tpu_notebook_detection_cell_reads_the_embedding_feature(
   exec(_detection_cell(), namespace)  # pylint: disable=exec-used
   assert namespace["TPU"] == tpu
   assert capsys.readouterr().out == printed
+
+
+@pytest.mark.parametrize("printed", [
+    pytest.param("emulated TPU, 2 replicas (TPUEmbedding)",
+                 marks=pytest.mark.emulate_tpu(replicas=2), id="V1"),
+    pytest.param("emulated TPU v5p:2 (2 chips x 4 SparseCores), 2 replicas "
+                 "(TPUEmbeddingV2, SparseCore)",
+                 marks=pytest.mark.emulate_tpu(replicas=2, sparsecore=True,
+                                               topology="v5p:2"), id="V2"),
+])
+def test_tpu_auto_under_the_emulation_names_it(emulated_tpu, printed):
+  """What the notebook's ``train(CONFIG, tpu="auto")`` prints after "Training
+  on": the emulated TPU's resolver, named as the emulation, never as a TPU, and
+  the embedding API its hardware takes."""
+  del emulated_tpu
+  from tpu_embed_ext.job import strategy as strategy_lib
+  strategy, where = strategy_lib.resolve_strategy("auto")
+  assert strategy is not None and where == printed
