@@ -86,7 +86,6 @@ def resolve_strategy(tpu: str):
     return strategy, f"emulated TPU, {replicas} replicas (TPUEmbedding)"
   try:
     resolver, strategy = _tpu_strategy("" if tpu == "auto" else tpu)
-    return strategy, _found(resolver, strategy)
   except (ValueError, RuntimeError, OSError, tf.errors.OpError) as e:
     if tpu != "auto":
       raise errors.ConfigError(
@@ -96,6 +95,7 @@ def resolve_strategy(tpu: str):
           "VM, or --tpu none for CPU emulation.", path="--tpu") from None
     # Information, not an error: --tpu auto without a TPU is the CPU run.
     return None, "CPU emulation (CPUEmbedding), as no TPU is attached"
+  return strategy, _found(resolver, strategy)
 
 
 def _found(resolver, strategy) -> str:
