@@ -125,27 +125,63 @@ assert 0.5 < metrics["eval_auc"] <= 1.0, metrics"""),
  ("code", EXPORT_AND_PREDICT),
 ])
 
-tpu = nb([
- ("md", "# Training on a Colab TPU (with a CPU fallback)\n\nDetects a TPU runtime and trains with `TPUEmbedding` on it; without one (or in CI) it falls back to the CPU emulation and says so. The TPU path was not run by this package's CI: no TPU is reachable there.\n\n**Open it in Colab:** File > Upload notebook in [Colab](https://colab.research.google.com) and pick this file (from the repository's `colab/` folder), or, once the repository is public on GitHub, File > Open notebook > GitHub and paste its URL. The first cell installs the package: upload the wheel (`make dist` builds `dist/tpu_embed_ext-*.whl`) into the runtime's files first, or set `REPO_URL` at the top of that cell to the repository's git URL."),
- ("code", SETUP.replace("tee_quickstart", "tee_tpu")),
- ("code", QUIET),
- ("code", """import tensorflow as tf
+TPU_RUNTIMES = """## Which TPU, which embedding API
+
+The next cell asks the TPU what embedding hardware it has (`embedding_feature`, [TensorFlow: `tf.tpu.experimental.HardwareFeature.EmbeddingFeature`](https://www.tensorflow.org/api_docs/python/tf/tpu/experimental/HardwareFeature/EmbeddingFeature)) and picks the path before anything is built. Colab's TPU runtimes differ:
+
+| Runtime | What the TPU has | What this notebook does |
+|---|---|---|
+| **v2-8, v3-8** (4 chips, 8 TensorCores) | no SparseCore; what it reports is read at runtime, not assumed | `V1`: `TPUEmbedding` under `TPUStrategy`, 8 replicas, tables sharded over the cores; `UNSUPPORTED`: the one line and CPU emulation |
+| **v5e, one chip** (v5litepod-1) | one TensorCore per chip (four MXUs, a vector and a scalar unit), no SparseCore listed ([Cloud TPU v5e](https://cloud.google.com/tpu/docs/v5e)); `TPUEmbeddingV2` needs SparseCore, v5p or v6e ([keras-rs SparseCore tutorial](https://keras.io/keras_rs/examples/distributed_embedding_tf/)) | reads `embedding_feature`: `UNSUPPORTED` (no embedding accelerator) means `TPUEmbedding` cannot run there, so the next cell says so in one line, with the source, and trains on the CPU emulation; `V1` would train with `TPUEmbedding`, 1 replica. Which one a v5e reports is not checked here: no v5e was reachable. |
+| **v5p, v6e** (SparseCore) | `V2`: SparseCore | `TPUEmbeddingV2` (the layer picks it), one replica per chip |
+| no TPU | | CPU emulation (`CPUEmbedding`), said in one line |
+
+**How CI runs the TPU branch.** `tests/test_notebooks.py` runs this notebook, unchanged, in a kernel started by `python -m tpu_embed_ext emulate --replicas 2 -m ipykernel_launcher ...`: the kernel's process has an emulated TPU (`tee.emulate_tpu`), so the next cell's `TPUClusterResolver`, `initialize_tpu_system` and `TPUStrategy` are the emulation's and report `V1` with 2 cores, like a small v2/v3. It also runs the notebook in a plain kernel (the CPU branch). Neither ran on a real TPU."""
+
+TPU_DETECT = """import tensorflow as tf
+from tpu_embed_ext import emulated_tpu
+EmbeddingFeature = tf.tpu.experimental.HardwareFeature.EmbeddingFeature
 try:
   resolver = tf.distribute.cluster_resolver.TPUClusterResolver()
   tf.config.experimental_connect_to_cluster(resolver)
   tf.tpu.experimental.initialize_tpu_system(resolver)
-  TPU = "auto"
-  print("TPU runtime found:", resolver.master())
+  strategy = tf.distribute.TPUStrategy(resolver)
 except (ValueError, RuntimeError, tf.errors.OpError) as e:
+  strategy = None
+if strategy is None:
   TPU = "none"
-  print("No TPU attached to this runtime: falling back to CPU emulation.")"""),
+  print("No TPU attached to this runtime: falling back to CPU emulation.")
+else:
+  cores = strategy.num_replicas_in_sync
+  feature = strategy.extended.tpu_hardware_feature.embedding_feature
+  found = ("an emulated TPU (tpu_embed_ext.emulate_tpu, not a real TPU)"
+           if emulated_tpu.is_active() else f"a TPU ({resolver.master() or 'local'})")
+  if feature == EmbeddingFeature.UNSUPPORTED:
+    TPU = "none"
+    print(f"Found {found}, {cores} cores, whose embedding_feature is UNSUPPORTED "
+          "(no embedding accelerator), so TPUEmbedding cannot run on it (TensorFlow: "
+          "https://www.tensorflow.org/api_docs/python/tf/tpu/experimental/HardwareFeature/EmbeddingFeature"
+          "): training on CPU emulation instead.")
+  else:
+    TPU = "auto"
+    api = ("TPUEmbeddingV2 (SparseCore)" if feature == EmbeddingFeature.V2
+           else "TPUEmbedding")
+    print(f"Found {found}, {cores} cores, embedding_feature {feature.value}: "
+          f"training with {api}.")"""
+
+tpu = nb([
+ ("md", "# Training on a Colab TPU (with a CPU fallback)\n\nDetects a TPU runtime and trains with the TPU's embedding API on it (`TPUEmbedding`, or `TPUEmbeddingV2` on SparseCore); without one, or on a TPU without an embedding accelerator, it falls back to the CPU emulation and says so. This package's CI runs the TPU branch under its emulated TPU (see below), never on a real TPU: none is reachable there.\n\n**Open it in Colab:** File > Upload notebook in [Colab](https://colab.research.google.com) and pick this file (from the repository's `colab/` folder), or, once the repository is public on GitHub, File > Open notebook > GitHub and paste its URL. The first cell installs the package: upload the wheel (`make dist` builds `dist/tpu_embed_ext-*.whl`) into the runtime's files first, or set `REPO_URL` at the top of that cell to the repository's git URL."),
+ ("code", SETUP.replace("tee_quickstart", "tee_tpu")),
+ ("code", QUIET),
+ ("md", TPU_RUNTIMES),
+ ("code", TPU_DETECT),
  ("code", """import tpu_embed_ext as tee
 spec = tee.EmbeddingSpec.from_file(CONFIG)
 for line in tee.plan(spec).warnings:
   print("SparseCore note:", line)"""),
  ("code", """from tpu_embed_ext import job as train_lib
 # 5 blocks of steps, each ending with a checkpoint and a held-out evaluation:
-# 5 points on the learning curve.
+# 5 points on the learning curve. It prints where it trains ("Training on ...").
 metrics = train_lib.train(CONFIG, model_dir=WORKDIR, steps=STEPS, tpu=TPU,
                           overrides={"steps_per_checkpoint": max(1, STEPS // 5)}, verbose=2)
 print("trained on:", metrics["where"])

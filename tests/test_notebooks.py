@@ -7,6 +7,17 @@ shows the learning curve and five predictions of the exported model. Run
 again after a simulated restart (installed already, another working
 directory without the wheel), it installs nothing and changes no directory.
 
+The TPU notebook's TPU branch runs under the emulated TPU: the same notebook
+file, executed by nbclient in a kernel whose process is started by
+``python -m tpu_embed_ext emulate --replicas 2 -m ipykernel_launcher -f
+{connection_file}`` (a kernelspec in the run's JUPYTER_DATA_DIR). Nothing in
+the notebook is set or patched for the test: its own
+``TPUClusterResolver()``, ``initialize_tpu_system`` and ``TPUStrategy`` find
+the emulated TPU, as on a Colab TPU runtime they find the real one (whose
+kernel has a TPU; ours has the emulation), and ``train(CONFIG, tpu="auto")``
+takes the job's TPU path. Chosen over an environment variable the notebook
+would read: that would be a branch of the notebook no Colab user runs.
+
 No ``--system-site-packages``: a dependency the wheel does not declare fails
 here. One virtualenv for the module; pip's cache makes the second install of
 TensorFlow fast. The install cell's other routes (a git URL, the index by
@@ -14,6 +25,7 @@ name, none: one line naming them all) are checked with pip recorded.
 """
 
 import glob
+import json
 import os
 import re
 import subprocess
@@ -26,6 +38,7 @@ import pytest
 from tests import wheel_build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EMULATED_KERNEL = "tee-emulated-tpu"
 # Lines no reader of the notebooks needs: log and warning lines of other
 # libraries (the package's own lines never look like these).
 _LIBRARY_LINE = re.compile(
@@ -39,7 +52,7 @@ _EXECUTE = textwrap.dedent("""
     # A last cell: where the kernel's working directory is at the end.
     notebook.cells.append(nbformat.v4.new_code_cell('print("cwd at the end:", os.getcwd())'))
     try:
-      NotebookClient(notebook, timeout=900, kernel_name="python3",
+      NotebookClient(notebook, timeout=900, kernel_name=sys.argv[4],
                      resources={"metadata": {"path": sys.argv[3]}}).execute()
     finally:
       nbformat.write(notebook, sys.argv[2])
@@ -62,8 +75,16 @@ def runtime(tmp_path_factory):
   wheel_build.pip("install", "nbclient", "nbformat", "ipykernel", python=python)
   home = root / "home"
   home.mkdir()
+  # The emulated TPU's kernel: ipykernel run by the emulate command (the
+  # package must be installed in the virtualenv before it starts).
+  spec = root / "jupyter" / "kernels" / EMULATED_KERNEL
+  spec.mkdir(parents=True)
+  (spec / "kernel.json").write_text(json.dumps({
+      "argv": [str(python), "-m", "tpu_embed_ext", "emulate", "--replicas", "2",
+               "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+      "display_name": "Python 3 (emulated TPU, 2 cores)", "language": "python"}))
 
-  def run(name, cwd, workdir):
+  def run(name, cwd, workdir, kernel="python3"):
     out = root / f"executed-{len(os.listdir(root))}.ipynb"
     env = wheel_build.clean_env(
         root / "env", home, TEE_NOTEBOOK_STEPS="20", TEE_NOTEBOOK_CONFIG="tiny",
@@ -74,7 +95,7 @@ def runtime(tmp_path_factory):
         TPU_EMBED_EXT_KERNELS="tf")
     done = subprocess.run(
         [str(python), "-c", _EXECUTE, os.path.join(ROOT, "colab", name), str(out),
-         str(cwd)], cwd=str(cwd), env=env, capture_output=True, text=True,
+         str(cwd), kernel], cwd=str(cwd), env=env, capture_output=True, text=True,
         timeout=1200, check=False)
     executed = nbformat.read(str(out), as_version=4) if out.exists() else None
     assert done.returncode == 0, (done.stderr[-4000:], _text(executed)[-4000:])
@@ -98,7 +119,7 @@ def _text(notebook):
                  for o in _outputs(notebook))
 
 
-def _check_run(notebook, name, workdir, cwd):
+def _check_run(notebook, name, workdir, cwd, tpu=False):
   outputs = _outputs(notebook)
   text = _text(notebook)
   # Only what a reader needs: other libraries' lines (TensorFlow's C++
@@ -112,7 +133,16 @@ def _check_run(notebook, name, workdir, cwd):
   with open(workdir / "history.csv") as f:
     assert [int(float(r.split(",")[0])) for r in f.read().splitlines()[1:]] == [
         4, 8, 12, 16, 20]
-  if name == "tpu_training.ipynb":
+  if tpu:
+    # The notebook's own resolver found the emulated TPU; the job took its
+    # TPU path (TPUStrategy, TPUEmbedding) and says so, never "a TPU".
+    assert ("Found an emulated TPU (tpu_embed_ext.emulate_tpu, not a real TPU), "
+            "2 cores, embedding_feature V1: training with TPUEmbedding.\n") in text
+    assert "Training on emulated TPU, 2 replicas (TPUEmbedding)." in text
+    assert "trained on: emulated TPU, 2 replicas (TPUEmbedding)\n" in text
+    assert "No TPU attached" not in text and "CPUEmbedding" not in text
+    assert re.search(r"^exported to \S+serving$", text, re.M), text[-2000:]
+  elif name == "tpu_training.ipynb":
     assert "No TPU attached to this runtime: falling back to CPU emulation." in text
     assert "trained on: CPU emulation (CPUEmbedding)" in text
   else:
@@ -227,3 +257,89 @@ def test_install_cell_without_a_route_says_every_one_in_one_line(monkeypatch, tm
       "upload its wheel (tpu_embed_ext-*.whl, from `make dist`) to "
       f"{tmp_path}; set REPO_URL at the top of this cell (or TEE_REPO_URL) to its "
       "git URL; or, once it is published, pip install tpu_embed_ext.")
+
+
+def test_tpu_notebook_trains_on_the_emulated_tpu(runtime):
+  """The TPU branch: the notebook, unchanged, in the emulated TPU's kernel
+  (module docstring). Installed already, as after a restart (the kernel's
+  process imports the package before the first cell runs); a new model_dir,
+  so it trains: 20 steps of tiny on 2 replicas, the learning curve, export and
+  five predictions."""
+  wheel_build.pip("install", f"{runtime['wheel']}[cpu,data]", python=runtime["python"])
+  workdir = runtime["root"] / "work-emulated-tpu"
+  content = runtime["content"]
+  notebook = runtime["run"]("tpu_training.ipynb", content, workdir,
+                            kernel=EMULATED_KERNEL)
+  text, where = _check_run(notebook, "tpu_training.ipynb", workdir, content, tpu=True)
+  assert where.startswith(runtime["site"]), where
+  assert "installing " not in text
+  # The learning curve was drawn from this run and displayed under its cell.
+  assert os.path.getsize(workdir / "learning_curve.png") > 0
+
+
+# --- the TPU notebook's detection cell, per embedding feature -------------------
+
+def _detection_cell():
+  cell, = [c.source for c in _notebook("tpu_training.ipynb").cells
+           if c.cell_type == "code" and "TPUClusterResolver()" in c.source]
+  return cell
+
+
+_UNSUPPORTED = ("Found an emulated TPU (tpu_embed_ext.emulate_tpu, not a real TPU), 2 "
+                "cores, whose embedding_feature is UNSUPPORTED (no embedding "
+                "accelerator), so TPUEmbedding cannot run on it (TensorFlow: "
+                "https://www.tensorflow.org/api_docs/python/tf/tpu/experimental/"
+                "HardwareFeature/EmbeddingFeature): training on CPU emulation instead.\n")
+
+
+@pytest.mark.parametrize("feature, tpu, printed", [
+    pytest.param(None, "auto", "Found an emulated TPU (tpu_embed_ext.emulate_tpu, not a "
+                 "real TPU), 2 cores, embedding_feature V1: training with "
+                 "TPUEmbedding.\n", marks=pytest.mark.emulate_tpu(replicas=2), id="V1"),
+    pytest.param(None, "auto", "Found an emulated TPU (tpu_embed_ext.emulate_tpu, not a "
+                 "real TPU), 2 cores, embedding_feature V2: training with "
+                 "TPUEmbeddingV2 (SparseCore).\n",
+                 marks=pytest.mark.emulate_tpu(replicas=2, sparsecore=True,
+                                                  topology="v5p:2"), id="V2"),
+    pytest.param("UNSUPPORTED", "none", _UNSUPPORTED,
+                 marks=pytest.mark.emulate_tpu(replicas=2), id="UNSUPPORTED"),
+])
+def test_tpu_notebook_detection_cell_reads_the_embedding_feature(
+    emulated_tpu, monkeypatch, capsys, feature, tpu, printed):
+  """The notebook's own detection cell (its source, run here under the
+  emulated TPU): V1 and V2 take the TPU path (``tpu="auto"``); a TPU that
+  reports no embedding accelerator (as the emulation never does: its reported
+  feature is replaced) gets one line, with TensorFlow's source, before
+  anything is built, and the CPU emulation."""
+  del emulated_tpu
+  if feature is not None:
+    from tensorflow.core.protobuf.tpu import topology_pb2
+    from tensorflow.python.tpu import tpu_hardware_feature
+    from tpu_embed_ext.emulated_tpu import strategy as emulated_strategy
+    proto = topology_pb2.TPUHardwareFeature(
+        embedding_feature=getattr(topology_pb2.TPUHardwareFeature.EmbeddingFeature,
+                                  feature))
+    monkeypatch.setattr(emulated_strategy, "hardware_feature",
+                        lambda _: tpu_hardware_feature.HardwareFeature(proto))
+  namespace = {}
+  exec(_detection_cell(), namespace)  # pylint: disable=exec-used
+  assert namespace["TPU"] == tpu
+  assert capsys.readouterr().out == printed
+
+
+@pytest.mark.parametrize("printed", [
+    pytest.param("emulated TPU, 2 replicas (TPUEmbedding)",
+                 marks=pytest.mark.emulate_tpu(replicas=2), id="V1"),
+    pytest.param("emulated TPU v5p:2 (2 chips x 4 SparseCores), 2 replicas "
+                 "(TPUEmbeddingV2, SparseCore)",
+                 marks=pytest.mark.emulate_tpu(replicas=2, sparsecore=True,
+                                               topology="v5p:2"), id="V2"),
+])
+def test_tpu_auto_under_the_emulation_names_it(emulated_tpu, printed):
+  """What the notebook's ``train(CONFIG, tpu="auto")`` prints after "Training
+  on": the emulated TPU's resolver, named as the emulation, never as a TPU, and
+  the embedding API its hardware takes."""
+  del emulated_tpu
+  from tpu_embed_ext.job import strategy as strategy_lib
+  strategy, where = strategy_lib.resolve_strategy("auto")
+  assert strategy is not None and where == printed

@@ -87,9 +87,6 @@ def resolve_strategy(tpu: str):
     return strategy, f"emulated TPU, {replicas} replicas (TPUEmbedding)"
   try:
     resolver, strategy = _tpu_strategy("" if tpu == "auto" else tpu)
-    engine = ("TPUEmbeddingV2 (SparseCore)" if dispatch.uses_sparsecore(strategy)
-              else "TPUEmbedding")
-    return strategy, f"TPU ({resolver.master()}) via {engine}"
   except (ValueError, RuntimeError, OSError, tf.errors.OpError) as e:
     if tpu != "auto":
       raise errors.ConfigError(
@@ -99,6 +96,22 @@ def resolve_strategy(tpu: str):
           "VM, or --tpu none for CPU emulation.", path="--tpu") from None
     # Information, not an error: --tpu auto without a TPU is the CPU run.
     return None, "CPU emulation (CPUEmbedding), as no TPU is attached"
+  return strategy, _found(resolver, strategy)
+
+
+def _found(resolver, strategy) -> str:
+  """Where ``auto`` or a TPU name trains: the TPU, its replicas and the
+  embedding API its hardware takes. Under ``emulate_tpu`` (a notebook kernel
+  run by ``python -m tpu_embed_ext emulate``) the resolver is the emulation's,
+  and the line says so: it never claims a real TPU."""
+  api = ("TPUEmbeddingV2, SparseCore" if dispatch.uses_sparsecore(strategy)
+         else "TPUEmbedding")
+  replicas = strategy.num_replicas_in_sync
+  emulation = emulated_tpu.current()
+  if emulation is not None:
+    shape = f" {emulation.topology}" if emulation.topology is not None else ""
+    return f"emulated TPU{shape}, {replicas} replicas ({api})"
+  return f"TPU ({resolver.master() or 'local'}), {replicas} replicas ({api})"
 
 
 def _tpu_strategy(tpu: str):
