@@ -127,3 +127,22 @@ def assert_same_checkpoints(got_prefix, want_prefix):
       np.testing.assert_array_equal(got[key], value, err_msg=key)
   return worst
 
+
+
+def assert_exports_serve_alike(config, data_dir, tpu_dir, cpu_dir):
+  """``export`` of two runs' newest checkpoints serves the same predictions on
+  one held-out batch (multi-hot ids padded with -1, as the signature takes them)."""
+  from tpu_embed_ext.spec import EmbeddingSpec
+  served = []
+  for model_dir in (tpu_dir, cpu_dir):
+    out = train_lib.export(config, model_dir=str(model_dir), out=str(model_dir / "serving"))
+    served.append(tf.saved_model.load(out).signatures["serving_default"])
+  spec = EmbeddingSpec.from_file(config)
+  cfg = train_lib.TrainConfig.from_dict({**spec.train, "data_dir": data_dir})
+  features, _ = next(iter(train_lib.input_datasets(spec, cfg)[1]))
+  inputs = {"dense": features["dense"]}
+  for name, ids in features["categorical"].items():
+    inputs[name] = (ids[:, None] if isinstance(ids, tf.Tensor)
+                    else ids.to_tensor(default_value=-1))
+  got, want = (serve(**inputs)["outputs"].numpy() for serve in served)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

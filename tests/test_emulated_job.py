@@ -15,13 +15,11 @@ replicas (with a killed-and-resumed run and the export), ranking at 8,
 movielens (tfds mocked) at 2; SparseCore there.
 """
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
 from tests import jobs
 from tests.test_train import _movielens_examples
-from tpu_embed_ext import job as train_lib
 from tpu_embed_ext.job import loop
 
 STEPS = 4
@@ -69,28 +67,8 @@ def test_tiny_at_2_replicas_equals_cpu_resumes_and_exports(tmp_path, tiny_data_d
                                jobs.checkpoint(tmp_path / "tiny_tpu", STEPS))
 
   # The export of the TPU run's checkpoint serves the CPU run's predictions.
-  served = {}
-  for run in ("tiny_tpu", "tiny_cpu"):
-    out = train_lib.export(config, model_dir=str(tmp_path / run),
-                           out=str(tmp_path / run / "serving"))
-    served[run] = tf.saved_model.load(out).signatures["serving_default"]
-  inputs = _serving_batch(config, tiny_data_dir)
-  np.testing.assert_allclose(served["tiny_tpu"](**inputs)["outputs"].numpy(),
-                             served["tiny_cpu"](**inputs)["outputs"].numpy(),
-                             rtol=1e-4, atol=1e-5)
-
-
-def _serving_batch(config, data_dir):
-  """One held-out batch as the serving signature takes it (multi-hot padded with -1)."""
-  from tpu_embed_ext.spec import EmbeddingSpec
-  spec = EmbeddingSpec.from_file(config)
-  cfg = train_lib.TrainConfig.from_dict({**spec.train, "data_dir": data_dir})
-  features, _ = next(iter(train_lib.input_datasets(spec, cfg)[1]))
-  inputs = {"dense": features["dense"]}
-  for name, ids in features["categorical"].items():
-    inputs[name] = (ids[:, None] if isinstance(ids, tf.Tensor)
-                    else ids.to_tensor(default_value=-1))
-  return inputs
+  jobs.assert_exports_serve_alike(config, tiny_data_dir, tmp_path / "tiny_tpu",
+                                  tmp_path / "tiny_cpu")
 
 
 def test_ranking_at_8_replicas_equals_cpu(tmp_path, tiny_data_dir):

@@ -10,12 +10,10 @@ the held-out AUC to 1e-4. tiny at 2 chips (2x4) and 8 chips (v5p:8, with the
 export), criteo at 2 chips.
 """
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
 from tests import jobs
-from tpu_embed_ext import job as train_lib
 from tpu_embed_ext.sparsecore import convert
 from tpu_embed_ext.spec import EmbeddingSpec
 
@@ -50,16 +48,8 @@ def test_tiny_on_8_chips_equals_cpu_and_exports(tmp_path, tiny_data_dir):
   log = _same_as_cpu(config, tmp_path, "emulate:v5p:8", "tiny")
   assert ("Training on emulated TPU v5p:8 (8 chips x 4 SparseCores), 8 replicas "
           "(TPUEmbeddingV2, SparseCore).") in log
-  served = {}
-  for run in ("tiny_tpu", "tiny_cpu"):
-    out = train_lib.export(config, model_dir=str(tmp_path / run),
-                           out=str(tmp_path / run / "serving"))
-    served[run] = tf.saved_model.load(out).signatures["serving_default"]
-  from tests.test_emulated_job import _serving_batch
-  inputs = _serving_batch(config, tiny_data_dir)
-  np.testing.assert_allclose(served["tiny_tpu"](**inputs)["outputs"].numpy(),
-                             served["tiny_cpu"](**inputs)["outputs"].numpy(),
-                             rtol=1e-4, atol=1e-5)
+  jobs.assert_exports_serve_alike(config, tiny_data_dir, tmp_path / "tiny_tpu",
+                                  tmp_path / "tiny_cpu")
 
 
 def test_criteo_on_2_chips_equals_cpu(tmp_path, tiny_data_dir):
