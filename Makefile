@@ -17,6 +17,11 @@ export TPU_EMBED_EXT_CACHE_DIR ?= $(CURDIR)/.cache
 # Test processes (pytest-xdist): each takes whole test files (--dist loadfile),
 # so a module's fixtures (a trained model_dir, say) are built once.
 TEST_WORKERS ?= 2
+# The longest test files, handed out first (pytest collects a file once), so
+# that no long file starts last and runs alone at the end.
+SLOW_FIRST := tests/test_notebooks.py tests/test_emulated_job.py \
+	tests/test_emulated_job_sparsecore.py tests/test_fault_injection.py \
+	tests/test_wheel.py tests/test_emulated_keras_multi_hot.py
 
 .PHONY: run test bench docs install dist clean
 
@@ -45,7 +50,7 @@ run: install
 
 test: install
 	$(PY) -m tpu_embed_ext.emulation.native build
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(SLOW_FIRST) tests
 
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(PIP) install -e '.[$(TF_FLAVOUR),test,bench]' 2>&1 | sed '/is ignored: it is neither/d'
