@@ -40,7 +40,7 @@ $(VENV)/.installed: setup.py
 	@$(PIP) install -e '.[$(TF_FLAVOUR),test]' 2>&1 | sed '/is ignored: it is neither/d'
 	@$(PY) -c "import tensorflow, tpu_embed_ext" 2>&1 | sed $(TF_STARTUP)
 	@$(PY) -m tpu_embed_ext.emulation.native build 2>&1 | sed $(TF_STARTUP)
-	@echo "make install: done; next: make run (about 5 minutes) or make test (about 15 minutes on 2 cores)"
+	@echo "make install: done; next: make run (about 5 minutes) or make test (about 30 minutes on 2 cores)"
 	@touch $@
 
 install: $(VENV)/.installed

@@ -129,6 +129,6 @@ def test_the_docs_home_page_links_every_page_of_the_site():
 
 def test_the_readme_says_how_long_make_test_takes_and_how_to_open_a_notebook():
   readme = (ROOT / "README.md").read_text()
-  assert "make test   # run the whole test suite: about 15 minutes on a 2-core machine" in readme
+  assert "make test   # run the whole test suite: about 30 minutes on a 2-core machine" in readme
   assert "**To open one in Colab**: File > Upload notebook" in readme
   assert "<!-- docs-test: fragment (my_job.py is yours;" in readme
