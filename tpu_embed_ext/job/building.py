@@ -15,7 +15,7 @@ from tpu_embed_ext.sparsecore import convert
 from tpu_embed_ext.host import model_dir as model_dir_lib
 from tpu_embed_ext.job.config import TrainConfig, keras_config
 from tpu_embed_ext.job.outputs import StepLoss
-from tpu_embed_ext.job.replicated import call_model, rows
+from tpu_embed_ext.job.replicated import call_model, per_replica_batch, rows
 from tpu_embed_ext.keras.model import RankingModel
 from tpu_embed_ext.spec import EmbeddingSpec
 
@@ -44,12 +44,7 @@ def with_output_shapes(spec: EmbeddingSpec, cfg: TrainConfig) -> EmbeddingSpec:
   strategy = tf.distribute.get_strategy()
   if not dispatch.uses_sparsecore(strategy):
     return spec
-  replicas = strategy.num_replicas_in_sync
-  if cfg.batch_size % replicas:
-    raise errors.ConfigError(
-        f"batch_size {cfg.batch_size} does not split over {replicas} replicas. "
-        f"Fix: use a batch size divisible by {replicas}.", path="train.batch_size")
-  per_replica = cfg.batch_size // replicas
+  per_replica = per_replica_batch(cfg.batch_size, strategy)
   features = tuple(
       f if f.output_shape else dataclasses.replace(
           f, output_shape=(per_replica,) + ((f.max_sequence_length,)

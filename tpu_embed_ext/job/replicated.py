@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tpu_embed_ext import errors
 
-__all__ = ["call_model", "rows", "fit_dataset"]
+__all__ = ["call_model", "rows", "fit_dataset", "per_replica_batch"]
 
 
 def call_model(model, features, batch_size: int):
@@ -26,21 +26,26 @@ def call_model(model, features, batch_size: int):
   strategy = tf.distribute.get_strategy()
   if not tf.distribute.has_strategy():
     return model(features, training=False)
-  replicas = strategy.num_replicas_in_sync
-  if batch_size % replicas:
-    raise errors.ConfigError(
-        f"batch_size {batch_size} does not split over {replicas} replicas. Fix: "
-        f"use a batch size divisible by {replicas}.", path="train.batch_size")
+  per = per_replica_batch(batch_size, strategy)
   n = rows(features)
   padded = tf.nest.map_structure(lambda x: _pad(x, batch_size), features,
                                  expand_composites=False)
-  per = batch_size // replicas
   per_replica = strategy.experimental_distribute_values_from_function(
       lambda ctx: tf.nest.map_structure(
           lambda x: _rows_slice(x, ctx.replica_id_in_sync_group * per, per),
           padded, expand_composites=False))
   outputs = _replicated_call(model)(per_replica)
   return tf.concat(strategy.experimental_local_results(outputs), 0)[:n]
+
+
+def per_replica_batch(batch_size: int, strategy) -> int:
+  """Each replica's share of the global batch; a ConfigError if it does not split."""
+  replicas = strategy.num_replicas_in_sync
+  if batch_size % replicas:
+    raise errors.ConfigError(
+        f"batch_size {batch_size} does not split over {replicas} replicas. Fix: "
+        f"use a batch size divisible by {replicas}.", path="train.batch_size")
+  return batch_size // replicas
 
 
 # model -> its replicated call (one tf.function per model, traced once per shape).

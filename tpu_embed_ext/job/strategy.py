@@ -77,14 +77,9 @@ def resolve_strategy(tpu: str):
   """
   if tpu == "none":
     return None, "CPU emulation (CPUEmbedding)"
-  asked = emulated_tpu_of(tpu)
-  if asked is not None:
-    _, strategy = _tpu_strategy("")
-    replicas = strategy.num_replicas_in_sync
-    if asked.topology is not None:
-      return strategy, (f"emulated TPU {asked.topology}, {replicas} replicas "
-                        "(TPUEmbeddingV2, SparseCore)")
-    return strategy, f"emulated TPU, {replicas} replicas (TPUEmbedding)"
+  if emulated_tpu_of(tpu) is not None:
+    resolver, strategy = _tpu_strategy("")
+    return strategy, _found(resolver, strategy)
   try:
     resolver, strategy = _tpu_strategy("" if tpu == "auto" else tpu)
   except (ValueError, RuntimeError, OSError, tf.errors.OpError) as e:
@@ -100,10 +95,10 @@ def resolve_strategy(tpu: str):
 
 
 def _found(resolver, strategy) -> str:
-  """Where ``auto`` or a TPU name trains: the TPU, its replicas and the
-  embedding API its hardware takes. Under ``emulate_tpu`` (a notebook kernel
-  run by ``python -m tpu_embed_ext emulate``) the resolver is the emulation's,
-  and the line says so: it never claims a real TPU."""
+  """Where a TPU run trains: the TPU, its replicas and the embedding API its
+  hardware takes. Under ``emulate_tpu`` (``--tpu emulate[:N|:TOPOLOGY]``, or a
+  notebook kernel run by ``python -m tpu_embed_ext emulate``) the resolver is
+  the emulation's, and the line says so: it never claims a real TPU."""
   api = ("TPUEmbeddingV2, SparseCore" if dispatch.uses_sparsecore(strategy)
          else "TPUEmbedding")
   replicas = strategy.num_replicas_in_sync
