@@ -638,7 +638,8 @@ def test_tpu_engine_called_twice_in_one_step_is_rejected(monkeypatch):
   from tpu_embed_ext.keras import layer as layer_lib
   monkeypatch.setattr(layer_lib.dispatch, "create_embedding",
                       lambda *a, **k: fh.RecordingV2())
-  monkeypatch.setattr(layer_lib, "_engine_kind", lambda e: "tpu_v2")
+  monkeypatch.setattr(layer_lib.adapters, "for_engine",
+                      layer_lib.adapters.SparseCoreAdapter)
   layer = tee.EmbeddingLayer(fh.feature_config(), name="embedding")
   features = {"user": tf.constant([1, 2]), "item": tf.constant([3, 4])}
   with pytest.raises(errors.InputError, match=re.escape(

@@ -131,21 +131,24 @@ def test_serving_export_predicts_like_the_model(tmp_path):
   assert not any("TPU" in op for op in graph_ops), sorted(graph_ops)
 
 
-def test_engine_kind_follows_the_mid_level_api_class():
+def test_adapter_follows_the_mid_level_api_class():
   from tensorflow.python.tpu import tpu_embedding_v2, tpu_embedding_v3
-  assert layer_lib._engine_kind(tee.CPUEmbedding(fh.feature_config())) == "cpu"
+  from tpu_embed_ext.keras import adapters
+  cpu = adapters.for_engine(tee.CPUEmbedding(fh.feature_config()), "e")
+  assert type(cpu) is adapters.CPUAdapter
   # Instances made without __init__: constructing them needs a TPU.
   v1 = object.__new__(tpu_embedding_v2.TPUEmbedding)
   v2 = object.__new__(tpu_embedding_v3.TPUEmbeddingV2)
-  assert layer_lib._engine_kind(v1) == "tpu_v1"
-  assert layer_lib._engine_kind(v2) == "tpu_v2"
+  assert type(adapters.for_engine(v1, "e")) is adapters.TPUEmbeddingAdapter
+  assert type(adapters.for_engine(v2, "e")) is adapters.SparseCoreAdapter
 
 
 def test_sparsecore_protocol_passes_preserved_outputs(monkeypatch):
   fake = fh.RecordingV2()
   monkeypatch.setattr(layer_lib.dispatch, "create_embedding",
                       lambda *a, **k: fake)
-  monkeypatch.setattr(layer_lib, "_engine_kind", lambda e: "tpu_v2")
+  monkeypatch.setattr(layer_lib.adapters, "for_engine",
+                      layer_lib.adapters.SparseCoreAdapter)
   layer = tee.EmbeddingLayer(fh.feature_config())
   features = {"user": tf.constant([1, 2]), "item": tf.constant([3, 4])}
   with tf.GradientTape() as tape:

@@ -38,7 +38,7 @@ from tensorflow.python.framework import ops
 from tpu_embed_ext import errors
 from tpu_embed_ext.emulation import check_runner, lookups
 
-__all__ = ["Pending", "Batches", "route"]
+__all__ = ["Pending", "TrainingBatch", "Batches", "route"]
 
 
 class Pending(NamedTuple):
@@ -49,6 +49,15 @@ class Pending(NamedTuple):
   training: bool
   graph: Any = None        # where it was enqueued (None: eagerly)
   delivered: bool = False  # dequeued, or handed to apply_gradients
+
+
+class TrainingBatch(NamedTuple):
+  """A batch looked up for training but not yet enqueued
+  (``CPUEmbedding.lookup_for_training``, for ``apply_gradients_to``)."""
+  features: Any
+  weights: Any
+  pending: Pending
+  shapes: List[tf.TensorShape]  # the activation shapes it was prepared with
 
 
 def _current_graph():

@@ -4,12 +4,10 @@ The layer owns one trainable
 scalar, the *gradient sink*, and routes its activations through a
 ``tf.custom_gradient`` whose inputs are the sink and the activations. When
 Keras's ``train_step`` asks the tape for the gradient of the loss with respect
-to its trainable weights, the custom gradient receives ``dL/dactivations``,
-enqueues the step's batch on the CPU engine (the forward pass only looked it
-up) and hands them to the engine's ``apply_gradients`` (one table step per
-training batch, which also advances the engine's ``step`` and so its
-schedules). The
-sink is marked ``overwrite_with_gradient``: Keras optimizers write its
+to its trainable weights, the custom gradient receives ``dL/dactivations``
+and hands them to the engine through the layer's adapter
+(``keras/adapters.py``): one table step per training batch, which also
+advances the engine's ``step`` and so its schedules. The sink is marked ``overwrite_with_gradient``: Keras optimizers write its
 gradient into it instead of stepping, clipping or accumulating it, so it
 never takes part in the dense optimizer's math.
 
@@ -59,11 +57,11 @@ class StepCalls:
   def __init__(self, graph):
     self.graph = graph
     self.calls = []       # [(features, weights)] in call order
+    self.kept = []        # per call, what its adapter keeps for the backward
+                          # pass (the prepared batch, preserved outputs)
     self.gradients = {}   # call index -> gradients (scaled)
     self.scale = None     # the scale probe's gradient
-    self.preserved = None  # TPUEmbeddingV2's preserved outputs
     self.done = False
-
 
 
 def route_gradients(activations, sink, on_gradients):

@@ -14,8 +14,9 @@ probe, several calls in one step): see ``keras/gradients.py``.
 Engines: on CPU (no ``TPUStrategy`` in scope) the layer runs
 ``CPUEmbedding``, our emulation of the TPU engine. Under a ``TPUStrategy`` it
 runs ``TPUEmbedding`` (TPU v2-v4) or ``TPUEmbeddingV2`` (SparseCore, v5p/v6e),
-chosen by ``create_embedding`` as TensorFlow documents for the hardware. The
-TPU branches were NOT run on TPU hardware: no TPU is reachable where this
+chosen by ``create_embedding`` as TensorFlow documents for the hardware. Each
+engine's protocol is spoken by one adapter (``keras/adapters.py``), picked
+when the layer is made. The TPU adapters were NOT run on TPU hardware: no TPU is reachable where this
 package is developed. They run end to end under the emulated TPU
 (``emulate_tpu``, whose ``TPUEmbedding`` / ``TPUEmbeddingV2`` are this
 package's engine): tests/test_emulated_keras.py.
@@ -36,11 +37,11 @@ from tensorflow.python.eager import record
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.keras import adapters
 from tpu_embed_ext.keras import distributed_fit
 from tpu_embed_ext.keras import gradients as layer_gradients
 from tpu_embed_ext.keras import weights as layer_weights
 from tpu_embed_ext.emulation import dispatch
-from tpu_embed_ext.emulation import engine as engine_lib
 from tpu_embed_ext.spec import EmbeddingSpec
 
 __all__ = ["EmbeddingLayer", "PAD_ID"]
@@ -96,11 +97,11 @@ class EmbeddingLayer(keras.layers.Layer):
     # (and can be restored) before the first call.
     self.embedding = dispatch.create_embedding(
         spec_or_feature_config, optimizer, engine=engine, validate=validate)
-    self._kind = _engine_kind(self.embedding)
+    # The engine's protocol (set untracked: not checkpoint state).
+    object.__setattr__(self, "_adapter",
+                       adapters.for_engine(self.embedding, self.name))
     # fit/evaluate under a strategy with ragged or sparse ids (keras/distributed_fit.py).
     distributed_fit.install()
-    if self._kind == "cpu":
-      self.embedding.build()
     # The engine leaves its step out of its own checkpoint keys (they equal
     # TPUEmbedding's); the layer checkpoints it, so schedules resume.
     self.table_step = self.embedding.step
@@ -122,12 +123,9 @@ class EmbeddingLayer(keras.layers.Layer):
   # --- Keras weights -------------------------------------------------------
 
   def _tables(self) -> List[tf.Variable]:
-    # Under a TPUStrategy the tables are the TPU engine's (TPUEmbedding
-    # refuses embedding_tables there; TPUEmbeddingV2's are sharded, stacked
-    # views): they are checkpointed with the engine, not Keras weights.
-    if self._kind != "cpu":
-      return []
-    return list(self.embedding.embedding_tables.values())
+    # Under a TPUStrategy the tables are the TPU engine's, checkpointed with
+    # the engine, not Keras weights (keras/adapters.py).
+    return self._adapter.tables()
 
   @property
   def weights(self):
@@ -150,7 +148,7 @@ class EmbeddingLayer(keras.layers.Layer):
         tf.executing_eagerly() and not record.could_possibly_record()):
       # Nothing can train: no backward pass will come (evaluation, a frozen
       # layer, or an eager call that no tape records).
-      return self._cast(self._lookup(features, weights))
+      return self._cast(self._adapter.lookup(features, weights))
     activations, on_gradients = self._train_lookup(features, weights)
     outputs, probe = layer_gradients.route_gradients(
         activations, self.gradient_sink, on_gradients)
@@ -247,16 +245,7 @@ class EmbeddingLayer(keras.layers.Layer):
                                   tf.shape(x, out_type=tf.int64))
     return tf.nest.pack_sequence_as(features, flat)
 
-  # --- engine protocols ----------------------------------------------------
-
-  def _lookup(self, features, weights):
-    if self._kind == "tpu_v1":
-      self.embedding.enqueue(features, weights, training=False)
-      return self.embedding.dequeue()
-    if self._kind == "tpu_v2":
-      activations, _ = self.embedding(features, weights)
-      return activations
-    return self.embedding(features, weights)
+  # --- the training step ---------------------------------------------------
 
   def _train_lookup(self, features, weights):
     """Activations, and what to do with their (scaled) gradients."""
@@ -276,23 +265,11 @@ class EmbeddingLayer(keras.layers.Layer):
     if step.graph is not graph or step.done:
       step = layer_gradients.StepCalls(graph)
       self._step_calls[replica] = step
-    if step.calls and self._kind != "cpu":
-      raise errors.InputError(
-          f"EmbeddingLayer '{self.name}' was called {len(step.calls) + 1} "
-          "times in one training step; a TPU engine takes one batch per step. "
-          "Fix: call the layer once, with every feature in one structure.")
+    self._adapter.check_call(step)
     index = len(step.calls)
     step.calls.append((features, weights))
-    if self._kind == "cpu":
-      # Looked up now, enqueued in the backward pass once every call of the
-      # step is known: the engine's batch shape is then that of the whole
-      # step, the same on every step.
-      activations = self.embedding(features, weights)
-    elif self._kind == "tpu_v2":
-      activations, step.preserved = self.embedding(features, weights)
-    else:
-      self.embedding.enqueue(features, weights, training=True)
-      activations = self.embedding.dequeue()
+    activations, kept = self._adapter.train_lookup(features, weights)
+    step.kept.append(kept)
 
     def on_gradients(gradients, scale):
       step.gradients[index] = gradients
@@ -316,17 +293,8 @@ class EmbeddingLayer(keras.layers.Layer):
     flat = [[g / scale for g in grads] for grads in flat]
 
     def apply():
-      if len(step.calls) == 1:
-        gradients = tf.nest.pack_sequence_as(step.gradients[0], flat[0])
-        features, weights = step.calls[0]
-      else:
-        features, weights = layer_gradients.concat_calls(
-            self.embedding.feature_config, step.calls, self.name)
-        gradients = tf.nest.pack_sequence_as(
-            step.gradients[0], [tf.concat(gs, 0) for gs in zip(*flat)])
-      if self._kind == "cpu":
-        self.embedding.enqueue(features, weights, training=True)
-      self._apply(gradients, step)
+      self._adapter.apply_gradients(step, [
+          tf.nest.pack_sequence_as(step.gradients[0], grads) for grads in flat])
       return tf.constant(0.0)
 
     if replicas > 1:
@@ -338,20 +306,6 @@ class EmbeddingLayer(keras.layers.Layer):
                             for grads in flat for g in grads])
     skip = tf.logical_and(scaled, tf.logical_not(finite))
     return tf.cond(skip, lambda: tf.constant(np.nan, tf.float32), apply)
-
-  def _apply(self, gradients, step):
-    if self._kind == "cpu":
-      self.embedding.apply_gradients(gradients)
-      return
-    if self._kind == "tpu_v2":
-      self.embedding.apply_gradients(gradients, step.preserved)
-    else:
-      self.embedding.apply_gradients(gradients)
-    # TensorFlow's TPU engines have no step of their own: advance the one
-    # that create_embedding bound the schedules to. Ours (CPUEmbedding, also
-    # behind the emulated TPU's engines) advances it in apply_gradients.
-    if not isinstance(self.embedding, engine_lib.CPUEmbedding):
-      self.embedding.step.assign_add(1)
 
   def _serving_lookup(self, features, weights):
     # The standard CPU lookup of a TPU-trained model, with no TPU ops.
@@ -403,16 +357,6 @@ class EmbeddingLayer(keras.layers.Layer):
 
   def build_from_config(self, config):
     del config
-
-
-def _engine_kind(embedding) -> str:
-  """"cpu", "tpu_v1" or "tpu_v2": which mid-level API protocol to speak."""
-  from tensorflow.python.tpu import tpu_embedding_v2, tpu_embedding_v3
-  if isinstance(embedding, tpu_embedding_v3.TPUEmbeddingV2):
-    return "tpu_v2"
-  if isinstance(embedding, tpu_embedding_v2.TPUEmbedding):
-    return "tpu_v1"
-  return "cpu"
 
 
 def _output_shape(config, x) -> tuple:

@@ -29,7 +29,7 @@ def keyed_variables(layer) -> Dict[str, tf.Variable]:
   (``spec.names.weights_key``), ``.step`` the table step,
   ``.gradient_sink`` the sink.
   """
-  if layer._kind != "cpu":
+  if not layer._adapter.keras_weights:
     raise errors.ConfigError(
         f"EmbeddingLayer '{layer.name}': Keras weight files of a TPU engine "
         "are not supported (not run on a TPU). Fix: save with "
