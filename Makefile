@@ -65,6 +65,7 @@ bench: $(VENV)/.bench-installed
 	$(PY) -m benchmarks.emulation --xla-costs
 	$(PY) -m benchmarks.replica_suite
 	$(PY) -m benchmarks.job_tpu
+	$(PY) -m benchmarks.keras_step
 
 # The documentation site, built offline into site/ (fails on a broken link or
 # a missing API symbol; tests/test_docs.py runs the same build in `make test`).

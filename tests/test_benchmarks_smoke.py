@@ -122,3 +122,19 @@ def test_quick_xla_costs_write_first_step_and_step_times_at_1_2_8_replicas(tmp_p
     for mode in ("xla_on", "xla_off"):
       assert row[mode]["first_step_ms"] > 0 and row[mode]["median_ms"] > 0
     assert row["step_ratio_on_off"] == row["xla_on"]["median_ms"] / row["xla_off"]["median_ms"]
+
+
+def test_quick_keras_step_benchmark_writes_json_and_trains_the_tables(tmp_path):
+  """benchmarks/keras_step.py: both models stepped; the layer's tables took
+  one table step per train_on_batch (warm-up included)."""
+  out = subprocess.run([sys.executable, "-m", "benchmarks.keras_step", "--quick",
+                        "--out", str(tmp_path)], check=True, capture_output=True,
+                       text=True, timeout=600).stdout
+  data = json.loads((tmp_path / "keras_step_quick.json").read_text())
+  results = data["results"]
+  for name in ("embedding_layer", "keras_embedding"):
+    assert results[name]["p10_ms"] <= results[name]["median_ms"] <= results[name]["p90_ms"]
+  assert results["ratio"] == (results["embedding_layer"]["median_ms"]
+                              / results["keras_embedding"]["median_ms"])
+  assert results["table_steps"] == 4 + data["repeats"]  # warm-up pool + repeats
+  assert "| RankingModel (configs/ranking.yaml), batch 32 |" in out
