@@ -411,9 +411,10 @@ def test_the_sparsecore_page_says_which_engines_load_keras_weight_files():
   TPU engine refuses it (issue 42): the page quotes the refusal."""
   import types
   from tpu_embed_ext import errors
-  from tpu_embed_ext.keras import weights
+  from tpu_embed_ext.keras import adapters, weights
   with pytest.raises(errors.ConfigError) as refused:
-    weights.keyed_variables(types.SimpleNamespace(_kind="tpu_v2", name="<name>"))
+    weights.keyed_variables(types.SimpleNamespace(
+        _adapter=adapters.SparseCoreAdapter(None, "<name>"), name="<name>"))
   text = " ".join((DOCS / "sparsecore.md").read_text().split())
   assert f"ConfigError: {refused.value}" in text
   assert "on every engine" not in text

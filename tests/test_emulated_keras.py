@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
+from tpu_embed_ext.keras import adapters
 from tests.builders import checkpoint_values
 # The model, data and sizes of the MirroredStrategy test (-1-padded multi-hot items).
 from tests import ranker_model as rk
@@ -89,7 +90,7 @@ def test_fit_takes_the_tpu_embedding_branch_and_equals_one_device(tmp_path):
     strategy = _tpu_strategy()
     model, predictions = _fit(strategy, _feature_config())
     layer = model.embedding
-    assert layer._kind == "tpu_v1"
+    assert type(layer._adapter) is adapters.TPUEmbeddingAdapter
     assert isinstance(layer.embedding, tf.tpu.experimental.embedding.TPUEmbedding)
     assert type(layer.embedding).__module__.startswith("tpu_embed_ext.emulated_tpu")
     saved = tf.train.Checkpoint(embedding=layer.embedding).write(str(tmp_path / "tpu"))
@@ -111,7 +112,7 @@ def test_fit_with_sparsecore_takes_the_tpu_embedding_v2_branch():
     strategy = _tpu_strategy()
     model, predictions = _fit(strategy, _feature_config(rk.GLOBAL_BATCH // REPLICAS))
     layer = model.embedding
-    assert layer._kind == "tpu_v2"
+    assert type(layer._adapter) is adapters.SparseCoreAdapter
     from tensorflow.python.tpu import tpu_embedding_v3
     assert isinstance(layer.embedding, tpu_embedding_v3.TPUEmbeddingV2)
     assert type(layer.embedding).__module__ == "tpu_embed_ext.emulated_tpu.sparsecore"

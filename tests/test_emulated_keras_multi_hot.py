@@ -23,6 +23,7 @@ import pytest
 import tensorflow as tf
 
 import tpu_embed_ext as tee
+from tpu_embed_ext.keras import adapters
 from tests.builders import checkpoint_values
 
 api = tf.tpu.experimental.embedding
@@ -111,11 +112,11 @@ def _fit(model_kind, feature_config, per_replica_batch, dataset, engine=None):
 def _tables(layer, tmp_path, name):
   """Tables and slots: by TPUEmbedding's checkpoint keys (CPUEmbedding writes the
   same), or, for TPUEmbeddingV2, per table from its stacked variables."""
-  if layer._kind == "tpu_v2":
+  if type(layer._adapter) is adapters.SparseCoreAdapter:
     return {f"{t}/{s}": v.numpy()
             for t in ("user", "history", "tags")
             for s, v in layer.embedding.table_variables(t).items()}
-  if layer._kind == "cpu" and layer.embedding.engine == "v2":
+  if type(layer._adapter) is adapters.CPUAdapter and layer.embedding.engine == "v2":
     return {f"{t}/{s}": v.numpy() for t, slots in layer.embedding.variables.items()
             for s, v in slots.items()}
   return checkpoint_values(tf.train.Checkpoint(embedding=layer.embedding).write(
@@ -149,7 +150,8 @@ def test_fit_with_multi_hot_features_equals_one_device(model_kind, replicas, spa
           _dataset(), tf.distribute.InputOptions(experimental_fetch_to_device=False))
       layer, dense = _fit(model_kind, _feature_config(per_replica if sparsecore else None),
                           per_replica, dataset)
-    assert layer._kind == ("tpu_v2" if sparsecore else "tpu_v1")
+    assert type(layer._adapter) is (adapters.SparseCoreAdapter if sparsecore
+                                   else adapters.TPUEmbeddingAdapter)
     assert int(layer.step.numpy()) == BATCHES
     got = _tables(layer, tmp_path, "tpu")
     got_dense = [w.numpy() for w in dense.weights]
@@ -174,7 +176,7 @@ def test_fit_under_mirrored_strategy_takes_ragged_and_sparse_batches(tmp_path):
   with strategy.scope():
     layer, dense = _fit("functional", _feature_config(), GLOBAL_BATCH // 2,
                         strategy.experimental_distribute_dataset(_dataset()))
-  assert layer._kind == "cpu" and int(layer.step.numpy()) == BATCHES
+  assert type(layer._adapter) is adapters.CPUAdapter and int(layer.step.numpy()) == BATCHES
   got, want = _tables(layer, tmp_path, "mirrored"), _tables(reference, tmp_path, "one")
   assert sorted(got) == sorted(want)
   for key, value in want.items():
