@@ -488,13 +488,12 @@ class CPUEmbedding(autotrackable.AutoTrackable):
                           validate=self._validate, step=self.step,
                           failure=self._failure)
 
-
   # --- one batch for a forward and a backward pass (keras/adapters.py) ----
 
   @_library_code
   def lookup_for_training(self, features, weights=None):
-    """``(activations, batch)``: ``__call__``'s lookup, and the batch it
-    prepared for ``apply_gradients_to`` (nothing is enqueued yet)."""
+    """``__call__``'s activations, and the batch it prepared, for
+    ``apply_gradients_to`` (nothing is enqueued yet)."""
     self.build()
     self.raise_if_failed()
     pending = self._prepare(features, weights, True, strict=False)
@@ -505,24 +504,24 @@ class CPUEmbedding(autotrackable.AutoTrackable):
 
   @_library_code
   def apply_gradients_to(self, batch: protocol.TrainingBatch, gradients):
-    """``enqueue(batch's features, training=True)``, then
-    ``apply_gradients(gradients)``: the same checks, errors and step. The
-    batch is not prepared again when ``enqueue`` would prepare it with the
-    shapes it was looked up with (one replica's batch, shapes unchanged)."""
+    """``enqueue(batch's features, training=True)`` then ``apply_gradients``
+    (the same checks, errors and step), without preparing the batch again
+    when ``enqueue`` would prepare the same (one replica, same shapes)."""
     self.build()
     self.raise_if_failed()
     tables_lib.check_trainable(self._tables, "enqueue(training=True)")
     routed = protocol.route(self._replicas, batch.features, batch.weights, None)
-    replica = self._replicas.local_replica()
-    self._batches.check_free(list(routed), self._replicas.num_local)
-    shapes = self._shapes.for_batch(self._inputs(batch.features, batch.weights)[0],
-                                    True, self._engine)
+    replica, num_local = self._replicas.local_replica(), self._replicas.num_local
+    self._batches.check_free(list(routed), num_local)
+    shapes = self._shapes.for_batch(
+        self._inputs(batch.features, batch.weights)[0], True, self._engine)
     if list(routed) == [replica] and shapes == batch.shapes:
       self._shapes.record(shapes)
-      self._batches.put(replica, batch.pending, self._replicas.num_local)
+      self._batches.put(replica, batch.pending, num_local)
     else:
       self._put(routed, True)
     self.apply_gradients(gradients)
+
 
 # --- helpers -----------------------------------------------------------------
 

@@ -15,9 +15,9 @@ says so instead of losing one:
 * ``dequeue`` returns the activations of the replica's pending batch, once:
   a second ``dequeue`` of the same batch is an ``InputError`` (on a TPU it
   would wait for the next batch);
-* ``apply_gradients`` applies the pending batch (dequeued or not: the
-  emulator's own ``EmbeddingLayer`` looks up with ``__call__`` and enqueues
-  in the backward pass) and consumes it only once the step was accepted: a
+* ``apply_gradients`` applies the pending batch (dequeued or not:
+  ``apply_gradients_to``, the CPU ``EmbeddingLayer``'s backward pass,
+  enqueues the batch ``lookup_for_training`` looked up) and consumes it only once the step was accepted: a
   rejected call (wrong structure, shape, a non-finite gradient) leaves the
   batch pending, so a corrected retry applies it.
 
