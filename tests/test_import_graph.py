@@ -22,10 +22,11 @@ PACKAGE = "tpu_embed_ext"
 STAGES = [
     ("base", ("", "errors")),  # "": the package face, tpu_embed_ext/__init__.py
     ("host", ("host",)),
-    # The spec and its TensorFlow form: tf/ reads spec values, and
-    # EmbeddingSpec.feature_config() builds TensorFlow objects through tf/,
-    # imported inside the method so that the spec loads without TensorFlow.
-    ("spec", ("spec", "tf")),
+    ("spec", ("spec",)),
+    # The spec as TensorFlow's objects: tf/ reads spec values; the spec
+    # imports nothing of tf/ (EmbeddingSpec.feature_config() goes through the
+    # package's public tpu_embed_ext.feature_config, as a user does).
+    ("tf", ("tf",)),
     ("data", ("data",)),
     ("sparsecore", ("sparsecore",)),
     ("engine", ("emulation",)),

@@ -25,7 +25,7 @@ _EXPORTS = {
     "EmbeddingSpec": "spec.embedding_spec",
     "plan": "cli.plan", "Plan": "cli.plan",
     "Schedule": "spec.schedules",
-    "from_keras_optimizer": "tf.keras_optimizers",
+    "from_keras_optimizer": "tf.keras_optimizers", "feature_config": "tf.config",
     "CPUEmbedding": "emulation.engine", "create_embedding": "emulation.dispatch",
     "EmbeddingLayer": "keras.layer",
     "emulate_tpu": "emulated_tpu",

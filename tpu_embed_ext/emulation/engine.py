@@ -142,10 +142,12 @@ class CPUEmbedding(autotrackable.AutoTrackable):
                  _failure=tf.Variable([0] * check_runner.RECORD, dtype=tf.int64,
                                       trainable=False, name="failure"))
     feature_config = spec_lib.EmbeddingSpec.coerce(feature_config)
-    if hasattr(feature_config, "feature_config"):  # An EmbeddingSpec.
-      feature_config = feature_config.feature_config(step=self.step)
-    tables, features = tables_lib.resolve_all(feature_config, optimizer, engine)
-    tables = tables_lib.bind_schedules(tables, self.step)
+    if isinstance(feature_config, spec_lib.EmbeddingSpec):
+      feature_config, tables, features = tables_lib.from_spec(
+          feature_config, self.step, rules)
+    else:
+      tables, features = tables_lib.resolve_all(feature_config, optimizer, rules)
+      tables = tables_lib.bind_schedules(tables, self.step)
     _untracked(self, _feature_config=feature_config, _tables=tables,
                _features=features, _table_vars=None,
                _batches=protocol.Batches(),

@@ -23,14 +23,15 @@ import keras
 import tensorflow as tf
 from tensorflow.python.util import nest
 
-from tpu_embed_ext.spec import names as derived_names, optimizers
+from tpu_embed_ext.spec import names as derived_names, numeric_traps, optimizers
 from tpu_embed_ext.spec.schedules import Schedule
 from tpu_embed_ext import errors
-from tpu_embed_ext.tf import optimizers as tf_optimizers, rates
+from tpu_embed_ext.tf import config as tf_config, optimizers as tf_optimizers, rates
 from tpu_embed_ext.emulation import structure_checks
+from tpu_embed_ext.emulation.rules import EngineRules
 from tpu_embed_ext.host import checkpoint_scan
 
-__all__ = ["Table", "Feature", "resolve_all", "resolve", "slot_names", "check_trainable", "name_of",
+__all__ = ["Table", "Feature", "from_spec", "resolve_all", "resolve", "slot_names", "check_trainable", "name_of",
            "create_variables", "check_checkpoint"]
 
 
@@ -38,7 +39,9 @@ class Table(NamedTuple):
   config: Any        # the user's TableConfig (never modified)
   name: str
   optimizer: Any     # resolved optimizer spec; None: lookup-only
-  tf_optimizer: Any  # the TF optimizer object, if one was given (slot creation)
+  # The TF optimizer object the user gave (its _create_slots makes the slots,
+  # honouring slot_variable_creation_fn); None for a spec's tables.
+  tf_optimizer: Any = None
 
 
 class Feature(NamedTuple):
@@ -48,10 +51,41 @@ class Feature(NamedTuple):
   where: str         # "feature 'path' (table 'name')", for errors
 
 
-def resolve_all(feature_config, optimizer, engine: str
+def from_spec(spec, step, rules: EngineRules):
+  """``(feature_config, tables, features)`` of an ``EmbeddingSpec``: the
+  engine's front door for a spec.
+
+  Each table's optimizer is the spec's own resolved one, with its rate bound
+  to ``step`` once (``rates.RateBinder``: a schedule and Adam's bias
+  correction become one zero-arg callable, shared by the tables that share
+  it). ``feature_config`` holds ``TPUEmbedding``'s ``FeatureConfig``s of the
+  spec, the structure the engine's inputs follow and its ``feature_config``
+  property returns; their optimizers carry the same bound rates. Nothing is
+  read back from TensorFlow's objects.
+  """
+  binder = rates.RateBinder(step)
+  feature_config = tf_config.feature_config(spec, binder=binder)
+  resolved = {}
+  for table in spec.tables:
+    own = spec.optimizer_for(table.name)
+    # The rate as TensorFlow's optimizer takes it; bias correction is folded
+    # into it (tf/optimizers.py _NOT_IN_TF). The spec was checked with its
+    # own rate (spec/numeric_traps.py); the bound one is the same values.
+    changes = {"learning_rate": binder.rate(own)}
+    if getattr(own, "bias_correction", False):
+      changes["bias_correction"] = False
+    with numeric_traps.skip_checks():
+      resolved[table.name] = dataclasses.replace(own, **changes)
+  tables, features = resolve_all(feature_config, None, rules, resolved)
+  return feature_config, tables, features
+
+
+def resolve_all(feature_config, optimizer, rules: EngineRules, resolved=None
                 ) -> Tuple[List[Table], List[Feature]]:
   """The tables (in order of first use, as ``TPUEmbedding`` orders them) and
-  the flattened features of ``feature_config``."""
+  the flattened features of ``feature_config``. ``resolved``: ``{table name:
+  optimizer spec}`` (``from_spec``), else each ``TableConfig``'s optimizer
+  or ``optimizer``."""
   tables: List[Table] = []
   features: List[Feature] = []
   index = {}
@@ -64,11 +98,12 @@ def resolve_all(feature_config, optimizer, engine: str
           "config dict or a config file path.")
     if id(feature.table) not in index:
       index[id(feature.table)] = len(tables)
-      tables.append(resolve(feature.table, optimizer, len(tables), engine))
+      tables.append(resolve(feature.table, optimizer, len(tables), rules,
+                            resolved))
     table = index[id(feature.table)]
     features.append(Feature(path, feature, table,
                             f"feature '{path}' (table '{tables[table].name}')"))
-  if engine == "v2":
+  if rules.output_shape_required:
     for feature in features:
       if not tf.TensorShape(feature.config.output_shape).is_fully_defined():
         # tpu_embedding_v3.py _stack_tables_with_same_table_dim_and_optimizer
@@ -94,20 +129,27 @@ def resolve_all(feature_config, optimizer, engine: str
   return tables, features
 
 
-def resolve(table, global_optimizer, i: int, engine: str) -> Table:
-  """A ``TableConfig`` with its optimizer resolved (own, else the global one)."""
+def resolve(table, global_optimizer, i: int, rules: EngineRules,
+            resolved=None) -> Table:
+  """A ``TableConfig`` with its optimizer resolved: from ``resolved`` (a
+  spec's, by table name), else its own, else the global one."""
   name = table.name if table.name is not None else f"table_{i}"
-  tf_optimizer = table.optimizer or global_optimizer
-  if tf_optimizer is None:
-    return Table(table, name, None, None)
-  spec = tf_optimizers.as_spec(tf_optimizer, where=f"table '{name}'")
-  if engine == "v2" and spec.weight_decay_factor:
+  tf_optimizer = None
+  if resolved is not None:
+    spec = resolved[name]
+  else:
+    given = table.optimizer or global_optimizer
+    if given is None:
+      return Table(table, name, None)
+    spec = tf_optimizers.as_spec(given, where=f"table '{name}'")
+    if not isinstance(given, optimizers.OptimizerSpec):
+      tf_optimizer = given
+  if rules.refuses_weight_decay and spec.weight_decay_factor:
     raise errors.ConfigError(
         f"table '{name}': weight_decay_factor={spec.weight_decay_factor!r} "
         "is rejected by TPUEmbeddingV2 (SparseCore). Fix: remove weight "
         'decay, or emulate TPUEmbedding with engine="v1".')
-  is_tf = not isinstance(tf_optimizer, optimizers.OptimizerSpec)
-  return Table(table, name, spec, tf_optimizer if is_tf else None)
+  return Table(table, name, spec, tf_optimizer)
 
 
 def bind_schedules(tables: List[Table], step) -> List[Table]:

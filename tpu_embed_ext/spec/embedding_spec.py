@@ -22,6 +22,7 @@ import fnmatch
 import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+import tpu_embed_ext
 from tpu_embed_ext import errors
 from tpu_embed_ext.spec import (entries, files as config_files, names as
                                 derived_names, numeric_traps, optimizers,
@@ -148,10 +149,15 @@ class EmbeddingSpec:
       raise located from None
 
   def feature_config(self, step=None) -> Dict[str, Any]:
-    """Fresh ``{feature: tf.tpu.experimental.embedding.FeatureConfig}``."""
-    # Lazy: keeps TensorFlow off `import tpu_embed_ext.spec` (tf/ builds its objects).
-    from tpu_embed_ext.tf import config as tf_config  # pylint: disable=g-import-not-at-top
-    return tf_config.feature_config(self, step=step)
+    """Fresh ``{feature: tf.tpu.experimental.embedding.FeatureConfig}``:
+    ``tpu_embed_ext.feature_config(spec, step)``, for users who ask for
+    TensorFlow's objects (``TPUEmbedding`` on a TPU); schedules read ``step``.
+
+    TensorFlow's objects are made by the ``tf`` stage (tf/config.py), a later
+    one: the spec reaches it through the package's public names, as a user
+    does, and imports nothing of it (docs/layout.md).
+    """
+    return tpu_embed_ext.feature_config(self, step=step)
 
   # --- writing -------------------------------------------------------------
 

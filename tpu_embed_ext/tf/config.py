@@ -39,7 +39,15 @@ def _initializer(table):
 
 
 def feature_config(spec, step=None, binder=None) -> Dict[str, Any]:
-  """Fresh ``{feature: FeatureConfig}``; schedules read ``step``."""
+  """Fresh ``{feature: tf.tpu.experimental.embedding.FeatureConfig}`` of an
+  ``EmbeddingSpec`` (``tpu_embed_ext.feature_config``, and
+  ``EmbeddingSpec.feature_config``): TensorFlow's objects, for
+  ``TPUEmbedding`` and ``TPUEmbeddingV2`` on a TPU.
+
+  Schedules (and Adam's bias correction) become zero-arg callables reading
+  ``step`` (``rates.RateBinder``; ``binder``: one already made for it), one
+  per distinct rate, so TensorFlow gives tables sharing a rate one tag.
+  """
   binder = binder or rates.RateBinder(step)
   tables = {}
   for t in spec.tables:
