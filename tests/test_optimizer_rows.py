@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tpu_embed_ext.spec import optimizers as opt
 from tpu_embed_ext.emulation import (check_runner, native, optimizer_rows,
+                                     payloads as payloads_lib, rules,
                                      step_pipeline, updates)
 from tests import references
 
@@ -65,11 +66,9 @@ def _payload(ids, grads, kernel):
   status = check_runner.status(None)
   if kernel == "native":
     empty_rows, empty_gains = tf.zeros([0], tf.int64), tf.zeros([0], tf.float32)
-    return {"status": status,
-            "segments": [(tf.constant(ids), empty_rows, empty_gains,
-                          tf.constant(grads))]}
-  return {"status": status, "ids": [tf.constant(ids)],
-          "grads": [tf.constant(grads)]}
+    return payloads_lib.NativePayload(status, [(tf.constant(ids), empty_rows,
+                                            empty_gains, tf.constant(grads))])
+  return payloads_lib.OpsPayload(status, [tf.constant(ids)], [tf.constant(grads)])
 
 
 def _train(spec, kernel, mode):
@@ -84,7 +83,7 @@ def _train(spec, kernel, mode):
   failure = tf.Variable([0, 0, 0], dtype=tf.int64)
 
   def run(payloads):
-    step_pipeline.apply_step(payloads, [table], backend, engine="v1",
+    step_pipeline.apply_step(payloads, [table], backend, rules=rules.V1,
                              validate=True, step=step, failure=failure)
 
   run = tf.function(run) if mode == "tf_function" else run
@@ -158,7 +157,7 @@ def test_the_kernels_enums_agree_with_the_row_table():
   assert params["A"] == optimizer_rows.FIRST_ROW_PARAM
   assert params["NUM_PARAMS"] == optimizer_rows.NUM_PARAMS
   for name, spec in CASES.items():
-    kind, _, _, encoded = optimizer_rows.native_encoding(spec, "v1")
+    kind, _, _, encoded = optimizer_rows.native_encoding(spec, rules.V1)
     assert kind == kinds[_constant_name(type(spec).__name__)]
     room = optimizer_rows.NUM_PARAMS - optimizer_rows.FIRST_ROW_PARAM
     assert len(optimizer_rows.row(spec).native_params(spec)) <= room, name

@@ -102,7 +102,7 @@ class TPUEmbedding(engine.CPUEmbedding):
         and not per_replica_batch_size):
       # tpu_embedding_v2.py build -> _check_output_shapes_fully_defined: with
       # no shapes given, every feature needs a fully defined output shape.
-      for feature, shape in zip(self._features, self._shapes.stored):
+      for feature, shape in zip(self._features, self._output_shapes):
         structure_checks.check_fully_defined(feature.where, shape)
     super().build(per_replica_input_shapes, per_replica_batch_size)
     embedding_memory.claim(self, tables)
@@ -122,7 +122,7 @@ class TPUEmbedding(engine.CPUEmbedding):
     strategy = self._replicas.strategy
     in_tpu_context = tpu_inputs.check_control_flow(strategy)
     structure_checks.check_structure(
-        self._feature_config, "features", features,
+        self.feature_config, "features", features,
         "pass one entry per FeatureConfig, in the same containers.")
     tpu_inputs.check_inputs_on_host(strategy, nest.flatten(features),
                                     [f.path for f in self._features])
@@ -134,21 +134,12 @@ class TPUEmbedding(engine.CPUEmbedding):
     with self._engine_build():
       return super().enqueue(features, weights, training, name, device)
 
-  def apply_gradients(self, gradients, name=None):
+  def _check_gradients(self, gradients):
     """``TPUEmbedding.apply_gradients``: float32 gradients only, as the TPU's
     ``SendTPUEmbeddingGradients`` op takes them (TensorFlow casts nothing)."""
-    structure_checks.check_structure(
-        self._feature_config, "gradients", gradients,
-        "pass one gradient per feature, shaped like its activation (None "
-        "means a zero gradient).")
-    flat = nest.flatten(gradients)
     # TensorFlow's order: each gradient's type and shape, then the op's dtype.
-    for feature, grad, shape in zip(self._features, flat, self._shapes.stored):
-      structure_checks.check_gradient_type(feature.where, grad)
-      if grad is not None and shape.rank and shape.is_fully_defined():
-        structure_checks.check_gradient(
-            feature.where, grad,
-            shape.as_list() + [self._tables[feature.table].config.dim])
+    super()._check_gradients(gradients)
+    flat = nest.flatten(gradients)
     wrong = [(f, g) for f, g in zip(self._features, flat)
              if g is not None and g.dtype != tf.float32]
     if wrong:
@@ -161,7 +152,6 @@ class TPUEmbedding(engine.CPUEmbedding):
           "the TPU takes float32 gradients only and casts nothing. Fix: "
           "tf.cast the gradient to tf.float32 (e.g. take it with respect to "
           "the float32 activations dequeue() returned).")
-    super().apply_gradients(gradients, name)
 
   @property
   def embedding_tables(self):
@@ -210,7 +200,7 @@ class TPUEmbedding(engine.CPUEmbedding):
         config.optimizer = self._tf_optimizer
       copies[id(table.config)] = config
     features = nest.map_structure(
-        lambda f: _with_table(f, copies[id(f.table)]), self._feature_config)
+        lambda f: _with_table(f, copies[id(f.table)]), self.feature_config)
     rates = []
     for config in copies.values():
       rate = config.optimizer.learning_rate
@@ -219,7 +209,7 @@ class TPUEmbedding(engine.CPUEmbedding):
     shim = types.SimpleNamespace(
         _dynamic_learning_rates=rates, _table_config=list(copies.values()),
         _strategy=self._replicas.strategy, _feature_config=features,
-        _output_shapes=list(self._shapes.stored), _num_cores_per_replica=None,
+        _output_shapes=list(self._output_shapes), _num_cores_per_replica=None,
         _pipeline_execution_with_tensor_core=False)
     real = patching.original("tensorflow.python.tpu.tpu_embedding_v2",
                              "TPUEmbedding")

@@ -236,34 +236,25 @@ class PipelinedSteps:
     # same results (docs/native_kernels.md).
     return self._lag_mode is None and super()._native_step()
 
-  def _activations(self, pending):
+  def _table_lookup(self, table, occ, gate=None):
     if self._lag_mode != "read":
-      return super()._activations(pending)
-    # The engine's _activations, with each table's rows one step old.
-    verdict = pending.verdict
-    gate = verdict.assertion if verdict is not None else None
-    outputs = []
-    for i, (feature, occ) in enumerate(zip(self._features, pending.occurrences)):
-      table = self._tables[feature.table]
-      rows, index = self._lag.rows_for(
-          table.name, self._table_vars[table.name]["parameters"], occ.ids, gate)
-      out = lookups.activation(rows, occ._replace(ids=index), table.config)
-      if verdict is not None and verdict.assertion is None:
-        out = tf.where(verdict.per_item_ok[i], out,
-                       tf.fill(tf.shape(out), float("nan")))
-      outputs.append(out)
-    return tf.nest.pack_sequence_as(pending.features, outputs)
+      return super()._table_lookup(table, occ, gate)
+    # The table's rows as the previous step left them: one step old.
+    rows, index = self._lag.rows_for(
+        table.name, self._table_vars[table.name]["parameters"], occ.ids, gate)
+    return lookups.activation(rows, occ._replace(ids=index), table.config)
 
-  def _apply_all_replicas(self, replica_payloads):
+  def _apply_payloads(self, replica_payloads):
     if self._lag_mode == "clear":
       with tf.control_dependencies([self._lag.clear()]):
-        return super()._apply_all_replicas(replica_payloads)
+        return super()._apply_payloads(replica_payloads)
     if self._lag_mode != "record":
-      return super()._apply_all_replicas(replica_payloads)
+      return super()._apply_payloads(replica_payloads)
+    # Recording steps build TF-op payloads (_native_step): ids per table.
     saved = []
     for k, table in enumerate(self._tables):
-      ids = tf.concat([p["ids"][k] for p in replica_payloads], 0)
+      ids = tf.concat([p.ids[k] for p in replica_payloads], 0)
       saved.append(self._lag.record(
           table.name, self._table_vars[table.name]["parameters"], ids))
     with tf.control_dependencies(saved):
-      return super()._apply_all_replicas(replica_payloads)
+      return super()._apply_payloads(replica_payloads)

@@ -200,7 +200,7 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
     for a single device").
     """
     # SparseCore's own error for a dense tensor of the wrong size (sparsecore_inputs).
-    sparsecore_inputs.check_dense_sample_counts(self._feature_config, features)
+    sparsecore_inputs.check_dense_sample_counts(self.feature_config, features)
     reps = self._replicas
     if device is not None and not reps.in_replica_fn():
       _check_one_replica(features, weights)
@@ -208,9 +208,8 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
         and len(reps.split(features)) == 1):
       device = reps.strategy.extended.worker_devices[0]
     super().enqueue(features, weights, training=True, device=device)
-    pending = self._batches._pending  # pylint: disable=protected-access
     return partitioned.pack(self._stacks, self._feature_stacks,
-                            [pending[r] for r in self._enqueued])
+                            [self._batches.recorded(r) for r in self._enqueued])
 
   @_library_code
   def dequeue(self, partitioned_tensors):
@@ -248,9 +247,10 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
       return self._replicas.local_replica()
     return super()._local_replica(what)
 
-  def _put(self, batches, training):
-    super()._put(batches, training)
-    object.__setattr__(self, "_enqueued", sorted(batches))
+  def _prepare_batches(self, batches, training):
+    prepared = super()._prepare_batches(batches, training)
+    object.__setattr__(self, "_enqueued", sorted(prepared))  # for enqueue
+    return prepared
 
   def _adopt(self, partitioned_tensors, what: str):
     """Takes the batch ``partitioned_tensors`` carries as this replica's
@@ -260,7 +260,7 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
     if self._batches.visible(replica):
       return
     batch = partitioned.unpack(partitioned_tensors, self._feature_stacks,
-                               self._output_shapes, self._feature_config)
+                               self._output_shapes, self.feature_config)
     if batch is not None:
       self._batches.put(replica, batch, self._replicas.num_local)
 

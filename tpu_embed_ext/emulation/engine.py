@@ -23,9 +23,39 @@ from tpu_embed_ext.emulation import (check_runner, input_checks, lookups, native
                                       rules as rules_lib, shapes, sparsecore_limits,
                                       structure_checks, tables as tables_lib)
 
-__all__ = ["CPUEmbedding"]
+__all__ = ["CPUEmbedding", "HOOKS", "TENSORFLOW_PRIVATE_API"]
 
-_ENGINES = ("v1", "v2")
+# The protected members that CPUEmbedding's subclasses (the emulated TPU's
+# TPUEmbedding, TPUEmbeddingV2 and PipelinedSteps) may use; every other
+# private member is the engine's own (tests/test_engine_hooks.py).
+HOOKS = (
+    # State, read and never reassigned:
+    "_features", "_tables",  # tables.Feature, tables.Table (feature order)
+    "_table_vars",           # {table: {slot: var}}; None before build
+    "_replicas",             # replicas.Replicas: the strategy's replicas
+    "_shapes",               # shapes.OutputShapes (.stored: _output_shapes)
+    "_batches",              # protocol.Batches, through its public methods
+    "_sparsecore",           # the SparseCore state with a topology, else None
+    # Methods, overridden (calling super()) or called:
+    "_prepare_batches",  # one enqueue's batches, checked: {replica: Pending}
+    "_table_lookup",     # one feature's activation from its table's rows
+    "_apply_payloads",   # the step, once, from every replica's payload
+    "_check_gradients",  # apply_gradients' checks of its gradients
+    "_local_replica",    # the calling replica's index
+    "_native_step",      # whether ops built now use the native kernels
+)
+
+# TensorFlow's private names that TPU programs and TensorFlow's tests use:
+# TensorFlow's protocol, kept under its names, not hooks of this engine.
+TENSORFLOW_PRIVATE_API = (
+    "_variables",            # TPUEmbedding's {table: {slot: var}}, read
+    "_output_shapes",        # TPUEmbedding's activation shapes, assignable
+    "_create_config_proto",  # TPUEmbedding's TPU configuration
+    "_retrieve_variables",   # TPUEmbedding's TPU -> host copy (checkpoints)
+    "_load_variables",       # TPUEmbedding's host -> TPU copy
+    "_checkpoint_adapter",   # Trackable's restore hooks (a checkpoint in
+    "_lookup_dependency",    # another SparseCore layout)
+)
 
 
 # Autograph leaves library code alone, as it does TensorFlow's own: converting
@@ -85,13 +115,14 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   feature and raises its ``InputError`` at the next eager call
   (``raise_if_failed``).
 
-  ``use_gradient_accumulation=False``: the TPU then applies the optimizer to
-  gradient contributions as they arrive, so an id that occurs several times in
-  a step is updated several times, in an order the TPU does not specify
-  (docs/semantics.md, other options). The emulator makes that order
-  deterministic: round ``k`` applies the ``k``-th contribution (in input
-  order) of every id that has one. With accumulation (the default)
-  contributions are summed and each id is updated once.
+  ``use_gradient_accumulation=False`` (v1): an id that occurs several times
+  in a step is updated once per contribution, in input order (the TPU's
+  order is unspecified; docs/semantics.md, other options), not once with
+  their sum (the default).
+
+  Hooks: subclasses use the protected members in ``HOOKS`` only (their
+  comments say what each is), as TensorFlow's ``tpu_embedding_base.py``
+  declares its own; the state there is read, never reassigned.
   """
 
   def __init__(self, feature_config, optimizer=None,
@@ -99,11 +130,10 @@ class CPUEmbedding(autotrackable.AutoTrackable):
                engine: str = "v1", validate: bool = True, topology=None,
                sparse_core_config=None, kernels: str = "auto"):
     del pipeline_execution_with_tensor_core
-    if engine not in _ENGINES:
-      raise ValueError(f'engine must be "v1" or "v2", got engine={engine!r}.')
+    rules = rules_lib.of(engine)  # ValueError for another engine
     # Internal state is set with _untracked: a tracked attribute would add
     # checkpoint keys that TPUEmbedding does not have.
-    _untracked(self, _engine=engine, _validate=validate,
+    _untracked(self, _rules=rules, _engine=rules.name, _validate=validate,
                _replicas=replicas.Replicas(), _kernels=native.choose(kernels))
     with tf.init_scope(), self._replicas.single_copy_variables():
       _untracked(self, step=tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -120,7 +150,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
                _batches=protocol.Batches(),
                _shapes=shapes.OutputShapes(features))
     _untracked(self, _sparsecore=None if topology is None else
-               sparsecore_limits.state(self._tables, self._features, engine,
+               sparsecore_limits.state(self._tables, self._features, rules,
                                        feature_config, optimizer, topology,
                                        sparse_core_config))
 
@@ -222,7 +252,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
 
   @property
   def engine(self) -> str:
-    return self._engine
+    return self._rules.name
 
   @property
   def kernels(self) -> str:
@@ -231,7 +261,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     return self._kernels
 
   def _native_step(self) -> bool:
-    """Whether ops built now use the native kernels (never under XLA)."""
+    """Hook: whether ops built now use the native kernels (never under XLA)."""
     return self._kernels == "native" and not check_runner.in_xla_context()
 
   def raise_if_failed(self):
@@ -301,6 +331,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     return activations
 
   def _local_replica(self, what) -> int:
+    """Hook: the calling replica, for ``what`` ("dequeue()", ...)."""
     reps = self._replicas
     if not reps.in_replica_fn() and reps.num_local > 1:
       raise errors.InputError(
@@ -334,7 +365,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
               for replica, (features, weights) in batches.items()}
     return input_checks.prepare(
         inputs, training, features=self._features, tables=self._tables,
-        shapes=self._shapes, rules=rules_lib.of(self._engine),
+        shapes=self._shapes, rules=self._rules,
         native=self._native_step(), validate=self._validate, strict=strict,
         limit=self._limited)
 
@@ -368,17 +399,22 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     verdict = pending.verdict
     gate = verdict.assertion if verdict is not None else None
     outputs = []
-    activation = (native.lookup.activation if self._native_step()
-                  else lookups.activation)
     for i, (feature, occ) in enumerate(zip(self._features, pending.occurrences)):
-      table = self._tables[feature.table]
-      out = activation(self._table_vars[table.name]["parameters"], occ,
-                       table.config, gate)
+      out = self._table_lookup(self._tables[feature.table], occ, gate)
       if verdict is not None and verdict.assertion is None:
         # XLA: a bad feature's activations are NaN, so the loss shows it.
         out = tf.where(verdict.per_item_ok[i], out, tf.fill(tf.shape(out), float("nan")))
       outputs.append(out)
     return tf.nest.pack_sequence_as(pending.features, outputs)
+
+  def _table_lookup(self, table: tables_lib.Table, occ: lookups.Occurrences,
+                    gate=None) -> tf.Tensor:
+    """Hook: one feature's ``[*occ.shape, dim]`` activation from ``table``'s
+    rows; ``gate`` (an op or None) runs before any row is read."""
+    activation = (native.lookup.activation if self._native_step()
+                  else lookups.activation)
+    return activation(self._table_vars[table.name]["parameters"], occ,
+                      table.config, gate)
 
   # --- training ------------------------------------------------------------
 
@@ -392,8 +428,26 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     """
     del name
     tables_lib.check_trainable(self._tables, "apply_gradients()")
-    # Upstream's order: the structure, then each gradient
-    # (tpu_embedding_v2.py apply_gradients), then our pending batch.
+    self._check_gradients(gradients)  # then our pending batch
+    replica = self._local_replica("apply_gradients()")
+    pending = self._batches.get(replica, "apply_gradients()")
+    if not pending.training:
+      raise errors.InputError(
+          "apply_gradients() needs a batch enqueued with training=True. Fix: "
+          "call enqueue(features, training=True) and dequeue() first.")
+    self._batches.deliver(replica)
+    native_update = payloads.uses_native(self._native_step(), self._rules,
+                                         self._tables, self._replicas.num_workers)
+    payload = payloads.build(pending, tf.nest.flatten(gradients), self._tables,
+                             self._features, native_update=native_update)
+    self._replicas.merge(self._apply_payloads, payload)
+    # Accepted (a rejected step raised above): the batch is used up.
+    self._batches.consume(replica)
+
+  def _check_gradients(self, gradients):
+    """Hook: ``apply_gradients``' checks of ``gradients``, in upstream's
+    order: the structure, then each gradient's type and shape
+    (tpu_embedding_v2.py apply_gradients)."""
     structure_checks.check_structure(
         self._feature_config, "gradients", gradients,
         "pass one gradient per feature, shaped like its activation (None "
@@ -405,24 +459,12 @@ class CPUEmbedding(autotrackable.AutoTrackable):
         structure_checks.check_gradient(
             feature.where, grad,
             shape.as_list() + [self._tables[feature.table].config.dim])
-    replica = self._local_replica("apply_gradients()")
-    pending = self._batches.get(replica, "apply_gradients()")
-    if not pending.training:
-      raise errors.InputError(
-          "apply_gradients() needs a batch enqueued with training=True. Fix: "
-          "call enqueue(features, training=True) and dequeue() first.")
-    self._batches.deliver(replica)
-    native_update = payloads.uses_native(self._native_step(), self._engine,
-                                         self._tables, self._replicas.num_workers)
-    payload = payloads.build(pending, tf.nest.flatten(gradients), self._tables,
-                             self._features, native_update=native_update)
-    self._replicas.merge(self._apply_all_replicas, payload)
-    # Accepted (a rejected step raised above): the batch is used up.
-    self._batches.consume(replica)
 
-  def _apply_all_replicas(self, replica_payloads):
+  def _apply_payloads(self, replica_payloads: List[payloads.Payload]):
+    """Hook: the step, once, from every replica's payload (in cross-replica
+    context under a strategy: ``replicas.Replicas.merge``)."""
     return payloads.apply(replica_payloads, self._tables, self._features,
-                          self._table_vars, engine=self._engine,
+                          self._table_vars, rules=self._rules,
                           validate=self._validate, step=self.step,
                           failure=self._failure)
 

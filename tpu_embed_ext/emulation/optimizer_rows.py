@@ -110,19 +110,20 @@ def row(spec) -> OptimizerRow:
   return ROWS[type(spec)]
 
 
-def mode(spec, engine: str) -> int:
+def mode(spec, rules) -> int:
   """How ``spec``'s table turns this step's occurrences into updates: every
   row (non-lazy Adam), rounds of contributions
   (``use_gradient_accumulation=False``), or one update per id of its summed
-  gradient. Engine v2 (SparseCore) always sums."""
-  if engine == "v1" and row(spec).every_row(spec):
+  gradient. Engine v2 (SparseCore) always sums. ``rules``: an
+  ``rules.EngineRules``."""
+  if rules.updates_every_row and row(spec).every_row(spec):
     return EVERY_ROW
-  if engine == "v1" and not spec.use_gradient_accumulation:
+  if rules.accumulation_optional and not spec.use_gradient_accumulation:
     return ROUNDS
   return SUMS
 
 
-def native_encoding(spec, engine: str, grappler=(False, False),
+def native_encoding(spec, rules, grappler=(False, False),
                     constant_lr=False) -> Tuple[int, int, int, List[float]]:
   """``(kind, mode, flags, params)`` of one table for update_op.cc; every
   float is what TensorFlow's ops see: the Python expression of
@@ -133,7 +134,7 @@ def native_encoding(spec, engine: str, grappler=(False, False),
   r = row(spec)
   flags = 0
   params = [0.0] * NUM_PARAMS
-  if engine == "v1":  # SparseCore has no clipping and refuses weight decay
+  if rules.clips_and_decays:  # SparseCore has no clipping, refuses weight decay
     low, high = spec.gradient_clip_limits
     if low is not None:
       flags |= CLIP_LOW
@@ -158,4 +159,4 @@ def native_encoding(spec, engine: str, grappler=(False, False),
   flags |= r.native_flags(spec)
   extra = [float(x) for x in r.native_params(spec)]
   params[FIRST_ROW_PARAM:FIRST_ROW_PARAM + len(extra)] = extra
-  return r.native_kind, mode(spec, engine), flags, params
+  return r.native_kind, mode(spec, rules), flags, params

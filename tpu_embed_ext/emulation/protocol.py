@@ -90,6 +90,11 @@ class Batches:
     pending = self._pending.get(replica)
     return pending is not None and _visible(pending.graph)
 
+  def recorded(self, replica: int) -> Pending:
+    """``replica``'s batch as ``put`` recorded it, without ``get``'s checks
+    (``TPUEmbeddingV2.enqueue`` returns the batch it just recorded)."""
+    return self._pending[replica]
+
   def check_free(self, replicas: List[int], num_local: int):
     """``put``'s check for several replicas, before any is recorded."""
     for replica in replicas:

@@ -11,15 +11,16 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.emulation.rules import EngineRules
 from tpu_embed_ext.sparsecore import state as sc_state
 
 __all__ = ["state", "keep"]
 
 
-def state(tables, features, engine: str, feature_config, optimizer, topology,
+def state(tables, features, rules: EngineRules, feature_config, optimizer, topology,
           sparse_core_config):
   """The engine's ``SparseCoreState``, or ConfigError for what is not emulated."""
-  if engine != "v2":
+  if not rules.stacks_tables:
     raise errors.ConfigError(
         f'topology={topology!r} needs engine="v2": only TPUEmbeddingV2 '
         '(SparseCore) stacks tables. Fix: pass engine="v2", or drop topology.')

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tpu_embed_ext.spec import schedules as rates_lib
 from tpu_embed_ext.emulation import check_runner, checks
+from tpu_embed_ext.emulation.rules import EngineRules
 
 __all__ = ["Table", "Computed", "apply_step", "finite_verdicts", "learning_rate",
            "learning_rates"]
@@ -59,18 +60,19 @@ class Computed(NamedTuple):
 
 
 def apply_step(payloads, tables: Sequence[Table], backend: Callable[..., Computed],
-               *, engine: str, validate: bool, step: tf.Variable,
+               *, rules: EngineRules, validate: bool, step: tf.Variable,
                failure: tf.Variable):
   """The step from every replica's payload (``CPUEmbedding``'s merge):
-  ``backend(payloads, tables, status, rates, rate_verdict, engine=,
-  validate=)`` computes it. Returns the step's op in a graph from the
+  ``backend(payloads, tables, status, rates, rate_verdict, rules=,
+  validate=)`` computes it (``payloads``: ``payloads.OpsPayload``s or
+  ``NativePayload``s, each with its ``status``). Returns the step's op in a graph from the
   native kernel, None from TensorFlow ops (as each did before they shared
   this pipeline)."""
-  status = tf.concat([p["status"] for p in payloads], 0)
+  status = tf.concat([p.status for p in payloads], 0)
   names = [t.name for t in tables]
   rates, rate_verdict = learning_rates(names, [t.optimizer for t in tables])
   computed = backend(payloads, tables, status, rates, rate_verdict,
-                     engine=engine, validate=validate)
+                     rules=rules, validate=validate)
 
   def checks(after=None):
     """What each table applies, then what it writes; each assertion runs

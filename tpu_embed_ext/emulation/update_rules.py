@@ -17,6 +17,8 @@ from typing import Callable, Tuple
 
 import tensorflow as tf
 
+from tpu_embed_ext.emulation.rules import EngineRules
+
 __all__ = ["sgd", "adagrad", "adagrad_momentum", "adam", "ftrl", "apply_update"]
 
 Rows = tf.Tensor
@@ -119,29 +121,29 @@ def _clip(x, lower, upper):
   return x
 
 
-def apply_update(rule: Callable, opt, w, slots, g, lr, *, engine: str = "v1"):
+def apply_update(rule: Callable, opt, w, slots, g, lr, *, rules: EngineRules):
   """One table step on the touched rows: the whole per-row pipeline around
   ``rule`` (one of the rules above, the row of ``opt``'s optimizer).
 
-  Engine ``"v1"`` (TPUEmbedding; docs/semantics.md, the step): gradient
+  ``rules.clips_and_decays`` (v1, TPUEmbedding; docs/semantics.md, the step): gradient
   clipping -> decoupled weight decay ``w <- w - wd_eff w`` (``wd_eff = wd * lr`` when
   ``multiply_weight_decay_factor_by_learning_rate``) -> the optimizer rule ->
   weight clipping. The placement of weight decay before the rule is the
   DecoupledWeightDecayExtension convention ([I]), and clipping the
   accumulated gradient is [I].
 
-  Engine ``"v2"`` (TPUEmbeddingV2 / SparseCore): the rule only. SparseCore
+  Otherwise (v2, TPUEmbeddingV2 / SparseCore): the rule only. SparseCore
   passes no weight-clipping bounds and has no gradient clipping; weight decay
   is rejected before this point.
   """
   lr = tf.cast(lr, tf.float32)
-  if engine == "v1":
+  if rules.clips_and_decays:
     g = _clip(g, *opt.gradient_clip_limits)
     if opt.weight_decay_factor:
       decay = opt.weight_decay_factor * (
           lr if opt.multiply_weight_decay_factor_by_learning_rate else 1.0)
       w = w - decay * w
   w, slots = rule(w, tuple(slots), g, lr, opt)
-  if engine == "v1":
+  if rules.clips_and_decays:
     w = _clip(w, opt.clip_weight_min, opt.clip_weight_max)
   return w, tuple(slots)

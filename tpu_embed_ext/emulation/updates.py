@@ -25,6 +25,7 @@ import tensorflow as tf
 from tpu_embed_ext import errors
 from tpu_embed_ext.emulation import (check_runner, optimizer_rows, step_pipeline,
                                      update_rules)
+from tpu_embed_ext.emulation.rules import EngineRules
 
 __all__ = ["Update", "compute", "prepare"]
 
@@ -44,11 +45,12 @@ class Update(NamedTuple):
   write: Callable[..., Optional[Any]]
 
 
-def compute(payloads, tables, status, rates, rate_verdict, *, engine: str,
+def compute(payloads, tables, status, rates, rate_verdict, *, rules: EngineRules,
             validate: bool) -> step_pipeline.Computed:
   """The back end of ``step_pipeline.apply_step`` with TensorFlow ops.
 
-  Each payload holds, per table, the occurrences' ``ids`` and ``grads``.
+  Each payload (``payloads.OpsPayload``) holds, per table, the
+  occurrences' ``ids`` and ``grads``.
   Every table is prepared before the first write, and each row read after
   the id check (``status``), so a bad id fails with its message.
   """
@@ -56,11 +58,11 @@ def compute(payloads, tables, status, rates, rate_verdict, *, engine: str,
   planned = []
   with tf.control_dependencies([] if tf.executing_eagerly() else [status]):
     for i, table in enumerate(tables):
-      ids = tf.concat([p["ids"][i] for p in payloads], 0)
-      grads = tf.concat([p["grads"][i] for p in payloads], 0)
+      ids = tf.concat([p.ids[i] for p in payloads], 0)
+      grads = tf.concat([p.grads[i] for p in payloads], 0)
       planned.append(prepare(table.optimizer, table.variables[0],
                              table.variables[1:], ids, grads, rates[i],
-                             engine=engine, where=f"table '{table.name}'"))
+                             rules=rules, where=f"table '{table.name}'"))
 
   def write(accept=None):
     return [w for w in (u.write(accept) for u in planned) if w is not None]
@@ -69,11 +71,11 @@ def compute(payloads, tables, status, rates, rate_verdict, *, engine: str,
   return step_pipeline.Computed(lambda: checked, write)
 
 
-def prepare(spec, params, slot_vars, ids, grads, lr, *, engine: str,
+def prepare(spec, params, slot_vars, ids, grads, lr, *, rules: EngineRules,
             where: str = "") -> Update:
   """What one table applies this step: per-id sums, unless the mode differs.
 
-  ``use_gradient_accumulation=False`` (engine v1): the TPU applies the
+  ``use_gradient_accumulation=False`` (``rules.accumulation_optional``): the TPU applies the
   optimizer to contributions as they arrive, in an order it does not specify
   (docs/semantics.md, other options). The emulator makes the order
   deterministic: round ``k`` applies the ``k``-th contribution (in input
@@ -82,8 +84,8 @@ def prepare(spec, params, slot_vars, ids, grads, lr, *, engine: str,
   variables = (params,) + tuple(slot_vars)
   rule = functools.partial(update_rules.apply_update,
                            optimizer_rows.row(spec).rule, spec, lr=lr,
-                           engine=engine)
-  mode = optimizer_rows.mode(spec, engine)
+                           rules=rules)
+  mode = optimizer_rows.mode(spec, rules)
   if mode == optimizer_rows.EVERY_ROW:
     # Every row steps, untouched ones with g = 0; negative ids (occurrences
     # that do not count) touch nothing.

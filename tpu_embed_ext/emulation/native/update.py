@@ -26,6 +26,7 @@ import tensorflow as tf
 from tpu_embed_ext import errors
 from tpu_embed_ext.emulation import checks, optimizer_rows, step_pipeline
 from tpu_embed_ext.emulation.native import loader
+from tpu_embed_ext.emulation.rules import EngineRules
 
 __all__ = ["segment", "kernel"]
 
@@ -77,16 +78,17 @@ def _grappler():
 def kernel(feature_tables: Sequence[int], feature_wheres: Sequence[str]):
   """The back end of ``step_pipeline.apply_step`` on the native op.
 
-  Each payload holds ``status`` (the lookup's id check) and ``segments``,
+  Each payload (``payloads.NativePayload``) holds ``status`` (the lookup's
+  id check) and ``segments``,
   one ``segment(...)`` per feature (feature ``i`` of each replica is on
   table ``feature_tables[i]``, named ``feature_wheres[i]`` in messages).
   Replicas come in order, and so do the features of each: the order the
   TF-op path concatenates them in, so the per-id sums add in the same order.
   """
   def compute(payloads, tables: Sequence[step_pipeline.Table], status, rates,
-              rate_verdict, *, engine: str, validate: bool
+              rate_verdict, *, rules: EngineRules, validate: bool
               ) -> step_pipeline.Computed:
-    segments = [s for p in payloads for s in p["segments"]]
+    segments = [s for p in payloads for s in p.segments]
     segment_table = [feature_tables[i % len(feature_tables)]
                      for i in range(len(segments))]
     # The kernel checks ids itself when the engine's checks are off; it
@@ -103,7 +105,7 @@ def kernel(feature_tables: Sequence[int], feature_wheres: Sequence[str]):
       with tf.control_dependencies([rate_verdict.assertion]):
         rates = tf.identity(rates)
     grappler = _grappler()
-    described = [optimizer_rows.native_encoding(t.optimizer, engine, grappler, c)
+    described = [optimizer_rows.native_encoding(t.optimizer, rules, grappler, c)
                  for t, c in zip(tables, constant)]
     variables = [v for t in tables for v in t.variables]
     accepted, gradient_ok, update_ok = loader.load().tpu_embed_ext_apply_step(
