@@ -32,8 +32,7 @@ from tensorflow.python.ops import control_flow_util
 from tpu_embed_ext import errors
 from tpu_embed_ext.emulation import checks
 
-__all__ = ["Item", "Verdict", "after", "in_xla_context", "run", "by_feature", "batch_verdict",
-           "combine",
+__all__ = ["Item", "Verdict", "after", "in_xla_context", "run", "by_feature", "combine",
            "status", "failure_message", "RECORD"]
 
 # Dynamic values a failure record holds (the most any row shows).
@@ -186,23 +185,6 @@ def by_feature(verdicts: List[Sequence[Optional[Verdict]]]) -> Optional[Verdict]
   assertions = [v.assertion for _, v in flat if v.assertion is not None]
   return Verdict(tf.reduce_all(oks),
                  tf.group(*assertions) if assertions else None, failure, per_item)
-
-
-def batch_verdict(occurrences, features, tables) -> Optional[Verdict]:
-  """A batch's input checks (``occurrences``: ``lookups.Occurrences`` of
-  each of the engine's ``features``): each feature's own (sparse indices,
-  uint64 ids, finite weights), then weights against ids, then ids in range.
-  Eagerly the first failure raises; in a graph the first is reported."""
-  names = [{"where": f.where, "vocab": tables[f.table].config.vocabulary_size}
-           for f in features]
-  layout = None
-  if any(o.weights_ok is not None for o in occurrences):
-    layout = run(checks.WEIGHTS_LAYOUT, [
-        Item(tf.constant(True) if o.weights_ok is None else o.weights_ok,
-             names=n, at=i) for i, (o, n) in enumerate(zip(occurrences, names))])
-  ids = run(checks.IDS_IN_RANGE, [Item(o.ids, (n["vocab"],), n, i) for i, (o, n)
-                                  in enumerate(zip(occurrences, names))])
-  return combine([by_feature([o.checks for o in occurrences]), layout, ids])
 
 
 def combine(verdicts: List[Optional[Verdict]]) -> Optional[Verdict]:

@@ -68,7 +68,7 @@ class Check:
 def _sparse_shows(indices, pos, shape):
   """The failing index, its dimension and that dimension's size (``shape``
   is one dense_shape, or one per index row: several replicas' indices
-  concatenated, ``lookups.checked_together``)."""
+  concatenated, ``input_checks.joined``)."""
   rank = tf.maximum(tf.shape(indices, out_type=tf.int64)[-1], 1)
   dim = pos % rank
   bound = element(shape, pos) if shape.shape.rank == 2 else element(shape, dim)

@@ -4,7 +4,7 @@ The engine object: the ``TPUEmbedding`` protocol (``build``, ``enqueue``,
 ``dequeue``, ``apply_gradients``, ``__call__``), its variables and their
 checkpoint keys. The work is done by the modules beside it: inputs
 (``lookups``, ``shapes``, ``protocol``), checks (``checks`` run by
-``check_runner``; ``structure_checks``; ``replica_checks``), the step
+``check_runner`` on ``input_checks``' schedule; ``structure_checks``), the step
 (``payloads``, ``step_pipeline``), replicas, tables and SparseCore limits
 (docs/layout.md lists each module's role).
 """
@@ -18,11 +18,10 @@ from tensorflow.python.trackable import autotrackable
 
 from tpu_embed_ext import errors, spec as spec_lib
 from tpu_embed_ext.host import memory
-from tpu_embed_ext.emulation import (check_runner, lookups, native, payloads,
-                                      protocol, replica_checks, replicas,
-                                      rules as rules_lib, shapes,
-                                      sparsecore_limits, structure_checks,
-                                      tables as tables_lib)
+from tpu_embed_ext.emulation import (check_runner, input_checks, lookups, native,
+                                      payloads, protocol, replicas,
+                                      rules as rules_lib, shapes, sparsecore_limits,
+                                      structure_checks, tables as tables_lib)
 
 __all__ = ["CPUEmbedding", "HOOKS", "TENSORFLOW_PRIVATE_API"]
 
@@ -134,7 +133,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     rules = rules_lib.of(engine)  # ValueError for another engine
     # Internal state is set with _untracked: a tracked attribute would add
     # checkpoint keys that TPUEmbedding does not have.
-    _untracked(self, _rules=rules, _engine=rules.name, _validate=validate,
+    _untracked(self, _rules=rules, _validate=validate,
                _replicas=replicas.Replicas(), _kernels=native.choose(kernels))
     with tf.init_scope(), self._replicas.single_copy_variables():
       _untracked(self, step=tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -290,8 +289,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     """Looks up ``features`` without recording anything for training."""
     self.build()
     self.raise_if_failed()
-    return self._activations(self._prepare(features, weights, False,
-                                           strict=False))
+    return self._activations(self._prepare({None: (features, weights)}, False,
+                                           strict=False)[None])
 
   @_library_code
   def enqueue(self, features, weights=None, training: bool = True,
@@ -322,14 +321,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
                        ) -> Dict[int, protocol.Pending]:
     """Hook: ``{replica: Pending}`` of one ``enqueue``'s ``{replica:
     (features, weights)}``, checked; nothing recorded yet."""
-    # One enqueue of every replica's batch, traced outside XLA: each check
-    # row runs once over all replicas' values (replica_checks.py).
-    if (len(batches) > 1 and self._validate and not tf.executing_eagerly()
-        and not check_runner.in_xla_context()):
-      return replica_checks.prepare_together(self, batches, training)
-    return {replica: self._prepare(features, weights, training,
-                                   replica=replica)
-            for replica, (features, weights) in batches.items()}
+    return self._prepare(batches, training)
 
   @_library_code
   def dequeue(self, name: Optional[str] = None):
@@ -355,12 +347,13 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     """Every feature's activation shape as fixed so far (``shapes.py``)."""
     return self._shapes.stored
 
-  def _prepare(self, features, weights, training, strict=True,
-               replica=None, check=True, inputs=None,
-               own_checked=None) -> protocol.Pending:
-    """Checks a batch as ``TPUEmbedding.enqueue`` does; its occurrences.
+  def _prepare(self, batches, training: bool,
+               strict: bool = True) -> Dict[Any, protocol.Pending]:
+    """Checks batches as ``TPUEmbedding.enqueue`` does; their occurrences.
 
-    Structures first, then input shapes. ``strict`` (``enqueue``, the TPU
+    ``batches``: ``{replica: (features, weights)}`` (replica None: the
+    calling one). Structures first, then input shapes, then values
+    (``input_checks.prepare``). ``strict`` (``enqueue``, the TPU
     protocol): the first batch (or ``build``) fixes unset output shapes,
     later batches are checked against them, and shapes must be fully
     defined, as the TPU compiles them. ``__call__`` is a lookup with no
@@ -369,27 +362,14 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     its own batch (Keras builds models on an unknown batch dimension and
     evaluates a last, smaller batch), read when the batch runs if unknown
     when traced; nothing is recorded.
-
-    ``check=False``: the caller runs the checks (replica_checks.py).
     """
-    flat, flat_weights = inputs or self._inputs(features, weights)
-    own_checked = own_checked or [None] * len(flat)
-    batch_shapes = self._shapes.for_batch(flat, strict, self._engine)
-    occurrences = [
-        lookups.feature_occurrences(f.where, f.config, x, w, self._validate,
-                                    shape, self._engine, self._native_step(),
-                                    own_checked=done)
-        for f, x, w, shape, done in zip(self._features, flat, flat_weights,
-                                        batch_shapes, own_checked)]
-    if strict:
-      self._shapes.record(batch_shapes)
-    pending = protocol.Pending(features, occurrences, None, training)
-    if not check:
-      return pending
-    if self._validate:
-      pending = pending._replace(verdict=check_runner.batch_verdict(
-          occurrences, self._features, self._tables))
-    return self._limited(pending, replica)
+    inputs = {replica: (features, *self._inputs(features, weights))
+              for replica, (features, weights) in batches.items()}
+    return input_checks.prepare(
+        inputs, training, features=self._features, tables=self._tables,
+        shapes=self._shapes, rules=self._rules,
+        native=self._native_step(), validate=self._validate, strict=strict,
+        limit=self._limited)
 
   def _inputs(self, features, weights):
     """A batch's structures checked; ``(ids, weights)``, one per feature."""
@@ -498,9 +478,9 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     ``apply_gradients_to`` (nothing is enqueued yet)."""
     self.build()
     self.raise_if_failed()
-    pending = self._prepare(features, weights, True, strict=False)
+    pending = self._prepare({None: (features, weights)}, True, strict=False)[None]
     shapes = self._shapes.for_batch(self._inputs(features, weights)[0], False,
-                                    self._engine)
+                                    self._rules)
     return (self._activations(pending),
             protocol.TrainingBatch(features, weights, pending, shapes))
 
@@ -516,7 +496,7 @@ class CPUEmbedding(autotrackable.AutoTrackable):
     replica, num_local = self._replicas.local_replica(), self._replicas.num_local
     self._batches.check_free(list(routed), num_local)
     shapes = self._shapes.for_batch(
-        self._inputs(batch.features, batch.weights)[0], True, self._engine)
+        self._inputs(batch.features, batch.weights)[0], True, self._rules)
     if list(routed) == [replica] and shapes == batch.shapes:
       self._shapes.record(shapes)
       self._batches.put(replica, batch.pending, num_local)

@@ -16,21 +16,29 @@ before the combiner, forward only (docs/semantics.md, other options).
 Shapes and the inputs accepted are ``TPUEmbedding``'s, the object the engine
 stands in for, where ``TPUEmbeddingForServing`` differs (docs/shapes.md):
 dense ids of rank >= 2 must end in a dimension of 1, which is dropped (``[B,
-1] -> [B, dim]``, ``[B, 4, 1] -> [B, 4, dim]``); ``[B, k > 1]`` is rejected.
+1] -> [B, dim]``, ``[B, 4, 1] -> [B, 4, dim]``); ``[B, k > 1]`` is rejected
+(``shapes.input_shape``).
+
+Each input kind has one function (``dense``, ``ragged``, ``sparse``) that
+reads ids and weights already checked, and runs no check itself: what the
+input checks read, and when the reads here wait for them, is
+``input_checks.py``'s; what is wrong in the static shapes raises before
+(``check_rows``, ``check_combined``).
 """
 
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional
 
 import tensorflow as tf
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.emulation import check_runner, checks, structure_checks
+from tpu_embed_ext.emulation import check_runner, rules as rules_lib
 from tpu_embed_ext.emulation.native import lookup as native_lookup
 
-__all__ = ["Occurrences", "as_ids", "input_shape", "output_shape",
-           "feature_occurrences", "activation", "occurrence_gradients"]
+__all__ = ["Occurrences", "as_ids", "check_rows", "check_combined", "runtime_dims",
+           "occurrences", "dense", "ragged", "sparse", "activation",
+           "occurrence_gradients"]
 
 
 class Occurrences(NamedTuple):
@@ -47,11 +55,6 @@ class Occurrences(NamedTuple):
   num_rows: tf.Tensor         # scalar: rows of the [num_rows, dim] output
   shape: Any                  # the activation shape, without dim
   kept: Optional[tf.Tensor] = None  # [n] bool
-  # In a graph, whether the weights match the ids (checks.WEIGHTS_LAYOUT).
-  weights_ok: Optional[tf.Tensor] = None
-  # In a graph, the feature's own input checks (check_runner.by_feature):
-  # sparse indices, uint64 ids, finite weights.
-  checks: Tuple[check_runner.Verdict, ...] = ()
 
 
 def as_ids(where: str, x):
@@ -68,220 +71,133 @@ def as_ids(where: str, x):
       "tf.constant(ids, tf.int64) or tf.ragged.constant(ids, tf.int64).")
 
 
-def input_shape(where: str, config, x) -> tf.TensorShape:
-  """``TPUEmbedding``'s per-replica input shape of one feature's ids ``x``.
-
-  The rules of ``tpu_embedding_v2.py`` ``_get_input_shape_for_tensor``,
-  ``_get_input_shape_for_sparse_tensor`` and
-  ``_get_input_shape_for_ragged_tensor``; the same ``ValueError`` class
-  (``InputError``), with a message naming the feature and the fix.
-  """
-  if isinstance(x, tf.SparseTensor):
-    shape = x.shape
-    if shape.rank is None or shape.rank < 2:
-      raise errors.InputError(
-          f"{where}: sparse ids must have rank >= 2 [batch, ..., ids], got "
-          f"shape {structure_checks.listed(shape)}. Fix: add a batch dimension.")
-    dims = shape.as_list()
-    # A sequence feature without output_shape gets its length inserted
-    # before the ids dimension (rank 2 only; higher ranks ignore it).
-    if (not config.output_shape and config.max_sequence_length > 0
-        and len(dims) == 2):
-      dims.insert(1, config.max_sequence_length)
-    return tf.TensorShape(dims)
-  if isinstance(x, tf.RaggedTensor):
-    if x.shape.rank != 2:
-      raise errors.InputError(
-          f"{where}: ragged ids must have rank 2 [batch, (ids)], got shape "
-          f"{structure_checks.listed(x.shape)}. Fix: merge the extra ragged dimensions, or pass a "
-          "SparseTensor for more dimensions.")
-    dims = x.shape.as_list()
-    if not config.output_shape and config.max_sequence_length > 0:
-      dims.insert(1, config.max_sequence_length)
-    return tf.TensorShape(dims)
-  dims = x.shape.as_list() if x.shape.rank is not None else None
-  if not dims:
-    raise errors.InputError(
-        f"{where}: dense ids must have rank >= 1 [batch], got shape "
-        f"{structure_checks.listed(x.shape)}. Fix: add a batch dimension.")
-  if len(dims) > 1 and dims[-1] != 1:
-    raise errors.InputError(
-        f"{where}: dense ids of shape {structure_checks.listed(x.shape)} have a last dimension of "
-        f"{dims[-1]}, but TPUEmbedding needs dense ids of rank >= 2 to end in "
-        "a dimension of 1, which it drops ([batch, 1] -> [batch, dim]); it "
-        "does not combine several dense ids per row, and padding ids would "
-        "be looked up as ids. Fix: for zero-padded multi-hot ids pass a "
-        "RaggedTensor or SparseTensor (tf.RaggedTensor.from_tensor(ids, "
-        "padding=0) or tf.sparse.from_dense(ids)); for one id per row pass "
-        "[batch] or [batch, 1] ids.")
-  return tf.TensorShape(dims)
-
-
-def output_shape(where: str, config, shape: tf.TensorShape) -> tf.TensorShape:
-  """The activation shape (without ``dim``) for a per-replica input shape.
-
-  ``tpu_embedding_v2.py`` ``_get_output_shapes_from_input_shapes``: the last
-  dimension (the ids) is dropped, except for rank 1; a rank-2 shape not
-  ending in 1 of a sequence feature without ``output_shape`` gets
-  ``max_sequence_length`` inserted first (shapes given to ``build``).
-  """
-  if shape.rank is None or shape.rank < 1:
-    raise errors.InputError(
-        f"{where}: input shape {structure_checks.listed(shape)} must have rank >= 1. Fix: give "
-        "[batch, ...] shapes to build(per_replica_input_shapes=...).")
-  dims = shape.as_list()
-  if (len(dims) == 2 and dims[-1] != 1 and not config.output_shape
-      and config.max_sequence_length > 0):
-    dims.insert(1, config.max_sequence_length)
-  return tf.TensorShape(dims if len(dims) == 1 else dims[:-1])
-
-
-def feature_occurrences(where: str, config, x, w, check: bool,
-                        shape, engine: str = "v1",
-                        native: bool = False,
-                        own_checked=None) -> Occurrences:
-  """The occurrence form of one feature's ids ``x`` and weights ``w``.
-
-  ``where`` names the feature and table in errors; ``check`` enables the
-  checks of weights against ids (eagerly they raise; in a graph their
-  outcome is ``weights_ok``, for ``checks.WEIGHTS_LAYOUT``); ``shape`` is the feature's
-  activation shape without ``dim`` (a ``TensorShape``, see ``output_shape``);
-  its unknown dimensions are read from ``x`` when the batch runs.
-
-  ``engine="v2"`` (``TPUEmbeddingV2``, ``tpu_embedding_v3.py``
-  ``_convert_input_feature_to_list_of_coo_tensors``): every dense id, ragged
-  row or sparse row is one of the ``prod(output_shape)`` samples, dense ids
-  may be weighted, and ``max_sequence_length`` plays no part.
-
-  ``native``: combiner gains (and a ragged feature's rows) from one native
-  op (``native.lookup``: the same values); never under XLA.
-
-  ``own_checked``: the assertions of the feature's own checks (uint64 ids,
-  sparse indices, finite weights) run over all replicas at once
-  (replica_checks.py); None: run here. What would wait for them waits for those.
-  """
-  own_check = check and own_checked is None
-  if not isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
-    x = tf.convert_to_tensor(x)
-  if not x.dtype.is_integer:
-    raise errors.InputError(
-        f"{where}: ids must be integers, got dtype {x.dtype.name}. Fix: cast "
-        "the ids with tf.cast(ids, tf.int64).")
-  # tpu_embedding_v2.py _add_data_for_tensor / _sparse_tensor / _ragged_tensor.
-  v2 = engine == "v2"
-  if w is not None and isinstance(x, tf.Tensor) and not v2:
-    raise errors.InputError(
-        f"Weight specified for dense input {structure_checks.feature_path(where)}, "
-        "which is not allowed. Weight will always be 1 in this case. "
-        f"{where}: weights were given for a dense id tensor. Fix: pass the "
-        "ids as a RaggedTensor or SparseTensor to weight them.")
-  if w is not None and config.max_sequence_length > 0 and not v2:
-    # TPUEmbedding passes them to the TPU, which does not document what a
-    # weight does to a sequence position; TPUEmbeddingForServing rejects them.
-    raise errors.InputError(
-        f"{where}: weights were given for a sequence feature "
-        f"(max_sequence_length={config.max_sequence_length}); what the TPU "
-        "does with them is not documented, so they are not emulated. Fix: "
-        "drop them.")
-  if w is not None and type(w) is not type(x):
-    tf_phrase = "" if v2 else (
-        f"Weight for {structure_checks.feature_path(where)} is type {type(w)} which "
-        f"does not match type input which is {type(x).__name__}. ")
-    raise errors.InputError(
-        f"{tf_phrase}{where}: weights are a {type(w).__name__} but ids a "
-        f"{type(x).__name__}. Fix: give weights the ids' type and layout.")
-  own: List[check_runner.Verdict] = []
-  if x.dtype == tf.uint64:
-    x = _signed(where, config, check_runner.after(x, own_checked), own_check, own)
-  shape = _runtime_dims(x, tf.TensorShape(shape))
-  if v2 and isinstance(x, tf.RaggedTensor) and x.shape[0] is not None:
+def check_rows(where: str, x, shape, rules: rules_lib.EngineRules):
+  """Raises unless the rows the TPU gets can fill the activation ``shape``
+  (a list, ``runtime_dims``): one dense id per sample, and one ragged row
+  per sample where every row is a sample (``rules.output_shape_required``:
+  ``tpu_embedding_v3.py``); checked when the step is traced."""
+  if (rules.output_shape_required and isinstance(x, tf.RaggedTensor)
+      and x.shape[0] is not None):
     _check_count(where, "rows of ragged ids", x.shape[0], shape)
-  if isinstance(x, tf.Tensor):
-    ids = tf.reshape(x, [-1])
-    if x.shape.is_fully_defined() and _is_static(shape):
-      _check_count(where, "ids", x.shape.num_elements(), shape)
-    if w is not None:  # v2: one weighted id per sample.
-      w = check_runner.after(_weights(where, tf.reshape(w, [-1]), own_check, own), own_checked)
-      return _combined(config, tf.cast(ids, tf.int64),
-                       tf.range(tf.size(ids, out_type=tf.int64)), w,
-                       tf.size(ids, out_type=tf.int64), shape
-                       )._replace(checks=tuple(own))
-    occ = Occurrences(ids, None, None, tf.size(ids), shape)
+  if (isinstance(x, tf.Tensor) and x.shape.is_fully_defined()
+      and _is_static(shape)):
+    _check_count(where, "ids", x.shape.num_elements(), shape)
+
+
+def check_combined(where: str, config, x, shape):
+  """Raises unless ragged or sparse ids combine into the activation
+  ``shape``: a sparse tensor's rows fill it, a ragged tensor's batch size
+  divides it (``ragged``, ``sparse``); checked when the step is traced."""
+  if _is_sequence(config, x):
+    return
+  if isinstance(x, tf.SparseTensor):
+    static = x.shape[:-1]
+    if static.is_fully_defined() and _is_static(shape):
+      _check_count(where, "rows of sparse ids", static.num_elements(), shape)
+  elif isinstance(x, tf.RaggedTensor):
+    size, static_batch = _prod(shape) if _is_static(shape) else None, x.shape[0]
+    if static_batch is None or size is None or size == static_batch:
+      return
+    # A larger output_shape: the row's ids fill size // batch positions.
+    if size % static_batch or size // static_batch < 1:
+      raise errors.InputError(
+          f"{where}: activation shape {shape} must have the batch size "
+          f"{static_batch} or a multiple of it as its number of elements. "
+          "Fix: change FeatureConfig.output_shape.")
+
+
+def occurrences(config, x, weights, shape, native: bool = False) -> Occurrences:
+  """The occurrence form of one feature's ids ``x`` (any kind, already
+  checked by ``check_rows`` and ``check_combined``) and float32 ``weights``
+  (their values, one per id; None: unweighted). ``shape`` is the activation
+  shape without ``dim`` (``runtime_dims``). ``native``: combiner gains (and
+  a ragged feature's rows) from one native op (``native.lookup``: the same
+  values); never under XLA. Reads only; runs no check.
+
+  uint64 ids become int64: one of 2^63 or more (which the input checks
+  reject) saturates at 2^63 - 1 instead of reading as a negative id.
+  """
+  if x.dtype == tf.uint64:
+    x = _signed(x)
+  if isinstance(x, tf.RaggedTensor):
+    occ = ragged(config, x, weights, shape, native)
+  elif isinstance(x, tf.SparseTensor):
+    occ = sparse(config, x, weights, shape, native)
   else:
-    if own_checked and isinstance(x, tf.SparseTensor):
-      x = tf.SparseTensor(check_runner.after(x.indices, own_checked), x.values, x.dense_shape)
-    if own_check and isinstance(x, tf.SparseTensor):
-      # Every op that reads a row computed from the indices waits for the
-      # check (a combiner's segment sums, the gradients' gather).
-      indices = _gated(x.indices, check_runner.run(checks.SPARSE_INDICES, [
-          check_runner.Item(tf.convert_to_tensor(x.indices, tf.int64),
-                            (tf.convert_to_tensor(x.dense_shape, tf.int64),),
-                            {"where": where})]), own)
-      x = tf.SparseTensor(indices, x.values, x.dense_shape)
-    weights_ok, weight = None, None
-    if w is not None:
-      weight = check_runner.after(_weights(where, w.values, own_check, own), own_checked)
-      if check:
-        weights_ok = structure_checks.weights_layout_ok(where, x, w)
-        if tf.executing_eagerly():
-          check_runner.run(checks.WEIGHTS_LAYOUT, [check_runner.Item(
-              weights_ok, names={"where": where})])  # raises if not
-          weights_ok = None
-      if weights_ok is not None:
-        # Checked when the step runs; until then, one weight per id.
-        weight = structure_checks.aligned_weights(weight,
-                                                  tf.size(x.values, tf.int64))
-    if isinstance(x, tf.RaggedTensor):
-      occ = _ragged(where, config, x, weight, shape, native)
-    else:
-      occ = _sparse(where, config, x, weight, shape, native)
-    occ = occ._replace(weights_ok=weights_ok)
-  return occ._replace(ids=tf.cast(occ.ids, tf.int64), checks=tuple(own))
+    return dense(config, x, weights, shape)
+  return occ._replace(ids=tf.cast(occ.ids, tf.int64))
 
 
-def _gated(tensor, verdict, own: list):
-  """``tensor``, read only once the feature's check passed (in a graph;
-  ``verdict`` is None eagerly, where the check raised; its assertion is None
-  under XLA)."""
-  if verdict is None:
-    return tensor
-  own.append(verdict)
-  if verdict.assertion is None:
-    return tensor
-  with tf.control_dependencies([verdict.assertion]):
-    return tf.identity(tensor)
+def dense(config, x, weights, shape) -> Occurrences:
+  """Dense ids: one id per sample, its own output row; weighted
+  (``rules.weights_on_dense_ids``): a one-id combiner per sample."""
+  ids = tf.reshape(x, [-1])
+  if weights is None:
+    return Occurrences(tf.cast(ids, tf.int64), None, None, tf.size(ids), shape)
+  size = tf.size(ids, out_type=tf.int64)
+  return _combined(config, tf.cast(ids, tf.int64), tf.range(size), weights,
+                   size, shape)
 
 
-def _weights(where, values, check: bool, own: list) -> tf.Tensor:
-  """Weights as float32, checked as inputs of the feature: numbers, finite."""
-  if not (values.dtype.is_floating or values.dtype.is_integer):
-    raise errors.InputError(
-        f"{where}: weights must be numbers, got dtype {values.dtype.name}. Fix: "
-        "give float32 weights (tf.strings.to_number(weights) for strings).")
-  values = tf.cast(values, tf.float32)
-  if not check:
-    return values
-  return _gated(values, check_runner.run(checks.WEIGHTS_FINITE, [
-      check_runner.Item(values, names={"where": where})]), own)
+def ragged(config, x, weights, shape, native=False) -> Occurrences:
+  """Ragged ids: a row's ids combined, or a sequence (``max_sequence_length``,
+  or an output shape that is a multiple of the batch size)."""
+  # A static batch size when known: XLA needs static reshapes.
+  batch = x.shape[0] if x.shape[0] is not None else x.nrows(out_type=tf.int64)
+  ids = x.values
+  static_batch = x.shape[0]
+  if _is_sequence(config, x):
+    return _sequence(ids, x.value_rowids(), _positions(x), batch,
+                     config.max_sequence_length, shape)
+  size = _prod(shape) if _is_static(shape) else None
+  if static_batch is None or size is None or size == static_batch:
+    if native and not check_runner.in_xla_context():
+      rows, gains = native_lookup.ragged_gains(x.row_splits, weights,
+                                               config.table.combiner)
+      return Occurrences(ids, rows, gains, batch, shape)
+    return _combined(config, ids, x.value_rowids(), weights, batch, shape)
+  return _sequence(ids, x.value_rowids(), _positions(x), batch,
+                   size // static_batch, shape)
 
 
-def _signed(where, config, x, check: bool, own: list):
-  """uint64 ids as int64, checked first: one of 2^63 or more would read as a
-  negative id (and be reported as one). Past the check (or under XLA, where
-  the step is rejected) such an id saturates at 2^63 - 1."""
+def sparse(config, x, weights, shape, native=False) -> Occurrences:
+  """Sparse ids: combined over the last dimension, as
+  ``embedding_lookup_sparse`` does, or a sequence (rank 2 only)."""
+  rank = x.shape.rank
+  if _is_sequence(config, x):
+    return _sequence(x.values, x.indices[:, 0], x.indices[:, 1], x.dense_shape[0],
+                     config.max_sequence_length, shape)
+  # On the static outer shape when known (XLA needs static shapes).
+  static = x.shape[:-1]
+  outer = static.as_list() if static.is_fully_defined() else x.dense_shape[:-1]
+  # The row-major position of the outer index (rank 1: one row).
+  row = x.indices[:, 0] if rank > 1 else tf.zeros_like(x.indices[:, 0])
+  for d in range(1, rank - 1):
+    row = row * outer[d] + x.indices[:, d]
+  num_rows = _prod(outer) if isinstance(outer, list) else tf.reduce_prod(outer)
+  if native and not check_runner.in_xla_context():
+    return Occurrences(x.values, row, native_lookup.segment_gains(
+        row, weights, num_rows, config.table.combiner), num_rows, shape)
+  return _combined(config, x.values, row, weights, num_rows, shape)
+
+
+def _is_sequence(config, x) -> bool:
+  """Whether ragged or (rank-2) sparse ids of a feature are a sequence:
+  ``max_sequence_length`` without ``output_shape`` (an engine whose rules
+  require ``output_shape`` never honours it)."""
+  if not (config.max_sequence_length > 0 and not config.output_shape):
+    return False
+  return isinstance(x, tf.RaggedTensor) or x.shape.rank == 2
+
+
+def _signed(x):
+  """uint64 ids as int64, saturating at 2^63 - 1."""
   values = x if isinstance(x, tf.Tensor) else x.values
-  if check:
-    vocab = config.table.vocabulary_size
-    values = _gated(values, check_runner.run(checks.UNSIGNED_IDS, [
-        check_runner.Item(values, (vocab,), {"where": where, "vocab": vocab})]),
-                    own)
   values = tf.cast(tf.minimum(values, tf.constant(2 ** 63 - 1, tf.uint64)), tf.int64)
-  if isinstance(x, tf.Tensor):
-    return values
-  return x.with_values(values)
+  return values if isinstance(x, tf.Tensor) else x.with_values(values)
 
 
-def _runtime_dims(x, shape: tf.TensorShape) -> list:
+def runtime_dims(x, shape: tf.TensorShape) -> list:
   """``shape`` as a list whose unknown dimensions are read from ``x``.
 
   An unknown dimension of an activation shape comes from the same position
@@ -310,53 +226,6 @@ def _check_count(where, what, count, shape):
         f"{where}: {count} {what} cannot fill the activation shape {shape} "
         f"({_prod(shape)} rows). Fix: make FeatureConfig.output_shape (or the "
         "shapes given to build) match the input.")
-
-
-def _ragged(where, config, x, weight, shape, native=False) -> Occurrences:
-  # A static batch size when known: XLA needs static reshapes.
-  batch = x.shape[0] if x.shape[0] is not None else x.nrows(out_type=tf.int64)
-  ids = x.values
-  static_batch = x.shape[0]
-  if config.max_sequence_length > 0 and not config.output_shape:
-    return _sequence(ids, x.value_rowids(), _positions(x), batch,
-                     config.max_sequence_length, shape)
-  size = _prod(shape) if _is_static(shape) else None
-  if static_batch is None or size is None or size == static_batch:
-    if native and not check_runner.in_xla_context():
-      rows, gains = native_lookup.ragged_gains(x.row_splits, weight,
-                                               config.table.combiner)
-      return Occurrences(ids, rows, gains, batch, shape)
-    return _combined(config, ids, x.value_rowids(), weight, batch, shape)
-  # A larger output_shape: the row's ids fill size // batch positions.
-  length = size // static_batch
-  if size % static_batch or length < 1:
-    raise errors.InputError(
-        f"{where}: activation shape {shape} must have the batch size "
-        f"{static_batch} or a multiple of it as its number of elements. "
-        "Fix: change FeatureConfig.output_shape.")
-  return _sequence(ids, x.value_rowids(), _positions(x), batch, length, shape)
-
-
-def _sparse(where, config, x, weight, shape, native=False) -> Occurrences:
-  rank = x.shape.rank
-  if config.max_sequence_length > 0 and not config.output_shape and rank == 2:
-    return _sequence(x.values, x.indices[:, 0], x.indices[:, 1], x.dense_shape[0],
-                     config.max_sequence_length, shape)
-  # Combine over the last dimension, as embedding_lookup_sparse does, on the
-  # static outer shape when known (XLA needs static shapes).
-  static = x.shape[:-1]
-  outer = static.as_list() if static.is_fully_defined() else x.dense_shape[:-1]
-  if static.is_fully_defined() and _is_static(shape):
-    _check_count(where, "rows of sparse ids", static.num_elements(), shape)
-  # The row-major position of the outer index (rank 1: one row).
-  row = x.indices[:, 0] if rank > 1 else tf.zeros_like(x.indices[:, 0])
-  for d in range(1, rank - 1):
-    row = row * outer[d] + x.indices[:, d]
-  num_rows = _prod(outer) if isinstance(outer, list) else tf.reduce_prod(outer)
-  if native and not check_runner.in_xla_context():
-    return Occurrences(x.values, row, native_lookup.segment_gains(
-        row, weight, num_rows, config.table.combiner), num_rows, shape)
-  return _combined(config, x.values, row, weight, num_rows, shape)
 
 
 def _combined(config, ids, row, weight, num_rows, shape) -> Occurrences:

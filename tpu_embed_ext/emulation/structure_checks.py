@@ -16,9 +16,9 @@ import tensorflow as tf
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.emulation import checks
+from tpu_embed_ext.emulation import checks, rules as rules_lib
 
-__all__ = ["check_structure", "check_output_shape", "feature_path",
+__all__ = ["check_structure", "check_ids_and_weights", "float_weights", "check_output_shape", "feature_path",
            "check_fully_defined", "check_gradient_type", "check_gradient",
            "weights_layout_ok", "aligned_weights", "listed"]
 
@@ -84,6 +84,60 @@ def _kinds(structure) -> str:
     structure = (next(iter(structure.values())) if isinstance(structure, dict)
                  else structure[0])
   return " of ".join(kinds) or type(structure).__name__
+
+
+def check_ids_and_weights(where: str, config, x, w,
+                          rules: rules_lib.EngineRules):
+  """One feature's ids ``x`` (as a tensor unless ragged or sparse) once their
+  dtype, and the kind of their weights ``w``, are ones the engine takes.
+
+  ``tpu_embedding_v2.py`` ``_add_data_for_tensor`` / ``_sparse_tensor`` /
+  ``_ragged_tensor``: weights on dense ids are refused unless
+  ``rules.weights_on_dense_ids``, and must have the ids' type (with
+  TensorFlow's phrase first where ``rules.tf_weight_phrases``).
+  """
+  if not isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
+    x = tf.convert_to_tensor(x)
+  if not x.dtype.is_integer:
+    raise errors.InputError(
+        f"{where}: ids must be integers, got dtype {x.dtype.name}. Fix: cast "
+        "the ids with tf.cast(ids, tf.int64).")
+  if w is not None and isinstance(x, tf.Tensor) and not rules.weights_on_dense_ids:
+    raise errors.InputError(
+        f"Weight specified for dense input {feature_path(where)}, "
+        "which is not allowed. Weight will always be 1 in this case. "
+        f"{where}: weights were given for a dense id tensor. Fix: pass the "
+        "ids as a RaggedTensor or SparseTensor to weight them.")
+  if (w is not None and config.max_sequence_length > 0
+      and rules.sequence_length_honoured):
+    # TPUEmbedding passes them to the TPU, which does not document what a
+    # weight does to a sequence position; TPUEmbeddingForServing rejects them.
+    raise errors.InputError(
+        f"{where}: weights were given for a sequence feature "
+        f"(max_sequence_length={config.max_sequence_length}); what the TPU "
+        "does with them is not documented, so they are not emulated. Fix: "
+        "drop them.")
+  if w is not None and type(w) is not type(x):
+    tf_phrase = "" if not rules.tf_weight_phrases else (
+        f"Weight for {feature_path(where)} is type {type(w)} which "
+        f"does not match type input which is {type(x).__name__}. ")
+    raise errors.InputError(
+        f"{tf_phrase}{where}: weights are a {type(w).__name__} but ids a "
+        f"{type(x).__name__}. Fix: give weights the ids' type and layout.")
+  return x
+
+
+def float_weights(where: str, w) -> Optional[tf.Tensor]:
+  """The values of weights ``w`` (a flat tensor; None: None) as float32,
+  once they are numbers."""
+  if w is None:
+    return None
+  values = tf.reshape(w, [-1]) if isinstance(w, tf.Tensor) else w.values
+  if not (values.dtype.is_floating or values.dtype.is_integer):
+    raise errors.InputError(
+        f"{where}: weights must be numbers, got dtype {values.dtype.name}. Fix: "
+        "give float32 weights (tf.strings.to_number(weights) for strings).")
+  return tf.cast(values, tf.float32)
 
 
 def check_output_shape(where: str, stored: tf.TensorShape,
