@@ -8,6 +8,7 @@ must match the numpy reference to float32 rounding, and match each other bit
 for bit. The C++ enums must agree with the row table's native encoding.
 """
 
+import dataclasses
 import pathlib
 import re
 
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tpu_embed_ext.spec import optimizers as opt
+from tpu_embed_ext.spec import numeric_traps, optimizers as opt
+from tpu_embed_ext.tf import optimizers as tf_optimizers
 from tpu_embed_ext.emulation import (check_runner, native, optimizer_rows,
                                      payloads as payloads_lib, rules,
                                      step_pipeline, updates)
@@ -48,6 +50,42 @@ def test_the_package_and_the_tests_list_the_same_optimizers():
   assert package == set(CASES)
   for name, spec in CASES.items():
     assert optimizer_rows.row(spec).slot_names == tuple(references.REFERENCES[name].slots)
+
+
+def _missing_facts(cls):
+  """The facts an optimizer class lacks: its numeric traps, its TensorFlow
+  class, its plan settings, its update row (spec/optimizers.py lists them)."""
+  missing = []
+  if cls.traps is None or not all(
+      isinstance(t, numeric_traps.Trap) and t.id in numeric_traps.CHECKS
+      for t in cls.traps):
+    missing.append("traps")
+  tf_class = getattr(tf.tpu.experimental.embedding, cls.tf_class or "-", None)
+  if not isinstance(tf_class, type):
+    missing.append("tf_class")
+  if cls.plan_settings is None or not set(cls.plan_settings) <= set(
+      opt.field_names(cls)):
+    missing.append("plan_settings")
+  if cls not in optimizer_rows.ROWS:
+    missing.append("update row")
+  return missing
+
+
+@pytest.mark.parametrize("cls", list(opt.TYPES.values()), ids=list(opt.TYPES))
+def test_each_optimizer_holds_all_its_facts(cls):
+  assert not _missing_facts(cls), f"{cls.__name__} lacks {_missing_facts(cls)}"
+  assert type(tf_optimizers.to_tf(cls())) is getattr(
+      tf.tpu.experimental.embedding, cls.tf_class)
+  assert optimizer_rows.ROWS[cls].spec is cls
+
+
+def test_an_optimizer_without_its_facts_is_found():
+  @dataclasses.dataclass(frozen=True, kw_only=True)
+  class Bare(opt.OptimizerSpec):
+    type_name = "bare"
+
+  assert _missing_facts(Bare) == ["traps", "tf_class", "plan_settings",
+                                  "update row"]
 
 
 def _batches():

@@ -13,8 +13,10 @@ A row holds
 - ``every_row``: whether engine v1 updates every row of the table each step
   (non-lazy Adam), untouched rows with a zero gradient.
 
-Adding an optimizer is a spec class, its rule, one row here, one row in
-tests/references.py, and the C++ ``case``. The constants below mirror
+Adding an optimizer is a spec class holding its facts (its TensorFlow class
+by name, its numeric traps, its ``plan`` settings: spec/optimizers.py), its
+rule, one row here, one row in tests/references.py, and the C++ ``case``;
+tests/test_optimizer_rows.py fails while one is missing. The constants below mirror
 update_op.cc's ``Mode``, ``Flag`` and ``Param`` enums; keep them in sync.
 """
 
@@ -25,6 +27,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from tpu_embed_ext.spec import optimizers
 from tpu_embed_ext.emulation import update_rules
+from tpu_embed_ext.emulation.rules import EngineRules
 
 __all__ = ["OptimizerRow", "ROWS", "row", "mode", "native_encoding",
            "SUMS", "ROUNDS", "EVERY_ROW", "NUM_PARAMS"]
@@ -110,12 +113,11 @@ def row(spec) -> OptimizerRow:
   return ROWS[type(spec)]
 
 
-def mode(spec, rules) -> int:
+def mode(spec, rules: EngineRules) -> int:
   """How ``spec``'s table turns this step's occurrences into updates: every
   row (non-lazy Adam), rounds of contributions
   (``use_gradient_accumulation=False``), or one update per id of its summed
-  gradient. Engine v2 (SparseCore) always sums. ``rules``: an
-  ``rules.EngineRules``."""
+  gradient. Engine v2 (SparseCore) always sums."""
   if rules.updates_every_row and row(spec).every_row(spec):
     return EVERY_ROW
   if rules.accumulation_optional and not spec.use_gradient_accumulation:
@@ -123,7 +125,7 @@ def mode(spec, rules) -> int:
   return SUMS
 
 
-def native_encoding(spec, rules, grappler=(False, False),
+def native_encoding(spec, rules: EngineRules, grappler=(False, False),
                     constant_lr=False) -> Tuple[int, int, int, List[float]]:
   """``(kind, mode, flags, params)`` of one table for update_op.cc; every
   float is what TensorFlow's ops see: the Python expression of

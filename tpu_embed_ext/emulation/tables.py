@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 from tensorflow.python.util import nest
 
-from tpu_embed_ext.spec import names as derived_names, numeric_traps, optimizers
+from tpu_embed_ext.spec import names as derived_names, optimizers
 from tpu_embed_ext.spec.schedules import Schedule
 from tpu_embed_ext import errors
 from tpu_embed_ext.tf import config as tf_config, optimizers as tf_optimizers, rates
@@ -64,18 +64,10 @@ def from_spec(spec, step, rules: EngineRules):
   read back from TensorFlow's objects.
   """
   binder = rates.RateBinder(step)
-  feature_config = tf_config.feature_config(spec, binder=binder)
-  resolved = {}
-  for table in spec.tables:
-    own = spec.optimizer_for(table.name)
-    # The rate as TensorFlow's optimizer takes it; bias correction is folded
-    # into it (tf/optimizers.py _NOT_IN_TF). The spec was checked with its
-    # own rate (spec/numeric_traps.py); the bound one is the same values.
-    changes = {"learning_rate": binder.rate(own)}
-    if getattr(own, "bias_correction", False):
-      changes["bias_correction"] = False
-    with numeric_traps.skip_checks():
-      resolved[table.name] = dataclasses.replace(own, **changes)
+  own = {t.name: spec.optimizer_for(t.name) for t in spec.tables}
+  feature_config = tf_config.feature_config(spec, binder=binder,
+                                            table_optimizers=own)
+  resolved = {name: o.with_bound_rate(binder.rate(o)) for name, o in own.items()}
   tables, features = resolve_all(feature_config, None, rules, resolved)
   return feature_config, tables, features
 

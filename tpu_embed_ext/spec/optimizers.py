@@ -7,14 +7,19 @@ and the right fix, plus the ones TensorFlow leaves to the TPU runtime, and the
 numeric traps of numeric_traps.py: values that would write NaN or Inf).
 
 Specs are values: equal fields mean equal specs, they can be hashed, and
-nothing here ever mutates a TensorFlow object. tf_optimizers.py, which
+nothing here ever mutates a TensorFlow object. tf/optimizers.py, which
 imports this module (never the reverse), builds a fresh TF optimizer from a
 spec (``to_tf``) and reads one back (``from_tf``), so the CPU engine accepts
 either.
+
+Each class holds its optimizer's facts (see ``OptimizerSpec``'s class
+variables; tests/test_optimizer_rows.py fails when one is missing); its
+update is its row in emulation/optimizer_rows.py.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import numbers
@@ -28,6 +33,8 @@ from tpu_embed_ext.spec import numeric_traps
 # LearningRateSchedule or spec.schedules.Schedule, both called with a step).
 LearningRate = Union[float, Callable[..., Any]]
 ClipValue = Union[float, Tuple[Optional[float], Optional[float]]]
+Names = Tuple[str, ...]
+Traps = Tuple[numeric_traps.Trap, ...]
 
 __all__ = [
     "OptimizerSpec", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL",
@@ -81,8 +88,15 @@ class OptimizerSpec:
   clip_gradient_max: dataclasses.InitVar[Optional[float]] = None
   """The v1 upper side of ``clipvalue``, as ``clip_gradient_min``."""
 
+  # Each optimizer's facts: its `type` in a config, its slots, its class in
+  # tf.tpu.experimental.embedding by name (tf/optimizers.py resolves it; no
+  # TensorFlow here), its own numeric traps (run after numeric_traps.COMMON)
+  # and the fields `plan` prints even at their defaults.
   type_name: ClassVar[str] = ""
-  slot_names: ClassVar[Tuple[str, ...]] = ()
+  slot_names: ClassVar[Names] = ()
+  tf_class: ClassVar[str] = ""
+  traps: ClassVar[Optional[Traps]] = None
+  plan_settings: ClassVar[Optional[Names]] = None
 
   def __post_init__(self, clip_gradient_min=None, clip_gradient_max=None):
     self._merge_v1_clip(clip_gradient_min, clip_gradient_max)
@@ -217,6 +231,20 @@ class OptimizerSpec:
   def has_dynamic_learning_rate(self) -> bool:
     return callable(self.learning_rate)
 
+  @property
+  def bias_correction_betas(self) -> Optional[Tuple[float, float]]:
+    """``(beta_1, beta_2)`` when the rate carries Adam's bias correction."""
+    return None
+
+  def with_bound_rate(self, rate) -> "OptimizerSpec":
+    """This spec with ``rate``, the number or zero-arg callable tf/rates.py's
+    ``RateBinder`` made of its rate (a schedule bound to a step, Adam's bias
+    correction folded in), for the engine's tables. No check runs again: they
+    ran on this spec's own rate, which ``rate`` computes."""
+    bound = copy.copy(self)
+    object.__setattr__(bound, "learning_rate", rate)
+    return bound
+
   def replace(self, **changes) -> "OptimizerSpec":
     return dataclasses.replace(self, **changes)
 
@@ -236,6 +264,9 @@ class SGD(OptimizerSpec):
 
   learning_rate: LearningRate = 0.01
   type_name: ClassVar[str] = "sgd"
+  tf_class: ClassVar[str] = "SGD"
+  traps: ClassVar[Traps] = ()
+  plan_settings: ClassVar[Names] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -246,7 +277,10 @@ class Adagrad(OptimizerSpec):
   """Initial value of the ``accumulators`` slot; must be > 0."""
 
   type_name: ClassVar[str] = "adagrad"
-  slot_names: ClassVar[Tuple[str, ...]] = ("accumulators",)
+  slot_names: ClassVar[Names] = ("accumulators",)
+  tf_class: ClassVar[str] = "Adagrad"
+  traps: ClassVar[Traps] = (numeric_traps.ADAGRAD_ACCUMULATOR_START,)
+  plan_settings: ClassVar[Names] = ("initial_accumulator_value",)
 
   def _check_fields(self):
     self._check_positive("initial_accumulator_value",
@@ -272,7 +306,13 @@ class AdagradMomentum(OptimizerSpec):
   """Offset added to the accumulator before the power (not an initial value)."""
 
   type_name: ClassVar[str] = "adagrad_momentum"
-  slot_names: ClassVar[Tuple[str, ...]] = ("accumulators", "momenta")
+  slot_names: ClassVar[Names] = ("accumulators", "momenta")
+  tf_class: ClassVar[str] = "AdagradMomentum"
+  traps: ClassVar[Traps] = (numeric_traps.ADAGRAD_MOMENTUM_BETA2,
+                            numeric_traps.EPSILON_POWER,
+                            numeric_traps.MOMENTUM_GROWTH)
+  plan_settings: ClassVar[Names] = ("momentum", "use_nesterov", "exponent",
+                                    "beta2", "epsilon")
 
   def _check_fields(self):
     self._check_bool("use_nesterov")
@@ -307,7 +347,11 @@ class Adam(OptimizerSpec):
   """Fold Adam's bias correction into a dynamic learning rate."""
 
   type_name: ClassVar[str] = "adam"
-  slot_names: ClassVar[Tuple[str, ...]] = ("momenta", "velocities")
+  slot_names: ClassVar[Names] = ("momenta", "velocities")
+  tf_class: ClassVar[str] = "Adam"
+  traps: ClassVar[Traps] = (numeric_traps.ADAM_BETAS, numeric_traps.ADAM_EPSILON)
+  plan_settings: ClassVar[Names] = ("beta_1", "beta_2", "epsilon", "lazy_adam",
+                                    "bias_correction")
 
   def _check_fields(self):
     for name in ("lazy_adam", "sum_inside_sqrt", "bias_correction"):
@@ -321,6 +365,16 @@ class Adam(OptimizerSpec):
           "use_gradient_accumulation=False. Fix: set "
           "use_gradient_accumulation=True, or lazy_adam=True.",
           path="lazy_adam")
+
+  @property
+  def bias_correction_betas(self) -> Optional[Tuple[float, float]]:
+    return (self.beta_1, self.beta_2) if self.bias_correction else None
+
+  def with_bound_rate(self, rate) -> "Adam":
+    """The bias correction is folded into ``rate``, so it is off here."""
+    bound = super().with_bound_rate(rate)
+    object.__setattr__(bound, "bias_correction", False)
+    return bound
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -341,7 +395,14 @@ class FTRL(OptimizerSpec):
   """Deprecated by TensorFlow; kept for the proto, has no effect."""
 
   type_name: ClassVar[str] = "ftrl"
-  slot_names: ClassVar[Tuple[str, ...]] = ("accumulators", "linears")
+  slot_names: ClassVar[Names] = ("accumulators", "linears")
+  tf_class: ClassVar[str] = "FTRL"
+  traps: ClassVar[Traps] = (numeric_traps.FTRL_ACCUMULATOR_START,
+                            numeric_traps.FTRL_POWER,
+                            numeric_traps.FTRL_DIVIDES_BY_LR)
+  plan_settings: ClassVar[Names] = (
+      "learning_rate_power", "l1_regularization_strength",
+      "l2_regularization_strength", "beta", "multiply_linear_by_learning_rate")
 
   def _check_fields(self):
     for name in ("multiply_linear_by_learning_rate", "allow_zero_accumulator"):

@@ -38,7 +38,8 @@ def _initializer(table):
   return tf.constant_initializer(init["value"])
 
 
-def feature_config(spec, step=None, binder=None) -> Dict[str, Any]:
+def feature_config(spec, step=None, binder=None,
+                   table_optimizers=None) -> Dict[str, Any]:
   """Fresh ``{feature: tf.tpu.experimental.embedding.FeatureConfig}`` of an
   ``EmbeddingSpec`` (``tpu_embed_ext.feature_config``, and
   ``EmbeddingSpec.feature_config``): TensorFlow's objects, for
@@ -47,11 +48,14 @@ def feature_config(spec, step=None, binder=None) -> Dict[str, Any]:
   Schedules (and Adam's bias correction) become zero-arg callables reading
   ``step`` (``rates.RateBinder``; ``binder``: one already made for it), one
   per distinct rate, so TensorFlow gives tables sharing a rate one tag.
+  ``table_optimizers``: ``{table name: spec.optimizer_for(name)}``, when the caller
+  has resolved them already (their checks and warnings then run once).
   """
   binder = binder or rates.RateBinder(step)
   tables = {}
   for t in spec.tables:
-    resolved = spec.optimizer_for(t.name)
+    resolved = (table_optimizers[t.name] if table_optimizers is not None
+                else spec.optimizer_for(t.name))
     quantization = None
     if t.quantization:
       quantization = _api.QuantizationConfig(**t.quantization)

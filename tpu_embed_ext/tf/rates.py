@@ -47,11 +47,9 @@ class RateBinder:
     self._rates: Dict[Any, Callable[[], tf.Tensor]] = {}
 
   def rate(self, spec):
-    """``spec``: an optimizer spec (spec/optimizers.py; only Adam has
-    ``bias_correction``)."""
+    """``spec``: an optimizer spec (spec/optimizers.py)."""
     lr = spec.learning_rate
-    betas = ((spec.beta_1, spec.beta_2) if getattr(spec, "bias_correction", False)
-             else None)
+    betas = spec.bias_correction_betas
     if betas is None and not isinstance(lr, Schedule):
       return lr if callable(lr) else float(lr)
     key = (lr if isinstance(lr, (Schedule, numbers.Real)) else id(lr), betas)
