@@ -50,6 +50,33 @@ def test_the_package_and_the_tests_list_the_same_optimizers():
     assert optimizer_rows.row(spec).slot_names == tuple(references.REFERENCES[name].slots)
 
 
+def test_each_optimizer_holds_its_facts():
+  """Every optimizer class holds its facts (spec/optimizers.py): TensorFlow's
+  class, plan settings that are its fields, and its own numeric traps, which
+  are checks the plan lists and which its check_own_traps runs."""
+  from tensorflow.python.tpu import tpu_embedding_v2_utils as tf_utils
+  from tpu_embed_ext.spec import numeric_traps
+  from tpu_embed_ext.tf import optimizers as tf_optimizers
+  own_traps = {c for c in numeric_traps.CHECKS if c not in numeric_traps.COMMON}
+  used = set()
+  for name, cls in opt.TYPES.items():
+    assert cls.tf_class, name
+    tf_class = getattr(tf_utils, cls.tf_class)
+    assert tf_optimizers._tf_classes()[cls] is tf_class  # pylint: disable=protected-access
+    assert type(tf_optimizers.to_tf(CASES[name])) is tf_class
+    fields = set(opt.field_names(cls))
+    assert cls.plan_settings or cls is opt.SGD, name
+    assert set(cls.plan_settings) <= fields, name
+    assert set(cls.numeric_traps) <= own_traps, name
+    assert (cls.check_own_traps is not opt.OptimizerSpec.check_own_traps) == bool(
+        cls.numeric_traps), name
+    assert list(numeric_traps.checks_for(CASES[name])) == [
+        c for c in numeric_traps.CHECKS
+        if c in numeric_traps.COMMON or c in cls.numeric_traps]
+    used |= set(cls.numeric_traps)
+  assert used == own_traps  # every own trap belongs to some optimizer
+
+
 def _batches():
   """Per step, two replicas' (ids, gradients); ids repeat within and across."""
   rng = np.random.RandomState(11)

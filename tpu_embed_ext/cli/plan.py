@@ -33,15 +33,6 @@ _SPARSECORE_IGNORES = (
      "low-dimensional packing"),
 )
 
-_KEY_SETTINGS = {
-    optimizers.Adagrad: ("initial_accumulator_value",),
-    optimizers.AdagradMomentum: ("momentum", "use_nesterov", "exponent", "beta2",
-                                 "epsilon"),
-    optimizers.Adam: ("beta_1", "beta_2", "epsilon", "lazy_adam", "bias_correction"),
-    optimizers.FTRL: ("learning_rate_power", "l1_regularization_strength",
-                      "l2_regularization_strength", "beta",
-                      "multiply_linear_by_learning_rate"),
-}
 _COMMON_SETTINGS = ("clipvalue", "clip_weight_min", "clip_weight_max",
                     "weight_decay_factor")
 _SHORT = {"initial_accumulator_value": "init_acc", "learning_rate_power": "lr_power",
@@ -139,12 +130,12 @@ class Plan:
     return out
 
   def _settings(self, o: optimizers.OptimizerSpec) -> str:
-    names = _KEY_SETTINGS.get(type(o), ()) + _COMMON_SETTINGS
+    names = o.plan_settings + _COMMON_SETTINGS
     parts = []
     for name in names:
       value = getattr(o, name)
       default = type(o).__dataclass_fields__[name].default
-      if name in _KEY_SETTINGS.get(type(o), ()) or value != default:
+      if name in o.plan_settings or value != default:
         if value is None:
           continue
         parts.append(f"{_SHORT.get(name, name)}={value:g}" if isinstance(value, float)
@@ -181,7 +172,7 @@ class Plan:
     for check, tables in self.numeric_checks.items():
       where = ("every table" if len(tables) == len(self.tables)
                else ", ".join(tables))
-      out.append(f"  {check}: {numeric_traps.CHECKS[check][1]} ({where})")
+      out.append(f"  {check}: {numeric_traps.CHECKS[check]} ({where})")
     if self.numeric_warnings:
       out += ["", "numeric notes:"] + [f"  {w}" for w in self.numeric_warnings]
     if self.warnings and sparsecore_notes:

@@ -37,7 +37,8 @@ from tpu_embed_ext import errors
 from tpu_embed_ext.spec import schedules
 
 __all__ = ["NumericTrapError", "NumericTrapWarning", "check_optimizer", "skip_checks",
-           "checks_for", "rate_samples", "CHECKS", "MAX_LEARNING_RATE"]
+           "checks_for", "rate_samples", "CHECKS", "COMMON", "MAX_LEARNING_RATE",
+           "adam", "adagrad_momentum", "accumulator_start", "ftrl"]
 
 F32_MAX = float(np.finfo(np.float32).max)
 F32_NORMAL_MIN = float(np.finfo(np.float32).tiny)  # 1.18e-38
@@ -47,26 +48,24 @@ gradient (Adagrad: by up to the rate itself); the forward pass then squares
 such weights and float32 overflows. No embedding optimizer needs it: it is
 treated as a typo."""
 
-# id -> (optimizers it applies to, what it checks): plan lists these.
+# id -> what it checks: plan lists these. The first three apply to every
+# optimizer (COMMON); the others are an optimizer's own, named by its
+# class's numeric_traps (spec/optimizers.py).
 CHECKS = {
-    "float32_range": ("all", "every hyperparameter is finite in float32"),
-    "learning_rate_bound": ("all", f"learning rate <= {MAX_LEARNING_RATE:g} at "
-                            "every step"),
-    "weight_decay": ("all", "weight decay factor (x lr) < 2 at every step, "
-                     "warned from 1"),
-    "beta_rounds_to_one": ("adam, adagrad_momentum",
-                           "betas stay below 1 in float32"),
-    "accumulator_start": ("adagrad, ftrl",
-                          "initial_accumulator_value is a normal float32"),
-    "epsilon_power": ("adagrad_momentum",
-                      "epsilon^(-1/exponent) is finite in float32"),
-    "momentum_growth": ("adagrad_momentum", "momentum <= 1, warned at 1"),
-    "adam_epsilon": ("adam", "epsilon^2 (or epsilon) is a normal float32"),
-    "ftrl_divides_by_lr": ("ftrl", "learning rate > 0 at every step unless "
+    "float32_range": "every hyperparameter is finite in float32",
+    "learning_rate_bound": f"learning rate <= {MAX_LEARNING_RATE:g} at every step",
+    "weight_decay": "weight decay factor (x lr) < 2 at every step, warned from 1",
+    "beta_rounds_to_one": "betas stay below 1 in float32",
+    "accumulator_start": "initial_accumulator_value is a normal float32",
+    "epsilon_power": "epsilon^(-1/exponent) is finite in float32",
+    "momentum_growth": "momentum <= 1, warned at 1",
+    "adam_epsilon": "epsilon^2 (or epsilon) is a normal float32",
+    "ftrl_divides_by_lr": ("learning rate > 0 at every step unless "
                            "multiply_linear_by_learning_rate"),
-    "ftrl_power": ("ftrl", "initial_accumulator_value^(-learning_rate_power) "
-                   "is a normal float32; warned for a power below -1"),
+    "ftrl_power": ("initial_accumulator_value^(-learning_rate_power) is a normal "
+                   "float32; warned for a power below -1"),
 }
+COMMON = ("float32_range", "learning_rate_bound", "weight_decay")
 
 _unchecked = contextvars.ContextVar("tpu_embed_ext_numeric_unchecked",
                                     default=False)
@@ -210,7 +209,8 @@ def _beta_below_one(spec, name, fix):
                 f"{fix}", "use at most 0.9999999 (or exactly 1 where allowed)")
 
 
-def _adam(spec):
+def adam(spec):
+  """Adam's traps: betas that round to 1, an epsilon that flushes to 0."""
   _beta_below_one(spec, "beta_1", "the first moment m <- 1 * m + 0 * g never "
                   "leaves 0 and the table never trains")
   _beta_below_one(spec, "beta_2", "the second moment v <- 1 * v + 0 * g^2 stays 0, "
@@ -228,7 +228,8 @@ def _adam(spec):
                 "without); the default is 1e-7")
 
 
-def _adagrad_momentum(spec):
+def adagrad_momentum(spec):
+  """AdagradMomentum's traps: beta2, epsilon^(-1/exponent), momentum."""
   if spec.beta2 != 1.0:
     _beta_below_one(spec, "beta2", "the TPU then sums squares (its beta2 == 1 "
                     "branch, Adagrad) while the spec asks for a moving average")
@@ -257,19 +258,20 @@ def _adagrad_momentum(spec):
         NumericTrapWarning, stacklevel=4)
 
 
-def _accumulator_start(spec):
+def accumulator_start(spec, nan_formula: str):
+  """Adagrad's and FTRL's trap: an accumulator start that flushes to 0
+  (``nan_formula``: the division that then writes NaN)."""
   init = spec.initial_accumulator_value
   if _f32(init) < F32_NORMAL_MIN:
     raise _fail("initial_accumulator_value",
                 f"initial_accumulator_value={init!r} is {_f32(init):g} in float32 "
                 "(the TPU flushes values below 1.2e-38 to 0): the accumulator "
-                "starts at 0 and a zero gradient on a fresh row writes "
-                + ("g / sqrt(acc) = 0 / 0 = NaN" if spec.type_name == "adagrad"
-                   else "w = N / D = 0 / 0 = NaN"),
+                f"starts at 0 and a zero gradient on a fresh row writes {nan_formula}",
                 "use a small positive value such as 0.1")
 
 
-def _ftrl(spec, samples):
+def ftrl(spec, samples):
+  """FTRL's traps: its power of the accumulator start, division by lr."""
   init, k = spec.initial_accumulator_value, -spec.learning_rate_power
   with np.errstate(over="ignore", under="ignore"):
     start = float(np.power(np.float32(init), np.float32(k)))
@@ -329,13 +331,13 @@ def _first_bad(learning_rate, good: int, t: int, lr: float, bad):
 
 
 def check_optimizer(spec) -> None:
-  """Raises NumericTrapError (warns NumericTrapWarning) for ``spec``'s traps."""
+  """Raises NumericTrapError (warns NumericTrapWarning) for ``spec``'s traps:
+  those of every optimizer, then its own (``spec.check_own_traps``)."""
   if _unchecked.get():
     return
-  kind = spec.type_name
   _float32_range(spec)
   betas = ((spec.beta_1, spec.beta_2)
-           if kind == "adam" and getattr(spec, "bias_correction", False) else None)
+           if getattr(spec, "bias_correction", False) else None)
   # The bound is on the rate itself: Adam's bias correction multiplies it by
   # sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1)) but m by (1 - beta_1^(t+1)),
   # so the step stays about lr (and the factor is finite: beta_1 < 1).
@@ -344,17 +346,10 @@ def check_optimizer(spec) -> None:
     _learning_rate(spec, base)
   samples = rate_samples(spec.learning_rate, betas) if betas else base
   _weight_decay(spec, samples or [])
-  if kind == "adam":
-    _adam(spec)
-  elif kind == "adagrad_momentum":
-    _adagrad_momentum(spec)
-  elif kind in ("adagrad", "ftrl"):
-    _accumulator_start(spec)
-  if kind == "ftrl":
-    _ftrl(spec, samples)
+  spec.check_own_traps(samples)
 
 
 def checks_for(spec) -> Sequence[str]:
   """The ids of ``CHECKS`` that apply to ``spec`` (for the plan)."""
-  return [name for name, (kinds, _) in CHECKS.items()
-          if kinds == "all" or spec.type_name in kinds.split(", ")]
+  return [name for name in CHECKS
+          if name in COMMON or name in spec.numeric_traps]

@@ -81,8 +81,20 @@ class OptimizerSpec:
   clip_gradient_max: dataclasses.InitVar[Optional[float]] = None
   """The v1 upper side of ``clipvalue``, as ``clip_gradient_min``."""
 
+  # The optimizer's facts, each held here once (tests/test_optimizer_rows.py
+  # fails when an optimizer lacks one; its update math is
+  # emulation/optimizer_rows.py's row of the class):
   type_name: ClassVar[str] = ""
+  """Its name in configs (``type:``) and in the plan."""
   slot_names: ClassVar[Tuple[str, ...]] = ()
+  """Its slot variables, in TensorFlow's order and names."""
+  tf_class: ClassVar[str] = ""
+  """Its class in ``tf.tpu.experimental.embedding`` (tf/optimizers.py)."""
+  plan_settings: ClassVar[Tuple[str, ...]] = ()
+  """Its own fields the plan always shows (others only when not default)."""
+  numeric_traps: ClassVar[Tuple[str, ...]] = ()
+  """The ids of its own numeric traps (``numeric_traps.CHECKS``), which
+  ``check_own_traps`` checks after those of every optimizer."""
 
   def __post_init__(self, clip_gradient_min=None, clip_gradient_max=None):
     self._merge_v1_clip(clip_gradient_min, clip_gradient_max)
@@ -105,6 +117,10 @@ class OptimizerSpec:
     self._check_clipvalue()
     self._check_fields()
     numeric_traps.check_optimizer(self)
+
+  def check_own_traps(self, samples) -> None:
+    """Its own numeric traps (``numeric_traps``), given the rate's samples."""
+    del samples
 
   def _check_fields(self):
     """The checks of a subclass's own fields (TensorFlow's, with our messages)."""
@@ -236,6 +252,7 @@ class SGD(OptimizerSpec):
 
   learning_rate: LearningRate = 0.01
   type_name: ClassVar[str] = "sgd"
+  tf_class: ClassVar[str] = "SGD"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -247,6 +264,12 @@ class Adagrad(OptimizerSpec):
 
   type_name: ClassVar[str] = "adagrad"
   slot_names: ClassVar[Tuple[str, ...]] = ("accumulators",)
+  tf_class: ClassVar[str] = "Adagrad"
+  plan_settings: ClassVar[Tuple[str, ...]] = ("initial_accumulator_value",)
+  numeric_traps: ClassVar[Tuple[str, ...]] = ("accumulator_start",)
+
+  def check_own_traps(self, samples):
+    numeric_traps.accumulator_start(self, "g / sqrt(acc) = 0 / 0 = NaN")
 
   def _check_fields(self):
     self._check_positive("initial_accumulator_value",
@@ -273,6 +296,14 @@ class AdagradMomentum(OptimizerSpec):
 
   type_name: ClassVar[str] = "adagrad_momentum"
   slot_names: ClassVar[Tuple[str, ...]] = ("accumulators", "momenta")
+  tf_class: ClassVar[str] = "AdagradMomentum"
+  plan_settings: ClassVar[Tuple[str, ...]] = ("momentum", "use_nesterov", "exponent",
+                                               "beta2", "epsilon")
+  numeric_traps: ClassVar[Tuple[str, ...]] = ("beta_rounds_to_one", "epsilon_power",
+                                               "momentum_growth")
+
+  def check_own_traps(self, samples):
+    numeric_traps.adagrad_momentum(self)
 
   def _check_fields(self):
     self._check_bool("use_nesterov")
@@ -308,6 +339,13 @@ class Adam(OptimizerSpec):
 
   type_name: ClassVar[str] = "adam"
   slot_names: ClassVar[Tuple[str, ...]] = ("momenta", "velocities")
+  tf_class: ClassVar[str] = "Adam"
+  plan_settings: ClassVar[Tuple[str, ...]] = ("beta_1", "beta_2", "epsilon",
+                                               "lazy_adam", "bias_correction")
+  numeric_traps: ClassVar[Tuple[str, ...]] = ("beta_rounds_to_one", "adam_epsilon")
+
+  def check_own_traps(self, samples):
+    numeric_traps.adam(self)
 
   def _check_fields(self):
     for name in ("lazy_adam", "sum_inside_sqrt", "bias_correction"):
@@ -342,6 +380,16 @@ class FTRL(OptimizerSpec):
 
   type_name: ClassVar[str] = "ftrl"
   slot_names: ClassVar[Tuple[str, ...]] = ("accumulators", "linears")
+  tf_class: ClassVar[str] = "FTRL"
+  plan_settings: ClassVar[Tuple[str, ...]] = (
+      "learning_rate_power", "l1_regularization_strength",
+      "l2_regularization_strength", "beta", "multiply_linear_by_learning_rate")
+  numeric_traps: ClassVar[Tuple[str, ...]] = ("accumulator_start", "ftrl_divides_by_lr",
+                                               "ftrl_power")
+
+  def check_own_traps(self, samples):
+    numeric_traps.accumulator_start(self, "w = N / D = 0 / 0 = NaN")
+    numeric_traps.ftrl(self, samples)
 
   def _check_fields(self):
     for name in ("multiply_linear_by_learning_rate", "allow_zero_accumulator"):

@@ -12,7 +12,7 @@ from typing import Optional
 
 from tpu_embed_ext import errors
 from tpu_embed_ext.spec import numeric_traps
-from tpu_embed_ext.spec.optimizers import (FTRL, SGD, Adagrad, AdagradMomentum, Adam,
+from tpu_embed_ext.spec.optimizers import (TYPES,
                                       LearningRate, OptimizerSpec, field_names)
 
 __all__ = ["to_tf", "from_tf", "as_spec"]
@@ -23,10 +23,9 @@ def _is_number(x) -> bool:
 
 
 def _tf_classes():
+  """``{our spec class: TensorFlow's}``, by each class's ``tf_class``."""
   from tensorflow.python.tpu import tpu_embedding_v2_utils as tf_utils
-  return {SGD: tf_utils.SGD, Adagrad: tf_utils.Adagrad,
-          AdagradMomentum: tf_utils.AdagradMomentum, Adam: tf_utils.Adam,
-          FTRL: tf_utils.FTRL}
+  return {cls: getattr(tf_utils, cls.tf_class) for cls in TYPES.values()}
 
 # Fields of our specs that the TF optimizer does not take, and how their effect
 # reaches the TPU instead.
