@@ -35,7 +35,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from benchmarks import workloads
+from benchmarks import round_robin, workloads
 from tpu_embed_ext.host import atomic
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -187,9 +187,9 @@ def main():
   print(text)
   if not args.quick:
     plot(results, os.path.join(args.out, "w1.png"))
-    path = os.path.join(HERE, "RESULTS.md")
-    head = open(path).read().split(MARK)[0] if os.path.exists(path) else ""
-    atomic.write_text(path, head + MARK + "\n" + text)
+    # Only the tables between the two marks: the sections after them are
+    # other benchmarks' (replicas, emulation, job_tpu).
+    round_robin.write_section(os.path.join(HERE, "RESULTS.md"), MARK, text.rstrip("\n"))
 
 
 def _ms(x):

@@ -599,8 +599,8 @@ def test_tpu_embedding_is_the_adapter_under_the_strategy():
     assert type(embedding) is mid_level.TPUEmbedding
     assert isinstance(embedding, tpu_embedding_v2.TPUEmbedding)
     assert not isinstance(embedding, real)
-    from tpu_embed_ext.keras import layer
-    assert layer._engine_kind(embedding) == "tpu_v1"  # pylint: disable=protected-access
+    from tpu_embed_ext.keras import adapters
+    assert type(adapters.for_engine(embedding, "e")) is adapters.TPUEmbeddingAdapter
     with strategy.scope():
       created = tee_create_embedding(_feature_config(), _EMB.SGD(0.1))
     assert type(created) is mid_level.TPUEmbedding

@@ -185,3 +185,22 @@ def test_violations_are_found(body, expected):
   allowed = set(engine.HOOKS) | set(engine.TENSORFLOW_PRIVATE_API)
   found = violations({"x.py": source}, engine_private(), allowed)
   assert [what for _, _, what in found] == expected
+
+
+def test_the_engines_differences_are_read_from_rules_not_strings():
+  """No ``== "v1"``/``"v2"`` in the engine, the emulated TPU, the layer or
+  SparseCore: they read ``EngineRules`` fields (emulation/rules.py). Only
+  ``dispatch.create_embedding`` reads a user's ``engine=`` string."""
+  import re  # pylint: disable=g-import-not-at-top
+  compare = re.compile(r'[=!]=\s*["\']v[12]["\']|["\']v[12]["\']\s*[=!]=')
+  found = []
+  for package in ("emulation", "emulated_tpu", "keras", "sparsecore"):
+    for directory, _, files in os.walk(os.path.join(ROOT, "tpu_embed_ext", package)):
+      for name in files:
+        if name.endswith(".py"):
+          path = os.path.join(directory, name)
+          with open(path) as f:
+            found += [f"{os.path.relpath(path, ROOT)}:{i}"
+                      for i, line in enumerate(f, 1) if compare.search(line)]
+  assert [f.split(":")[0] for f in found] == [
+      "tpu_embed_ext/emulation/dispatch.py"], found

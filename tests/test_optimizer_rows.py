@@ -8,7 +8,6 @@ must match the numpy reference to float32 rounding, and match each other bit
 for bit. The C++ enums must agree with the row table's native encoding.
 """
 
-import dataclasses
 import pathlib
 import re
 
@@ -16,8 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tpu_embed_ext.spec import numeric_traps, optimizers as opt
-from tpu_embed_ext.tf import optimizers as tf_optimizers
+from tpu_embed_ext.spec import optimizers as opt
 from tpu_embed_ext.emulation import (check_runner, native, optimizer_rows,
                                      payloads as payloads_lib, rules,
                                      step_pipeline, updates)
@@ -52,40 +50,31 @@ def test_the_package_and_the_tests_list_the_same_optimizers():
     assert optimizer_rows.row(spec).slot_names == tuple(references.REFERENCES[name].slots)
 
 
-def _missing_facts(cls):
-  """The facts an optimizer class lacks: its numeric traps, its TensorFlow
-  class, its plan settings, its update row (spec/optimizers.py lists them)."""
-  missing = []
-  if cls.traps is None or not all(
-      isinstance(t, numeric_traps.Trap) and t.id in numeric_traps.CHECKS
-      for t in cls.traps):
-    missing.append("traps")
-  tf_class = getattr(tf.tpu.experimental.embedding, cls.tf_class or "-", None)
-  if not isinstance(tf_class, type):
-    missing.append("tf_class")
-  if cls.plan_settings is None or not set(cls.plan_settings) <= set(
-      opt.field_names(cls)):
-    missing.append("plan_settings")
-  if cls not in optimizer_rows.ROWS:
-    missing.append("update row")
-  return missing
-
-
-@pytest.mark.parametrize("cls", list(opt.TYPES.values()), ids=list(opt.TYPES))
-def test_each_optimizer_holds_all_its_facts(cls):
-  assert not _missing_facts(cls), f"{cls.__name__} lacks {_missing_facts(cls)}"
-  assert type(tf_optimizers.to_tf(cls())) is getattr(
-      tf.tpu.experimental.embedding, cls.tf_class)
-  assert optimizer_rows.ROWS[cls].spec is cls
-
-
-def test_an_optimizer_without_its_facts_is_found():
-  @dataclasses.dataclass(frozen=True, kw_only=True)
-  class Bare(opt.OptimizerSpec):
-    type_name = "bare"
-
-  assert _missing_facts(Bare) == ["traps", "tf_class", "plan_settings",
-                                  "update row"]
+def test_each_optimizer_holds_its_facts():
+  """Every optimizer class holds its facts (spec/optimizers.py): TensorFlow's
+  class, plan settings that are its fields, and its own numeric traps, which
+  are checks the plan lists and which its check_own_traps runs."""
+  from tensorflow.python.tpu import tpu_embedding_v2_utils as tf_utils
+  from tpu_embed_ext.spec import numeric_traps
+  from tpu_embed_ext.tf import optimizers as tf_optimizers
+  own_traps = {c for c in numeric_traps.CHECKS if c not in numeric_traps.COMMON}
+  used = set()
+  for name, cls in opt.TYPES.items():
+    assert cls.tf_class, name
+    tf_class = getattr(tf_utils, cls.tf_class)
+    assert tf_optimizers._tf_classes()[cls] is tf_class  # pylint: disable=protected-access
+    assert type(tf_optimizers.to_tf(CASES[name])) is tf_class
+    fields = set(opt.field_names(cls))
+    assert cls.plan_settings or cls is opt.SGD, name
+    assert set(cls.plan_settings) <= fields, name
+    assert set(cls.numeric_traps) <= own_traps, name
+    assert (cls.check_own_traps is not opt.OptimizerSpec.check_own_traps) == bool(
+        cls.numeric_traps), name
+    assert list(numeric_traps.checks_for(CASES[name])) == [
+        c for c in numeric_traps.CHECKS
+        if c in numeric_traps.COMMON or c in cls.numeric_traps]
+    used |= set(cls.numeric_traps)
+  assert used == own_traps  # every own trap belongs to some optimizer
 
 
 def _batches():

@@ -33,8 +33,6 @@ _SPARSECORE_IGNORES = (
      "low-dimensional packing"),
 )
 
-# Each optimizer's own key settings are its class's plan_settings
-# (spec/optimizers.py); these follow them when set.
 _COMMON_SETTINGS = ("clipvalue", "clip_weight_min", "clip_weight_max",
                     "weight_decay_factor")
 _SHORT = {"initial_accumulator_value": "init_acc", "learning_rate_power": "lr_power",
@@ -132,8 +130,9 @@ class Plan:
     return out
 
   def _settings(self, o: optimizers.OptimizerSpec) -> str:
+    names = o.plan_settings + _COMMON_SETTINGS
     parts = []
-    for name in o.plan_settings + _COMMON_SETTINGS:
+    for name in names:
       value = getattr(o, name)
       default = type(o).__dataclass_fields__[name].default
       if name in o.plan_settings or value != default:

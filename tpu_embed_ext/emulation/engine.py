@@ -77,10 +77,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
       raise (``TPUEmbedding`` under a ``TPUStrategy`` refuses None).
     pipeline_execution_with_tensor_core: accepted for signature parity; it
       only changes scheduling on a TPU, not results.
-    engine: ``"v1"`` emulates ``TPUEmbedding`` (TPU v2-v4); ``"v2"`` emulates
-      ``TPUEmbeddingV2`` (SparseCore), which ignores weight clipping,
-      ``clipvalue``, ``use_gradient_accumulation`` and ``lazy_adam`` and
-      rejects weight decay (docs/semantics.md, engine v1 and v2).
+    engine: ``"v1"`` emulates ``TPUEmbedding`` (TPU v2-v4), ``"v2"``
+      ``TPUEmbeddingV2`` (SparseCore); their differences are ``rules.py``'s.
     validate: check ids, shapes and gradients on every step (one reduction
       per feature; on by default).
     topology: with ``engine="v2"``, a SparseCore topology ("v5p:4", a
@@ -374,19 +372,8 @@ class CPUEmbedding(autotrackable.AutoTrackable):
   def _inputs(self, features, weights):
     """A batch's structures checked; ``(ids, weights)``, one per feature."""
     self._replicas.check_not_compiled_across_devices()
-    structure_checks.check_structure(
-        self._feature_config, "features", features,
-        "pass one entry per FeatureConfig "
-        f"({', '.join(f.path for f in self._features)}), in the same "
-        "containers.")
-    flat = tf.nest.flatten(features, expand_composites=False)
-    flat_weights = [None] * len(flat)
-    if weights is not None:
-      structure_checks.check_structure(
-          self._feature_config, "weights", weights,
-          "give weights the structure of features (None entries allowed).")
-      flat_weights = tf.nest.flatten(weights)
-    return [lookups.as_ids(f.where, x) for f, x in zip(self._features, flat)], list(flat_weights)
+    return input_checks.flat_inputs(self._feature_config, self._features,
+                                    features, weights)
 
   def _limited(self, pending: protocol.Pending, replica=None) -> protocol.Pending:
     """``pending`` with SparseCore's input limits applied (with a topology),

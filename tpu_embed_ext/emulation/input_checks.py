@@ -36,7 +36,8 @@ from tpu_embed_ext.emulation import (check_runner, checks, lookups, protocol,
                                       rules as rules_lib, structure_checks)
 
 __all__ = ["CheckItems", "FeatureInput", "InputCheck", "INPUT_CHECKS", "read",
-           "feature_checks", "batch_verdict", "joined", "gated", "prepare"]
+           "feature_checks", "batch_verdict", "joined", "gated", "flat_inputs",
+           "prepare"]
 
 
 class CheckItems(NamedTuple):
@@ -241,6 +242,24 @@ class _Settings(NamedTuple):
   native: bool
   validate: bool
   strict: bool
+
+
+def flat_inputs(feature_config, features, x, weights) -> Tuple[list, list]:
+  """``(ids, weights)`` of a batch ``x`` (and its ``weights``), one entry per
+  feature of ``features`` (the engine's), once their structures are checked
+  against ``feature_config``, as ``TPUEmbedding.enqueue`` checks them first."""
+  structure_checks.check_structure(
+      feature_config, "features", x,
+      "pass one entry per FeatureConfig "
+      f"({', '.join(f.path for f in features)}), in the same containers.")
+  flat = tf.nest.flatten(x, expand_composites=False)
+  flat_weights = [None] * len(flat)
+  if weights is not None:
+    structure_checks.check_structure(
+        feature_config, "weights", weights,
+        "give weights the structure of features (None entries allowed).")
+    flat_weights = list(tf.nest.flatten(weights))
+  return [lookups.as_ids(f.where, ids) for f, ids in zip(features, flat)], flat_weights
 
 
 def prepare(batches: Dict[Any, tuple], training: bool, *, features, tables,

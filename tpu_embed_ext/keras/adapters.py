@@ -72,21 +72,27 @@ class CPUAdapter:
         lambda *gs: tf.concat(gs, 0), *gradients))
 
 
-class TPUEmbeddingAdapter:
-  """``TPUEmbedding`` under a ``TPUStrategy``: one batch per step."""
+class _TPUAdapter:
+  """What both TPU engines' adapters share: one batch per step, and tables
+  that are the engine's (``TPUEmbedding`` refuses ``embedding_tables`` under
+  a ``TPUStrategy``; SparseCore's are sharded, stacked views), checkpointed
+  with it rather than as Keras weights."""
 
-  keras_weights = False  # the tables are the TPU engine's, checkpointed with it
+  keras_weights = False
 
   def __init__(self, embedding, name: str):
     self.embedding = embedding
     self.name = name
 
   def tables(self) -> List[tf.Variable]:
-    # TPUEmbedding refuses embedding_tables under a TPUStrategy.
     return []
 
   def check_call(self, step: layer_gradients.StepCalls):
     _one_call_per_step(self.name, step)
+
+
+class TPUEmbeddingAdapter(_TPUAdapter):
+  """``TPUEmbedding`` under a ``TPUStrategy``: enqueue, dequeue, apply."""
 
   def lookup(self, features, weights):
     self.embedding.enqueue(features, weights, training=False)
@@ -103,20 +109,8 @@ class TPUEmbeddingAdapter:
     _advance_step(self.embedding)
 
 
-class SparseCoreAdapter:
+class SparseCoreAdapter(_TPUAdapter):
   """``TPUEmbeddingV2`` (SparseCore): preserved outputs carry the batch."""
-
-  keras_weights = False  # sharded, stacked views: checkpointed with the engine
-
-  def __init__(self, embedding, name: str):
-    self.embedding = embedding
-    self.name = name
-
-  def tables(self) -> List[tf.Variable]:
-    return []
-
-  def check_call(self, step: layer_gradients.StepCalls):
-    _one_call_per_step(self.name, step)
 
   def lookup(self, features, weights):
     activations, _ = self.embedding(features, weights)

@@ -9,10 +9,7 @@ the emulator rejects the step, but only once training has started. Every
 check here is one row of the audit in docs/numeric-traps.md (formula, trap,
 check, test).
 
-Each optimizer class lists its own traps (``OptimizerSpec.traps``, spec/
-optimizers.py): ``Trap`` values defined here, run after the checks every
-optimizer has (``COMMON``). ``check_optimizer`` runs from every optimizer
-spec's ``__post_init__``, so
+``check_optimizer`` runs from every optimizer spec's ``__post_init__``, so
 ``EmbeddingSpec.from_dict`` / ``from_file`` and optimizer specs built in
 Python are checked. A learning-rate schedule is checked over its whole range,
 at the steps ``schedules.check_steps`` lists; a user's zero-arg callable
@@ -32,16 +29,16 @@ import contextvars
 import functools
 import math
 import warnings
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from tpu_embed_ext import errors
 from tpu_embed_ext.spec import schedules
 
-__all__ = ["NumericTrapError", "NumericTrapWarning", "Trap", "check_optimizer",
-           "skip_checks", "checks_for", "rate_samples", "CHECKS", "COMMON",
-           "MAX_LEARNING_RATE"]
+__all__ = ["NumericTrapError", "NumericTrapWarning", "check_optimizer", "skip_checks",
+           "checks_for", "rate_samples", "CHECKS", "COMMON", "MAX_LEARNING_RATE",
+           "adam", "adagrad_momentum", "accumulator_start", "ftrl"]
 
 F32_MAX = float(np.finfo(np.float32).max)
 F32_NORMAL_MIN = float(np.finfo(np.float32).tiny)  # 1.18e-38
@@ -51,8 +48,9 @@ gradient (Adagrad: by up to the rate itself); the forward pass then squares
 such weights and float32 overflows. No embedding optimizer needs it: it is
 treated as a typo."""
 
-# id -> what it checks: plan lists these. Which optimizers a check applies to
-# is theirs to say: every optimizer (COMMON), or the class's own ``traps``.
+# id -> what it checks: plan lists these. The first three apply to every
+# optimizer (COMMON); the others are an optimizer's own, named by its
+# class's numeric_traps (spec/optimizers.py).
 CHECKS = {
     "float32_range": "every hyperparameter is finite in float32",
     "learning_rate_bound": f"learning rate <= {MAX_LEARNING_RATE:g} at every step",
@@ -62,25 +60,12 @@ CHECKS = {
     "epsilon_power": "epsilon^(-1/exponent) is finite in float32",
     "momentum_growth": "momentum <= 1, warned at 1",
     "adam_epsilon": "epsilon^2 (or epsilon) is a normal float32",
-    "ftrl_divides_by_lr": "learning rate > 0 at every step unless "
-                          "multiply_linear_by_learning_rate",
-    "ftrl_power": "initial_accumulator_value^(-learning_rate_power) is a "
-                  "normal float32; warned for a power below -1",
+    "ftrl_divides_by_lr": ("learning rate > 0 at every step unless "
+                           "multiply_linear_by_learning_rate"),
+    "ftrl_power": ("initial_accumulator_value^(-learning_rate_power) is a normal "
+                   "float32; warned for a power below -1"),
 }
-# The checks every optimizer has, run by check_optimizer before its own.
 COMMON = ("float32_range", "learning_rate_bound", "weight_decay")
-
-
-class Trap(NamedTuple):
-  """One optimizer's check of its own values (``OptimizerSpec.traps``).
-
-  ``check(spec, samples)`` raises NumericTrapError, or warns
-  NumericTrapWarning; ``samples`` are the rate's ``[(step, float32 rate)]``,
-  Adam's bias correction included, or None for a user's callable.
-  """
-  id: str  # its key in CHECKS
-  check: Callable[[Any, Optional[List[Tuple[int, float]]]], None]
-
 
 _unchecked = contextvars.ContextVar("tpu_embed_ext_numeric_unchecked",
                                     default=False)
@@ -224,16 +209,12 @@ def _beta_below_one(spec, name, fix):
                 f"{fix}", "use at most 0.9999999 (or exactly 1 where allowed)")
 
 
-def _adam_betas(spec, samples):
-  del samples
+def adam(spec):
+  """Adam's traps: betas that round to 1, an epsilon that flushes to 0."""
   _beta_below_one(spec, "beta_1", "the first moment m <- 1 * m + 0 * g never "
                   "leaves 0 and the table never trains")
   _beta_below_one(spec, "beta_2", "the second moment v <- 1 * v + 0 * g^2 stays 0, "
                   "so each step divides m by epsilon alone")
-
-
-def _adam_epsilon(spec, samples):
-  del samples
   eps = spec.epsilon
   floor = _f32(eps * eps) if spec.sum_inside_sqrt else _f32(eps)
   if floor < F32_NORMAL_MIN:
@@ -247,15 +228,11 @@ def _adam_epsilon(spec, samples):
                 "without); the default is 1e-7")
 
 
-def _adagrad_momentum_beta2(spec, samples):
-  del samples
+def adagrad_momentum(spec):
+  """AdagradMomentum's traps: beta2, epsilon^(-1/exponent), momentum."""
   if spec.beta2 != 1.0:
     _beta_below_one(spec, "beta2", "the TPU then sums squares (its beta2 == 1 "
                     "branch, Adagrad) while the spec asks for a moving average")
-
-
-def _epsilon_power(spec, samples):
-  del samples
   eps, exponent = spec.epsilon, spec.exponent
   with np.errstate(over="ignore", under="ignore", divide="ignore"):
     scale = float(np.power(np.float32(eps), np.float32(-1.0 / exponent)))
@@ -267,10 +244,6 @@ def _epsilon_power(spec, samples):
                 "zero gradient on a fresh row writes Inf * 0 = NaN",
                 "use a larger epsilon (the default is 1e-10) or exponent 2, "
                 "so that epsilon^(-1/exponent) stays below 3.4e38")
-
-
-def _momentum_growth(spec, samples):
-  del samples
   if spec.momentum > 1.0:
     # m_t is about momentum^(t-1) * s, s about 1 (Adagrad-scaled).
     steps = int(math.log(F32_MAX) / math.log(spec.momentum)) + 2
@@ -285,29 +258,23 @@ def _momentum_growth(spec, samples):
         NumericTrapWarning, stacklevel=4)
 
 
-def _accumulator_start(spec, samples, *, writes: str):
-  """``writes``: what a zero gradient on a fresh row computes (its NaN)."""
-  del samples
+def accumulator_start(spec, nan_formula: str):
+  """Adagrad's and FTRL's trap: an accumulator start that flushes to 0
+  (``nan_formula``: the division that then writes NaN)."""
   init = spec.initial_accumulator_value
   if _f32(init) < F32_NORMAL_MIN:
     raise _fail("initial_accumulator_value",
                 f"initial_accumulator_value={init!r} is {_f32(init):g} in float32 "
                 "(the TPU flushes values below 1.2e-38 to 0): the accumulator "
-                f"starts at 0 and a zero gradient on a fresh row writes {writes}",
+                f"starts at 0 and a zero gradient on a fresh row writes {nan_formula}",
                 "use a small positive value such as 0.1")
 
 
-def _ftrl_start(spec) -> float:
-  """``initial_accumulator_value^(-learning_rate_power)`` in float32."""
-  with np.errstate(over="ignore", under="ignore"):
-    return float(np.power(np.float32(spec.initial_accumulator_value),
-                          np.float32(-spec.learning_rate_power)))
-
-
-def _ftrl_power(spec, samples):
-  del samples
+def ftrl(spec, samples):
+  """FTRL's traps: its power of the accumulator start, division by lr."""
   init, k = spec.initial_accumulator_value, -spec.learning_rate_power
-  start = _ftrl_start(spec)
+  with np.errstate(over="ignore", under="ignore"):
+    start = float(np.power(np.float32(init), np.float32(k)))
   regularized = spec.beta > 0 or spec.l2_regularization_strength > 0
   if not math.isfinite(start) or (start < F32_NORMAL_MIN and not regularized):
     raise _fail("learning_rate_power",
@@ -325,12 +292,8 @@ def _ftrl_power(spec, samples):
         f"float32 once the accumulator (a sum of squared gradients) passes "
         f"{limit:.3g}, and the row becomes NaN. Fix: use a power in [-1, 0] "
         "such as -0.5.", NumericTrapWarning, stacklevel=4)
-
-
-def _ftrl_divides_by_lr(spec, samples):
   if spec.multiply_linear_by_learning_rate or samples is None:
     return
-  start = _ftrl_start(spec)
 
   def bad(lr):
     return lr <= 0 or not math.isfinite(_f32((start + spec.beta) / lr))
@@ -367,41 +330,25 @@ def _first_bad(learning_rate, good: int, t: int, lr: float, bad):
   return t, lr
 
 
-# Each optimizer's own traps (OptimizerSpec.traps), in the order they run.
-ADAM_BETAS = Trap("beta_rounds_to_one", _adam_betas)
-ADAM_EPSILON = Trap("adam_epsilon", _adam_epsilon)
-ADAGRAD_MOMENTUM_BETA2 = Trap("beta_rounds_to_one", _adagrad_momentum_beta2)
-EPSILON_POWER = Trap("epsilon_power", _epsilon_power)
-MOMENTUM_GROWTH = Trap("momentum_growth", _momentum_growth)
-ADAGRAD_ACCUMULATOR_START = Trap("accumulator_start", functools.partial(
-    _accumulator_start, writes="g / sqrt(acc) = 0 / 0 = NaN"))
-FTRL_ACCUMULATOR_START = Trap("accumulator_start", functools.partial(
-    _accumulator_start, writes="w = N / D = 0 / 0 = NaN"))
-FTRL_POWER = Trap("ftrl_power", _ftrl_power)
-FTRL_DIVIDES_BY_LR = Trap("ftrl_divides_by_lr", _ftrl_divides_by_lr)
-
-
 def check_optimizer(spec) -> None:
   """Raises NumericTrapError (warns NumericTrapWarning) for ``spec``'s traps:
-  the ``COMMON`` ones, then its class's own (``traps``)."""
+  those of every optimizer, then its own (``spec.check_own_traps``)."""
   if _unchecked.get():
     return
   _float32_range(spec)
+  betas = spec.bias_correction_betas
   # The bound is on the rate itself: Adam's bias correction multiplies it by
   # sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1)) but m by (1 - beta_1^(t+1)),
   # so the step stays about lr (and the factor is finite: beta_1 < 1).
   base = rate_samples(spec.learning_rate)
   if base is not None:
     _learning_rate(spec, base)
-  betas = spec.bias_correction_betas
   samples = rate_samples(spec.learning_rate, betas) if betas else base
   _weight_decay(spec, samples or [])
-  for trap in spec.traps:
-    trap.check(spec, samples)
+  spec.check_own_traps(samples)
 
 
 def checks_for(spec) -> Sequence[str]:
-  """The ids of ``CHECKS`` that apply to ``spec`` (for the plan), in
-  ``CHECKS`` order."""
-  ids = set(COMMON) | {trap.id for trap in spec.traps}
-  return [name for name in CHECKS if name in ids]
+  """The ids of ``CHECKS`` that apply to ``spec`` (for the plan)."""
+  return [name for name in CHECKS
+          if name in COMMON or name in spec.numeric_traps]

@@ -7,14 +7,10 @@ and the right fix, plus the ones TensorFlow leaves to the TPU runtime, and the
 numeric traps of numeric_traps.py: values that would write NaN or Inf).
 
 Specs are values: equal fields mean equal specs, they can be hashed, and
-nothing here ever mutates a TensorFlow object. tf/optimizers.py, which
+nothing here ever mutates a TensorFlow object. tf_optimizers.py, which
 imports this module (never the reverse), builds a fresh TF optimizer from a
 spec (``to_tf``) and reads one back (``from_tf``), so the CPU engine accepts
 either.
-
-Each class holds its optimizer's facts (see ``OptimizerSpec``'s class
-variables; tests/test_optimizer_rows.py fails when one is missing); its
-update is its row in emulation/optimizer_rows.py.
 """
 
 from __future__ import annotations
@@ -33,8 +29,6 @@ from tpu_embed_ext.spec import numeric_traps
 # LearningRateSchedule or spec.schedules.Schedule, both called with a step).
 LearningRate = Union[float, Callable[..., Any]]
 ClipValue = Union[float, Tuple[Optional[float], Optional[float]]]
-Names = Tuple[str, ...]
-Traps = Tuple[numeric_traps.Trap, ...]
 
 __all__ = [
     "OptimizerSpec", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL",
@@ -88,15 +82,20 @@ class OptimizerSpec:
   clip_gradient_max: dataclasses.InitVar[Optional[float]] = None
   """The v1 upper side of ``clipvalue``, as ``clip_gradient_min``."""
 
-  # Each optimizer's facts: its `type` in a config, its slots, its class in
-  # tf.tpu.experimental.embedding by name (tf/optimizers.py resolves it; no
-  # TensorFlow here), its own numeric traps (run after numeric_traps.COMMON)
-  # and the fields `plan` prints even at their defaults.
+  # The optimizer's facts, each held here once (tests/test_optimizer_rows.py
+  # fails when an optimizer lacks one; its update math is
+  # emulation/optimizer_rows.py's row of the class):
   type_name: ClassVar[str] = ""
-  slot_names: ClassVar[Names] = ()
+  """Its name in configs (``type:``) and in the plan."""
+  slot_names: ClassVar[Tuple[str, ...]] = ()
+  """Its slot variables, in TensorFlow's order and names."""
   tf_class: ClassVar[str] = ""
-  traps: ClassVar[Optional[Traps]] = None
-  plan_settings: ClassVar[Optional[Names]] = None
+  """Its class in ``tf.tpu.experimental.embedding`` (tf/optimizers.py)."""
+  plan_settings: ClassVar[Tuple[str, ...]] = ()
+  """Its own fields the plan always shows (others only when not default)."""
+  numeric_traps: ClassVar[Tuple[str, ...]] = ()
+  """The ids of its own numeric traps (``numeric_traps.CHECKS``), which
+  ``check_own_traps`` checks after those of every optimizer."""
 
   def __post_init__(self, clip_gradient_min=None, clip_gradient_max=None):
     self._merge_v1_clip(clip_gradient_min, clip_gradient_max)
@@ -119,6 +118,10 @@ class OptimizerSpec:
     self._check_clipvalue()
     self._check_fields()
     numeric_traps.check_optimizer(self)
+
+  def check_own_traps(self, samples) -> None:
+    """Its own numeric traps (``numeric_traps``), given the rate's samples."""
+    del samples
 
   def _check_fields(self):
     """The checks of a subclass's own fields (TensorFlow's, with our messages)."""
@@ -265,8 +268,6 @@ class SGD(OptimizerSpec):
   learning_rate: LearningRate = 0.01
   type_name: ClassVar[str] = "sgd"
   tf_class: ClassVar[str] = "SGD"
-  traps: ClassVar[Traps] = ()
-  plan_settings: ClassVar[Names] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -277,10 +278,13 @@ class Adagrad(OptimizerSpec):
   """Initial value of the ``accumulators`` slot; must be > 0."""
 
   type_name: ClassVar[str] = "adagrad"
-  slot_names: ClassVar[Names] = ("accumulators",)
+  slot_names: ClassVar[Tuple[str, ...]] = ("accumulators",)
   tf_class: ClassVar[str] = "Adagrad"
-  traps: ClassVar[Traps] = (numeric_traps.ADAGRAD_ACCUMULATOR_START,)
-  plan_settings: ClassVar[Names] = ("initial_accumulator_value",)
+  plan_settings: ClassVar[Tuple[str, ...]] = ("initial_accumulator_value",)
+  numeric_traps: ClassVar[Tuple[str, ...]] = ("accumulator_start",)
+
+  def check_own_traps(self, samples):
+    numeric_traps.accumulator_start(self, "g / sqrt(acc) = 0 / 0 = NaN")
 
   def _check_fields(self):
     self._check_positive("initial_accumulator_value",
@@ -306,13 +310,15 @@ class AdagradMomentum(OptimizerSpec):
   """Offset added to the accumulator before the power (not an initial value)."""
 
   type_name: ClassVar[str] = "adagrad_momentum"
-  slot_names: ClassVar[Names] = ("accumulators", "momenta")
+  slot_names: ClassVar[Tuple[str, ...]] = ("accumulators", "momenta")
   tf_class: ClassVar[str] = "AdagradMomentum"
-  traps: ClassVar[Traps] = (numeric_traps.ADAGRAD_MOMENTUM_BETA2,
-                            numeric_traps.EPSILON_POWER,
-                            numeric_traps.MOMENTUM_GROWTH)
-  plan_settings: ClassVar[Names] = ("momentum", "use_nesterov", "exponent",
-                                    "beta2", "epsilon")
+  plan_settings: ClassVar[Tuple[str, ...]] = ("momentum", "use_nesterov", "exponent",
+                                               "beta2", "epsilon")
+  numeric_traps: ClassVar[Tuple[str, ...]] = ("beta_rounds_to_one", "epsilon_power",
+                                               "momentum_growth")
+
+  def check_own_traps(self, samples):
+    numeric_traps.adagrad_momentum(self)
 
   def _check_fields(self):
     self._check_bool("use_nesterov")
@@ -347,11 +353,14 @@ class Adam(OptimizerSpec):
   """Fold Adam's bias correction into a dynamic learning rate."""
 
   type_name: ClassVar[str] = "adam"
-  slot_names: ClassVar[Names] = ("momenta", "velocities")
+  slot_names: ClassVar[Tuple[str, ...]] = ("momenta", "velocities")
   tf_class: ClassVar[str] = "Adam"
-  traps: ClassVar[Traps] = (numeric_traps.ADAM_BETAS, numeric_traps.ADAM_EPSILON)
-  plan_settings: ClassVar[Names] = ("beta_1", "beta_2", "epsilon", "lazy_adam",
-                                    "bias_correction")
+  plan_settings: ClassVar[Tuple[str, ...]] = ("beta_1", "beta_2", "epsilon",
+                                               "lazy_adam", "bias_correction")
+  numeric_traps: ClassVar[Tuple[str, ...]] = ("beta_rounds_to_one", "adam_epsilon")
+
+  def check_own_traps(self, samples):
+    numeric_traps.adam(self)
 
   def _check_fields(self):
     for name in ("lazy_adam", "sum_inside_sqrt", "bias_correction"):
@@ -395,14 +404,17 @@ class FTRL(OptimizerSpec):
   """Deprecated by TensorFlow; kept for the proto, has no effect."""
 
   type_name: ClassVar[str] = "ftrl"
-  slot_names: ClassVar[Names] = ("accumulators", "linears")
+  slot_names: ClassVar[Tuple[str, ...]] = ("accumulators", "linears")
   tf_class: ClassVar[str] = "FTRL"
-  traps: ClassVar[Traps] = (numeric_traps.FTRL_ACCUMULATOR_START,
-                            numeric_traps.FTRL_POWER,
-                            numeric_traps.FTRL_DIVIDES_BY_LR)
-  plan_settings: ClassVar[Names] = (
+  plan_settings: ClassVar[Tuple[str, ...]] = (
       "learning_rate_power", "l1_regularization_strength",
       "l2_regularization_strength", "beta", "multiply_linear_by_learning_rate")
+  numeric_traps: ClassVar[Tuple[str, ...]] = ("accumulator_start", "ftrl_divides_by_lr",
+                                               "ftrl_power")
+
+  def check_own_traps(self, samples):
+    numeric_traps.accumulator_start(self, "w = N / D = 0 / 0 = NaN")
+    numeric_traps.ftrl(self, samples)
 
   def _check_fields(self):
     for name in ("multiply_linear_by_learning_rate", "allow_zero_accumulator"):

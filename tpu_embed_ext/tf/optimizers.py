@@ -12,8 +12,8 @@ from typing import Optional
 
 from tpu_embed_ext import errors
 from tpu_embed_ext.spec import numeric_traps
-from tpu_embed_ext.spec.optimizers import (TYPES, LearningRate, OptimizerSpec,
-                                           field_names)
+from tpu_embed_ext.spec.optimizers import (TYPES,
+                                      LearningRate, OptimizerSpec, field_names)
 
 __all__ = ["to_tf", "from_tf", "as_spec"]
 
@@ -23,11 +23,9 @@ def _is_number(x) -> bool:
 
 
 def _tf_classes():
-  """``{our spec class: TensorFlow's class}``, each spec class naming its own
-  (``OptimizerSpec.tf_class``) in ``tf.tpu.experimental.embedding``."""
-  import tensorflow as tf
-  api = tf.tpu.experimental.embedding
-  return {cls: getattr(api, cls.tf_class) for cls in TYPES.values()}
+  """``{our spec class: TensorFlow's}``, by each class's ``tf_class``."""
+  from tensorflow.python.tpu import tpu_embedding_v2_utils as tf_utils
+  return {cls: getattr(tf_utils, cls.tf_class) for cls in TYPES.values()}
 
 # Fields of our specs that the TF optimizer does not take, and how their effect
 # reaches the TPU instead.
