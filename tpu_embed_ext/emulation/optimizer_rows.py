@@ -16,8 +16,9 @@ A row holds
 Adding an optimizer is a spec class holding its facts (its TensorFlow class
 by name, its numeric traps, its ``plan`` settings: spec/optimizers.py), its
 rule, one row here, one row in tests/references.py, and the C++ ``case``;
-tests/test_optimizer_rows.py fails while one is missing. The constants below mirror
-update_op.cc's ``Mode``, ``Flag`` and ``Param`` enums; keep them in sync.
+tests/test_optimizer_rows.py fails while one is missing. The constants below
+mirror update_op.cc's ``Mode``, ``Flag`` and ``Param`` enums; keep them in
+sync.
 """
 
 from __future__ import annotations
