@@ -284,6 +284,10 @@ time.sleep(30 if how.startswith("sig") else 0)  # The signal interrupts it.
 '''
 
 
+def _sigint_default():
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _keeps_its_world(tmp_path, how, runner_words):
   run = tmp_path / ("emulate" if runner_words else "python")
   (run / "project").mkdir(parents=True)
@@ -297,7 +301,11 @@ def _keeps_its_world(tmp_path, how, runner_words):
   done = subprocess.run(
       [sys.executable, *runner_words, os.path.join("project", "keeps_its_world.py"),
        "out", how], capture_output=True, text=True, env=env, timeout=LIMIT,
-      check=False, cwd=str(run))  # run() kills the process on a timeout.
+      check=False, cwd=str(run),  # run() kills the process on a timeout.
+      # Ctrl-C's default, as from a terminal: a shell without job control
+      # starts background jobs with SIGINT ignored, and python then keeps
+      # ignoring it (and so does the script).
+      preexec_fn=_sigint_default)
   found = {}
   for name in sorted(os.listdir(run / "out")):
     found[name] = json.loads((run / "out" / name).read_text())
