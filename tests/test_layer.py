@@ -157,3 +157,27 @@ def test_sparsecore_protocol_passes_preserved_outputs(monkeypatch):
   tape.gradient(loss, layer.trainable_variables)
   assert fake.calls == ["lookup", ("apply", "preserved")]
   assert int(layer.step.numpy()) == 1
+
+
+def test_cpu_step_prepares_each_batch_once(monkeypatch):
+  """The CPU adapter applies the gradients to the batch its forward pass
+  prepared (keras/adapters.py): one preparation (structure, shapes, input
+  checks, occurrences) per training step, not a second one to enqueue it."""
+  prepared = []
+  original = tee.CPUEmbedding._prepare  # pylint: disable=protected-access
+
+  def counting(self, batches, training, strict=True):
+    prepared.append((training, strict))
+    return original(self, batches, training, strict)
+
+  monkeypatch.setattr(tee.CPUEmbedding, "_prepare", counting)
+  model = fh.FixedHead(fh.feature_config())
+  model.compile(optimizer=keras.optimizers.SGD(0.1), run_eagerly=True,
+                loss=keras.losses.BinaryCrossentropy(from_logits=True))
+  features, label = fh.batches()[0]
+  model(features)  # Builds the model: one lookup, nothing to train.
+  del prepared[:]
+  for _ in range(2):
+    model.train_on_batch(features, label)
+  assert prepared == [(True, False), (True, False)]
+  assert int(model.embedding.step.numpy()) == 2
