@@ -20,17 +20,15 @@ import dataclasses
 import re
 
 from tpu_embed_ext import errors
+from tpu_embed_ext.sparsecore import chips as chips_lib
 
 __all__ = ["PRESETS", "Topology", "parse_topology", "check_slice", "SPARSECORES_PER_CHIP",
            "MAX_CHIPS"]
 
-# generation -> (SparseCores per chip, source of the figure).
-PRESETS = {
-    "v5p": (4, "jax-tpu-embedding NUM_SC_PER_DEVICE_MAP 'TPU v5p': 4; "
-               "TPUEmbeddingV2's default of 4"),
-    "v6e": (2, "jax-tpu-embedding NUM_SC_PER_DEVICE_MAP 'TPU v6e': 2"),
-    "tpu7x": (2, "jax-tpu-embedding NUM_SC_PER_DEVICE_MAP 'TPU7x': 2"),
-}
+# generation -> (SparseCores per chip, source of the figure): the generations
+# whose embedding engine is TPUEmbeddingV2 (chips.py).
+PRESETS = {g.name: (g.sparsecores_per_chip, g.source)
+           for g in chips_lib.GENERATIONS.values() if g.embedding == "v2"}
 
 # The SparseCore counts a chip can have: the values above (TPUEmbeddingV2 reads
 # tpu_hardware_feature.num_embedding_devices_per_chip and falls back to 4).
@@ -111,17 +109,9 @@ def parse_topology(text) -> Topology:
       f"cannot read topology {text!r}. Fix: write {_SPELLINGS}.")
 
 
-# The chip counts of real slices, per generation (Cloud TPU documentation):
-# v5p and tpu7x (Ironwood) slices are built from 4-chip hosts (the smallest
-# is 2x2x1), v6e slices are 1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16 and 16x16.
-_SLICE_CHIPS = {
-    "v5p": ("a multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...)",
-            lambda chips: chips % 4 == 0),
-    "tpu7x": ("a multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...)",
-              lambda chips: chips % 4 == 0),
-    "v6e": ("1, 4, 8, 16, 32, 64, 128 or 256 chips",
-            lambda chips: chips in (1, 4, 8, 16, 32, 64, 128, 256)),
-}
+# The chip counts of real slices, per generation (chips.py).
+_SLICE_CHIPS = {name: (chips_lib.GENERATIONS[name].slices,
+                       chips_lib.GENERATIONS[name].slice_exists) for name in PRESETS}
 
 
 def check_slice(text) -> Topology:
