@@ -139,10 +139,14 @@ def test_plan_command_prints_stacks(tmp_path):
        "--engine", "v2", "--topology", "v6e:4"], capture_output=True, text=True,
       timeout=600, check=True).stdout
   assert "SparseCore (TPUEmbeddingV2) layout on v6e:4 (4 chips x 2 SparseCores)" in out
-  line = next(l for l in out.splitlines() if l.startswith("a_b "))
+  layout = out[out.index("SparseCore (TPUEmbeddingV2) layout"):]
+  line = next(l for l in layout.splitlines() if l.startswith("a_b "))
   assert line.split() == ["a_b", "a", "100", "x", "8", "128", "x", "8", "0", "0",
                           "9.0", "KiB", "9.0", "KiB"]
   assert "3 stacks" in out and "20.0 KiB per chip" in out
+  # --topology adds the memory per device, the same tables and slots per chip.
+  assert "memory per device, TPUEmbeddingV2 on v6e:4" in out
+  assert "20.0 KiB of 32.0 GiB per device on v6e:4 (4 devices)" in out
 
 
 def test_plan_data_counts_a_single_hot_table_like_numpy():

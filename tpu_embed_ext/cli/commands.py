@@ -11,6 +11,7 @@ from tpu_embed_ext import errors, sparsecore
 from tpu_embed_ext.cli import plan as plan_lib
 from tpu_embed_ext.host import memory as host_memory
 from tpu_embed_ext.host import model_dir as model_dir_lib
+from tpu_embed_ext.sparsecore import chips
 from tpu_embed_ext.spec import files
 from tpu_embed_ext.spec.embedding_spec import EmbeddingSpec
 
@@ -28,10 +29,39 @@ def _topology(f) -> str:
   return f.topology
 
 
+def _slice(f):
+  """``plan --topology``: any generation's slice (``v5e:1``, ``v3:4``,
+  ``v5p:8``), and the engine it runs: a generation with SparseCore runs
+  ``TPUEmbeddingV2``, one without runs ``TPUEmbedding``."""
+  try:
+    slice_ = chips.parse_slice(f.topology)
+  except errors.ConfigError as e:
+    raise errors.ConfigError(f"--topology: {' '.join(str(e).split())}") from None
+  engine = "v2" if slice_.sparsecore else "v1"
+  if f["engine"].present and f.engine != engine:
+    raise errors.ConfigError(
+        f"--engine {f.engine} with --topology {f.topology}: "
+        f"{slice_.generation.name} runs "
+        f"{'TPUEmbeddingV2 (SparseCore)' if engine == 'v2' else 'TPUEmbedding'}"
+        f". Fix: drop --engine, or give --engine {engine}.")
+  return slice_, engine
+
+
+def _per_device_batch(f, config: str, slice_) -> int:
+  """``--batch_size``, else the job's global batch over the slice's devices."""
+  if f.batch_size:
+    return f.batch_size
+  data = files.load(config)
+  train = data.get("train") if isinstance(data, dict) else None
+  batch = train.get("batch_size") if isinstance(train, dict) else None
+  if isinstance(batch, int) and not isinstance(batch, bool) and batch > 0:
+    return max(1, batch // slice_.replicas)
+  return 0
+
+
 def plan_command(f, config: str, progress):
   del progress
-  if f["topology"].present:
-    _topology(f)
+  slice_, engine = _slice(f) if f["topology"].present else (None, f.engine)
   spec = EmbeddingSpec.from_file(config)
   hotness = None
   if f.data:
@@ -41,14 +71,17 @@ def plan_command(f, config: str, progress):
       hotness = training_data.parse_hotness(f.hotness, spec)
   plan = plan_lib.plan(spec)
   # SparseCore only when asked about: --engine v2, or a --topology given.
-  print(plan.text(sparsecore_notes=f.engine == "v2" or f["topology"].present))
+  print(plan.text(sparsecore_notes=engine == "v2"))
   shortfall = host_memory.memory_shortfall(spec)
   if shortfall:
     print(f"\nCPU emulation (train --tpu none) would not fit: {shortfall}")
   if f.proto:
     print()
     print(plan.config_proto())
-  if f.engine == "v2":
+  if slice_ is not None:
+    print()
+    print(plan_lib.memory_text(plan.memory(slice_, _per_device_batch(f, config, slice_))))
+  if engine == "v2":
     print()
     print(plan.sparsecore(f.topology, batch_size=f.batch_size))
     if f.data:

@@ -1,6 +1,6 @@
 """Command line: ``tpu-embed COMMAND [flags]`` (also ``python -m tpu_embed_ext``).
 
-  plan    --config C [--proto] [--engine v2 --topology T [--data N]]
+  plan    --config C [--proto] [--topology T] [--engine v2 [--data N]]
   train   --config C [--steps N] [--model_dir DIR] [--tpu auto|none|emulate[:N|:TOPOLOGY]|NAME]
   export  --config C --model_dir DIR [--out DIR]
   convert-checkpoint --checkpoint PREFIX --out PREFIX --topology T|none [--config C]
@@ -82,8 +82,10 @@ _FLAGS = {
     "prefix": ("string", None, "The embedding's path in the checkpoint (default: "
                "found in its object graph; needed only when several objects hold "
                "the tables).", {}),
-    "batch_size": ("integer", 0, "With --engine v2: per-chip batch of features "
-                   "without output_shape (the stacker's output samples).", {}),
+    "batch_size": ("integer", 0, "Per-device batch of features without "
+                   "output_shape: the stacker's output samples (--engine v2) "
+                   "and the memory of the activation buffers (--topology; "
+                   "default: the config's train.batch_size over the devices).", {}),
 }
 
 _NEEDS = {"plan": ("tensorflow",),
@@ -103,9 +105,11 @@ _CONFIG_HELP = ("The config: a .yaml/.json file, or the name of a shipped config
 _COMMAND_HELP = {
     **{(command, "config"): _CONFIG_HELP for command in ("plan", "train", "export")},
     ("export", "out"): "Where to write the SavedModel (default: <model_dir>/serving).",
-    ("plan", "topology"): "With --engine v2: the SparseCore topology, "
-                          "GENERATION:CHIPS (v5p:4, v6e:8, tpu7x:4) or "
-                          "CHIPSxSPARSECORES.",
+    ("plan", "topology"): "The TPU slice, GENERATION:CHIPS (v5e:1, v3:4, v4:8, "
+                          "v5p:8, v6e:8, tpu7x:4) or CHIPSxSPARSECORES: adds "
+                          "the embedding's memory per device against the "
+                          "chip's HBM; a generation with SparseCore (v5p, "
+                          "v6e, tpu7x) implies --engine v2.",
     ("convert-checkpoint", "config"): (
         "The config: a .yaml/.json file, or the name of a shipped config (tiny, "
         "ranking, criteo, movielens). Without it, the tables, slots and shapes "

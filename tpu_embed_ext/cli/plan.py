@@ -15,9 +15,10 @@ from tpu_embed_ext.spec import EmbeddingSpec
 from tpu_embed_ext.host.memory import human_bytes as _human
 from tpu_embed_ext.cli import sparsecore_report
 from tpu_embed_ext.cli.text_table import lines as _table_lines
+from tpu_embed_ext.sparsecore import chips, hbm
 from tpu_embed_ext.sparsecore import topology as sc_topology
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Plan", "plan", "memory_text"]
 
 _BYTES_PER_FLOAT = 4
 # Settings TPUEmbeddingV2 (SparseCore) does not honour (docs/semantics.md).
@@ -116,6 +117,25 @@ class Plan:
         self._config, sc_topology.parse_topology(topology),
         {t.name: t.optimizer.slot_names for t in self.tables}, batch_size=batch_size)
 
+  def memory(self, topology, batch_size: int = 0) -> hbm.DeviceMemory:
+    """The embedding's HBM per device on ``topology`` (a slice, "v5e:1",
+    "v5p:8"; ``chips.parse_slice``): ``TPUEmbedding``'s on a generation without
+    SparseCore, ``TPUEmbeddingV2``'s on one with. ``batch_size`` is the
+    per-device batch of the activation and gradient buffers (0: not counted)."""
+    slice_ = chips.parse_slice(topology)
+    shapes = []
+    for feature in tf.nest.flatten(self._config):
+      if feature.output_shape:
+        shapes.append(tf.TensorShape(feature.output_shape))
+      elif batch_size:
+        shapes.append(tf.TensorShape(
+            [batch_size] + ([feature.max_sequence_length]
+                            if feature.max_sequence_length else [])))
+      else:
+        shapes.append(None)
+    count = hbm.for_tpu_embedding_v2 if slice_.sparsecore else hbm.for_tpu_embedding
+    return count(self._config, None, shapes, slice_)
+
   def _sparsecore_warnings(self) -> List[str]:
     out = []
     for t in self.tables:
@@ -178,6 +198,31 @@ class Plan:
     if self.warnings and sparsecore_notes:
       out += ["", "SparseCore (TPUEmbeddingV2) notes:"] + [f"  {w}" for w in self.warnings]
     return "\n".join(out)
+
+
+def memory_text(memory: hbm.DeviceMemory) -> str:
+  """``plan --topology``'s memory section: each table (stack) on one device,
+  the buffers, the bounds against the capacity, and the verdict."""
+  header = ("table" if memory.engine == "TPUEmbedding" else "stack",
+            "rows/device x dim", "state", "bytes/device")
+  rows = [(t.name, f"{t.rows:,} x {t.dim}", ",".join(t.states), _human(t.lower))
+          for t in memory.tables]
+  rows.append(("buffers", "", "activations, gradients",
+               _human(memory.buffers) if not memory.uncounted else
+               f"{_human(memory.buffers)} (no batch for "
+               f"{len(memory.uncounted)} features: --batch_size)"))
+  out = [f"memory per device, {memory.engine} on {memory.slice} "
+         f"({memory.slice.generation.source}):"]
+  out += _table_lines(header, rows)
+  out.append(memory.summary())
+  if not memory.fits:
+    out.append("would be refused: " + hbm.refusal(memory, "build()"))
+  elif memory.nearly_full:
+    out.append(f"warned: over {hbm.WARN_FRACTION:.0%} of the device's HBM.")
+  else:
+    out.append("fits (the dense model, the program and XLA's buffers are "
+               "not counted).")
+  return "\n".join(out)
 
 
 def plan(spec) -> Plan:
