@@ -98,6 +98,7 @@ def test_a_bad_emulated_tpu_is_one_line(capsys, tmp_path, tiny_data_dir):
   assert line == (
       "--tpu: 'emulate:0' is not an emulated TPU. Fix: write emulate (the default "
       "number of replicas), emulate:N with N >= 1 replicas (TPUEmbedding), e.g. "
-      "emulate:2, or emulate:TOPOLOGY for SparseCore (TPUEmbeddingV2), e.g. "
-      "emulate:v5p:4, emulate:v6e:8 or emulate:8x2.")
+      "emulate:2, or emulate:TOPOLOGY, a TPU slice: e.g. emulate:v5e:4 or "
+      "emulate:v3:4 (TPUEmbedding), emulate:v5p:4, emulate:v6e:8 or emulate:8x2 "
+      "(SparseCore, TPUEmbeddingV2).")
   assert not (tmp_path / "r" / "checkpoints").exists()
