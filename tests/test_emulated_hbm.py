@@ -13,6 +13,9 @@ allocated here) and the nearly-full warning.
 """
 
 import math
+import os
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
@@ -223,3 +226,63 @@ def test_a_sparsecore_build_that_cannot_fit_is_refused_before_any_variable():
     assert str(error).startswith(XLA) and "'huge'" in str(error)
     assert "of 32.00G hbm." in str(error)  # v6e: 32 GiB per chip.
     assert made == [] and embedding._table_vars is None  # pylint: disable=protected-access
+
+
+def test_the_shipped_criteo_config_is_refused_on_one_v5e_chip():
+  """Issue 44's done-when: refused at build(), in XLA's words, with bytes per
+  chip (that it builds on v5e:4, 23.7 GiB of tables, is not run here)."""
+  from tpu_embed_ext.spec import files  # pylint: disable=g-import-not-at-top
+  spec = tee.EmbeddingSpec.from_file(files.resolve("criteo"))
+  tables = 0
+  for t in spec.tables:
+    o = spec.optimizer_for(t.name)
+    states = 1 + len(o.slot_names) + (1 if o.use_gradient_accumulation else 0)
+    tables += t.vocabulary_size * t.dim * states * 4
+  dim_of = {t.name: t.dim for t in spec.tables}
+  used = tables + 2 * 512 * sum(dim_of[f.table] for f in spec.features) * 4
+  with tee.emulate_tpu(replicas=1, topology="v5e:1"):
+    with tf.distribute.TPUStrategy().scope():
+      embedding = tee.create_embedding(spec)
+    made, error = _creations(lambda: embedding.build(per_replica_batch_size=512))
+  assert isinstance(error, hbm.HBMExhaustedError), error
+  assert str(error).startswith(f"{XLA}{used / GIB:.2f}G of 15.75G hbm."), str(error)
+  assert "v5e:4 holds it" in str(error)
+  assert made == []
+
+
+_SESSION = """
+import tensorflow as tf
+
+def test_the_session_is_a_v5e_chip(emulated_tpu):
+  assert (str(emulated_tpu.slice), emulated_tpu.replicas) == ("v5e:1", 1)
+  assert not emulated_tpu.sparsecore and emulated_tpu.topology is None
+  feature = tf.distribute.TPUStrategy().extended.tpu_hardware_feature
+  assert feature.embedding_feature == feature.EmbeddingFeature.V1
+"""
+
+
+def test_the_pytest_plugin_takes_a_v1_slice(tmp_path):
+  (tmp_path / "test_user.py").write_text(_SESSION)
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             "--emulate-tpu=1", "--emulate-tpu-topology=v5e:1", "test_user.py"]
+  done = subprocess.run(command, cwd=str(tmp_path), env=env, capture_output=True,
+                        text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  done = subprocess.run(command[:-1] + ["--emulate-tpu-sparsecore", "test_user.py"],
+                        cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert done.returncode == 4, done.stdout[-3000:] + done.stderr[-3000:]
+  assert done.stderr.strip() == "ERROR: --emulate-tpu-sparsecore " + _NO_SC.format(
+      f="--emulate-tpu-sparsecore")
+
+
+def test_reading_a_slice_loads_no_tensorflow():
+  """A bad --topology is a usage error before TensorFlow's start-up lines."""
+  code = ("import sys\n"
+          "from tpu_embed_ext.emulated_tpu import runner\n"
+          "assert runner.check_slice('v3:4').replicas == 8\n"
+          "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                        text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stderr

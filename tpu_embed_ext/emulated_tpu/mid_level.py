@@ -51,7 +51,7 @@ from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
 from tpu_embed_ext.emulated_tpu import (embedding_memory, hbm_check, outer_jit,
-                                        patching, strategy as strategy_lib,
+                                        patching, session, strategy as strategy_lib,
                                         tpu_inputs)
 from tpu_embed_ext.emulated_tpu.errors import NotEmulatedError
 from tpu_embed_ext.emulation import engine, structure_checks
@@ -283,7 +283,11 @@ class TPUEmbeddingV2WithoutSparseCore:
 
   def __init__(self, *args, **kwargs):
     del args, kwargs
+    emulation = session.current()
+    slice_ = getattr(emulation, "slice", None)
     raise NotEmulatedError(
-        "TPUEmbeddingV2 needs SparseCore, and this emulated TPU has none (as a "
-        "TPU v2-v4). Fix: emulate_tpu(sparsecore=True) (or `emulate "
-        "--sparsecore`), or use tf.tpu.experimental.embedding.TPUEmbedding.")
+        "TPUEmbeddingV2 needs SparseCore, and this emulated TPU"
+        + (f" ({slice_})" if slice_ is not None else "") + " has none (as a "
+        "TPU v2, v3, v4 or v5e). Fix: emulate_tpu(sparsecore=True) (or `emulate "
+        "--sparsecore`) or a SparseCore topology (v5p:4, v6e:4), or use "
+        "tf.tpu.experimental.embedding.TPUEmbedding.")

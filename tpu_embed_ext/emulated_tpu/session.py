@@ -161,8 +161,9 @@ def _other_replicas(topology: str, slice_, replicas: int) -> str:
     return (f"emulate_tpu topology {topology!r} has {slice_.chips} chips but "
             f"replicas={replicas}: a TPU runs one replica per chip. Fix: "
             f"replicas={slice_.chips}, or a topology of {replicas} chips.")
-  other = (f"a topology of {replicas // per_chip} chips" if replicas % per_chip == 0
-           else f"a multiple of {per_chip} replicas")
+  chips = replicas // per_chip
+  other = (f"a topology of {chips} chip{'s' if chips != 1 else ''}"
+           if replicas % per_chip == 0 else f"a multiple of {per_chip} replicas")
   return (f"emulate_tpu topology {topology!r} has {slice_.chips} chips but "
           f"replicas={replicas}: a TPU {slice_.generation.name} runs {per_chip} "
           f"replicas per chip (one per TensorCore), {slice_.replicas} in all. "
