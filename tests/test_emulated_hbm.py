@@ -286,3 +286,18 @@ def test_reading_a_slice_loads_no_tensorflow():
   done = subprocess.run([sys.executable, "-c", code], capture_output=True,
                         text=True, timeout=300, check=False)
   assert done.returncode == 0, done.stderr
+
+
+def test_a_programs_own_slice_joins_the_runners_only_if_it_is_the_same():
+  with tee.emulate_tpu(replicas=1, topology="v5e:1") as outer:
+    session.hosted_by("the runner", "emulate --replicas {replicas}{flags}")
+    with tee.emulate_tpu(replicas=1, topology="v5e:1") as joined:
+      assert joined is outer
+    with pytest.raises(tee.emulated_tpu.EmulationError) as e:
+      with tee.emulate_tpu(replicas=1, topology="v4:1"):
+        pass
+  assert str(e.value) == (
+      "emulate_tpu(replicas=1, topology='v4:1') entered inside the runner, whose "
+      "emulated TPU has 1 replicas on v5e:1: one emulation per process, and the "
+      "program's own emulate_tpu joins it only with the same shape. Fix: emulate "
+      "--replicas 1 --topology v4:1")
