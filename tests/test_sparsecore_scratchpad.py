@@ -216,9 +216,9 @@ def test_plan_data_says_whether_the_limits_compile():
   # 8 samples of each of 2 features over 2 chips x 2 SparseCores: 4 per SparseCore.
   table = [l.split() for l in lines[start + 1:start + 6] if not l.startswith("---")]
   assert table == [
-      ["stack", "tables", "width", "samples/SparseCore", "max_ids_per_table",
+      ["stack", "width", "samples/SparseCore", "max_ids_per_table",
        "compiles?", "proposed", "compiles?"],
-      ["a_b", "a,", "b", "8", "4", str(LARGEST + 1), "refused", "(E3001)", "8", "fits"],
+      ["a_b", "8", "4", str(LARGEST + 1), "refused", "(E3001)", "8", "fits"],
       ["1", "stacks", "1", "refused", "0", "refused"]]
   assert lines[start + 6].startswith("  E3001: XLA:TPU compile permanent error.")
   assert (f"max_nz_per_row = {LARGEST + 1}, max_unique_nz_per_row = 256, "

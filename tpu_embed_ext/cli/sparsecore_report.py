@@ -161,12 +161,12 @@ class DataReport:
     if not self.layouts:
       return []
     proposed = self.proposed_limits()
-    header = ("stack", "tables", "width", "samples/SparseCore", "max_ids_per_table",
+    header = ("stack", "width", "samples/SparseCore", "max_ids_per_table",
               "compiles?", "proposed", "compiles?")
     rows, notes = [], []
     for now, new in zip(self.compile_verdicts(self.limits),
                         self.compile_verdicts(proposed)):
-      rows.append((now.stack, ", ".join(now.tables), now.feature_width,
+      rows.append((now.stack, now.feature_width,
                    now.sample_count, now.max_ids, now.verdict, new.max_ids, new.verdict))
       if self.max_ids[now.stack] > now.largest_max_ids:
         notes.append(
@@ -175,9 +175,9 @@ class DataReport:
             f"{now.largest_max_ids:,}): use a smaller batch per chip or more chips.")
       if now.refused or new.verdict != sc_scratchpad.FITS:
         notes.append("  " + (now if now.refused else new).message())
-    rows.append((f"{len(rows)} stacks", "", "", "", "",
-                 f"{sum(r[5] == sc_scratchpad.REFUSED for r in rows)} refused", "",
-                 f"{sum(r[7] == sc_scratchpad.REFUSED for r in rows)} refused"))
+    rows.append((f"{len(rows)} stacks", "", "", "",
+                 f"{sum(r[4] == sc_scratchpad.REFUSED for r in rows)} refused", "",
+                 f"{sum(r[6] == sc_scratchpad.REFUSED for r in rows)} refused"))
     return (["", f"compile-time limits (OpenXLA E3001: {sc_scratchpad.BYTES_PER_ID} B "
              f"per id of max_ids_per_table must fit SparseCore's "
              f"{sc_scratchpad.TOTAL_SPMEM_BYTES:,} B scratchpad; the fixed part is "

@@ -18,8 +18,8 @@ Sources (published):
   (TileSpmem). ``max_nz_per_row`` is ``max_ids_per_table``,
   ``max_unique_nz_per_row`` ``max_unique_ids_per_table``, ``feature_width``
   the embedding dim, ``sample_count`` the lookups per SparseCore.
-- OpenXLA error E3000 (error_3000; TensorFlow 2.21 ships
-  third_party/xla/docs/errors/error_3000.md): allocation failure in a memory
+- OpenXLA error E3000 (openxla.org/xla/errors/error_3000; TensorFlow 2.21
+  ships it under third_party/xla/docs/errors/): allocation failure in a memory
   space (0 Smem, 201 TileSpmem, 202 Spmem, 203 HBM, 204 sync flags); its
   sample allocates beyond 131,071 words of space 201: 131,072 words x 4 B =
   524,288 B, E3001's ``total_spmem_size_bytes``.
