@@ -236,3 +236,53 @@ def test_plan_data_proposals_are_capped_where_the_rule_decides():
   assert (f"  a_b: {LARGEST + 5:,} ids reached one SparseCore, more than any "
           f"max_ids_per_table that compiles (at most {LARGEST:,}): use a smaller "
           "batch per chip or more chips.") in text.splitlines()
+
+
+PUBLISHED_E3001 = (
+    "E3001: XLA:TPU compile permanent error. Compilation failure: No viable logical "
+    "replica count for the embedding table with metadata: max_nz_per_row = 141352, "
+    "max_unique_nz_per_row = 8, feature_width = 8, sample_count = 204800 (last tried "
+    "split factor for vector splitting = 1, last tried split factor for sample "
+    "dimension splitting = 1, fixed_size_allocation_bytes = 410880, "
+    "row_dependent_size_allocation_bytes = 1696224, total_spmem_size_bytes = 524288). ")
+
+
+@pytest.mark.parametrize("engine", ["emulated TPUEmbeddingV2", "CPUEmbedding"])
+def test_the_published_sample_is_refused_before_the_first_step(engine):
+  # One chip of 4 SparseCores (v5p; TPUEmbeddingV2's default): 204,800 x 4 samples.
+  batch = 204_800 * 4
+  limits = api.SparseCoreEmbeddingConfig(max_ids_per_table={"t": 141_352},
+                                         max_unique_ids_per_table={"t": 8})
+  table = api.TableConfig(64, 8, name="t", optimizer=api.SGD(0.1))
+  config = {"f": api.FeatureConfig(table, output_shape=[batch])}
+  ids = tf.zeros([batch], tf.int64)
+  if engine == "CPUEmbedding":
+    emb = tee.CPUEmbedding(config, engine="v2", topology="v5p:1", sparse_core_config=limits)
+    emb.build()
+    before = emb.variables["t"]["parameters"].numpy().copy()
+    with pytest.raises(SparseCoreCompileError) as e:
+      emb.enqueue({"f": ids}, training=True)
+    after = emb.variables["t"]["parameters"].numpy()
+  else:
+    with tee.emulate_tpu(replicas=1, sparsecore=True):
+      strategy = tf.distribute.TPUStrategy(
+          tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
+      with strategy.scope():
+        emb = api.TPUEmbeddingV2(config, None, sparse_core_embedding_config=limits)
+      emb.build()
+      before = emb.table_variables("t")["parameters"].numpy().copy()
+
+      @tf.function
+      def step(x):
+        def replica_step(f):
+          activations, preserved = emb.embedding_lookup(f)
+          emb.apply_gradients(activations, preserved)
+        strategy.run(replica_step, args=(x,))
+
+      with pytest.raises(SparseCoreCompileError) as e:
+        step({"f": ids})
+      after = emb.table_variables("t")["parameters"].numpy()
+  assert e.value.code_name == "E3001"
+  assert str(e.value).startswith(PUBLISHED_E3001 + "(emulated TPUEmbeddingV2: stacked "
+                                 "table 't' (tables 't')")
+  np.testing.assert_array_equal(after, before)
