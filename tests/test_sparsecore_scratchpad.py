@@ -18,7 +18,7 @@ import tensorflow as tf
 import tpu_embed_ext as tee
 from tpu_embed_ext import errors
 from tpu_embed_ext.cli import sparsecore_report
-from tpu_embed_ext.sparsecore import chips, layout as sc_layout, scratchpad as sp
+from tpu_embed_ext.sparsecore import chips, hbm, layout as sc_layout, scratchpad as sp
 from tpu_embed_ext.sparsecore.limits import Limits
 from tpu_embed_ext.sparsecore.state import (SparseCoreCompileError,
                                             SparseCoreCompileWarning, SparseCoreState)
@@ -127,6 +127,11 @@ def test_hbm_stack_e3000_at_the_boundary():
   used = 64 * 8 * 4 * 1
   capacity = chips.GENERATIONS["v5p"].capacity_bytes
   assert (stack_hbm.used, stack_hbm.capacity) == (used, capacity)
+  # The same tables and slots per chip as hbm.py counts for TPUEmbeddingV2.
+  table = api.TableConfig(64, 8, name="t", optimizer=api.SGD(0.1))
+  memory = hbm.for_tpu_embedding_v2({"f": api.FeatureConfig(table, output_shape=[8])},
+                                    None, None, chips.parse_slice("v5p:1", check=False))
+  assert sum(t.lower for t in memory.tables) == used
   most = (capacity - used) // per_unique
   _state(dim=8, topology="v5p:1", max_unique_ids_per_table={"t": most}).check_compile([8])
   with pytest.raises(SparseCoreCompileError) as e:
