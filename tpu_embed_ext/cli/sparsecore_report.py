@@ -13,6 +13,7 @@ from tpu_embed_ext.cli import text_table
 from tpu_embed_ext.host.memory import human_bytes
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore import limits
+from tpu_embed_ext.sparsecore import scratchpad as sc_scratchpad
 from tpu_embed_ext.sparsecore.topology import Topology
 
 __all__ = ["DataReport", "StackingPlan", "feature_ids", "measure",
@@ -111,6 +112,8 @@ class DataReport:
   samples_per_chip: Dict[str, int] = dataclasses.field(default_factory=dict)
   source: str = ""
   """What was measured (``training_data.measure_training_data`` fills it in)."""
+  layouts: List[sc_layout.TableLayout] = dataclasses.field(default_factory=list)
+  """The stacked tables measured (``measure`` fills it in): widths for E3001."""
 
   def add(self, counts: Sequence[limits.StackCounts]) -> None:
     self.steps += 1
@@ -136,6 +139,51 @@ class DataReport:
       need = max(need, k)
     return need
 
+  def proposed_limits(self) -> limits.Limits:
+    """The measured maxima rounded up to 8, ``max_ids_per_table`` capped at the
+    most the published E3001 rule accepts (``scratchpad.largest_max_ids``)."""
+    cap = sc_scratchpad.largest_max_ids()
+    return dataclasses.replace(
+        self.limits,
+        max_ids_per_table={s: min(_round8(v), cap) for s, v in self.max_ids.items()},
+        max_unique_ids_per_table={s: _round8(v) for s, v in self.max_unique_ids.items()})
+
+  def compile_verdicts(self, limits_: limits.Limits):
+    """E3001's quantities per measured stack at ``limits_`` (``scratchpad.py``)."""
+    nsc = self.topology.sparsecores_per_chip
+    measured = [l for l in self.layouts if l.stack in self.max_ids]
+    return sc_scratchpad.scratchpad(
+        measured, {s: n // nsc for s, n in self.samples_per_chip.items()}, limits_,
+        self.topology)
+
+  def compile_lines(self) -> List[str]:
+    """Whether the configured and the proposed limits compile (E3001)."""
+    if not self.layouts:
+      return []
+    proposed = self.proposed_limits()
+    header = ("stack", "width", "samples/SparseCore", "max_ids_per_table",
+              "compiles?", "proposed", "compiles?")
+    rows, notes = [], []
+    for now, new in zip(self.compile_verdicts(self.limits),
+                        self.compile_verdicts(proposed)):
+      rows.append((now.stack, now.feature_width,
+                   now.sample_count, now.max_ids, now.verdict, new.max_ids, new.verdict))
+      if self.max_ids[now.stack] > now.largest_max_ids:
+        notes.append(
+            f"  {now.stack}: {self.max_ids[now.stack]:,} ids reached one SparseCore, "
+            f"more than any max_ids_per_table that compiles (at most "
+            f"{now.largest_max_ids:,}): use a smaller batch per chip or more chips.")
+      if now.refused or new.verdict != sc_scratchpad.FITS:
+        notes.append("  " + (now if now.refused else new).message())
+    rows.append((f"{len(rows)} stacks", "", "", "",
+                 f"{sum(r[4] == sc_scratchpad.REFUSED for r in rows)} refused", "",
+                 f"{sum(r[6] == sc_scratchpad.REFUSED for r in rows)} refused"))
+    return (["", f"compile-time limits (OpenXLA E3001: {sc_scratchpad.BYTES_PER_ID} B "
+             f"per id of max_ids_per_table must fit SparseCore's "
+             f"{sc_scratchpad.TOTAL_SPMEM_BYTES:,} B scratchpad; the fixed part is "
+             "an estimate and only warns):"]
+            + text_table.lines(header, rows) + notes)
+
   def __str__(self) -> str:
     header = ("stack", "max ids/SparseCore", "limit", "max unique", "limit",
               "max slots/chip", "capacity")
@@ -149,15 +197,17 @@ class DataReport:
                    self.limits.max_unique_ids(stack),
                    flag(self.max_chip_slots[stack], capacity), capacity))
     rows.append((f"{self.steps} steps", "", "", "", "", "", ""))
-    ids = {s: _round8(v) for s, v in self.max_ids.items()}
-    uniques = {s: _round8(v) for s, v in self.max_unique_ids.items()}
+    proposed = self.proposed_limits()
+    ids, uniques = proposed.max_ids_per_table, proposed.max_unique_ids_per_table
     return "\n".join(
         [f"SparseCore input per step on {self.topology} (source -> destination "
          "SparseCore, after deduplication):"]
         + ([f"measured on {self.source}."] if self.source else [])
-        + text_table.lines(header, rows) +
-        ["", "suggested SparseCoreEmbeddingConfig (measured maxima, rounded up to 8; "
-         "add headroom for batches not sampled):",
+        + text_table.lines(header, rows) + self.compile_lines() +
+        ["", "suggested SparseCoreEmbeddingConfig (measured maxima, rounded up to 8, "
+         "max_ids_per_table at most "
+         f"{sc_scratchpad.largest_max_ids():,} (E3001); add headroom for batches "
+         "not sampled):",
          f"  max_ids_per_chip_per_sample={self.suggested_ids_per_chip_per_sample()},",
          f"  max_ids_per_table={ids},", f"  max_unique_ids_per_table={uniques}"])
 
@@ -175,7 +225,7 @@ def measure(feature_config, batches, topology: Topology,
   limits_ = limits_ or limits.Limits()
   layouts = sc_layout.compute_layouts(
       sc_layout.stacking_inputs(feature_config, batch_size=batch_size), topology)
-  report = DataReport(topology, 0, limits_)
+  report = DataReport(topology, 0, limits_, layouts=layouts)
   for features in batches:
     report.add(limits.count_ids(feature_ids(feature_config, features), layouts,
                                 topology, limits_))

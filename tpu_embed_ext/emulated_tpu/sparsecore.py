@@ -21,6 +21,11 @@ TF 2.21):
   ids are checked against ``SparseCoreEmbeddingConfig``'s limits as its
   chip's (dropped with ``allow_id_dropping``), and checkpoints hold the
   stacked variables and ``_sparse_core_table_layouts``;
+* the first step of each batch shape is refused, before it reads or writes
+  anything, where SparseCore's compiler refuses it: OpenXLA's E3001 (a stacked
+  table's ids do not fit the scratchpad at its ``max_ids_per_table``) or
+  E3000 (the HBM stack), as ``SparseCoreCompileError``, a
+  ``tf.errors.ResourceExhaustedError`` (``sparsecore/scratchpad.py``);
 * ``TPUEmbeddingV2.compute_sparse_core_stats`` profiles one chip's batch with
   the counts those limits are checked against (``sparsecore_stats.py``);
 * ``pipeline_execution_with_tensor_core=True``: a step inside a

@@ -3,7 +3,9 @@
 ``CPUEmbedding(engine="v2", topology=...)`` keeps a ``SparseCoreState``
 (``tpu_embed_ext/sparsecore/state.py``: stacked layouts and checkpoints, input
 limits); this module checks what the emulation supports and drops each step's
-ids as SparseCore drops them (``sparsecore/limits.py``).
+ids as SparseCore drops them (``sparsecore/limits.py``), after the state's
+compile-time check of the step's shapes (``sparsecore/scratchpad.py``: E3001,
+E3000).
 """
 
 from __future__ import annotations

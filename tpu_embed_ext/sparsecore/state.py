@@ -6,23 +6,48 @@ calls ``track`` with its per-table variables after creating them (untracked),
 from its restore hooks (a checkpoint of another layout: ``restore.Router``),
 and ``keep`` on each step's ids. The
 engine's variables, lookups and updates stay per table.
+
+Before a batch's ids are counted, ``check_compile`` runs once per set of
+sample counts what the TPU's compiler checks when it compiles that step
+(``scratchpad.py``: E3001, the scratchpad; E3000, the HBM stack): a refusal
+raises ``SparseCoreCompileError`` before the step changes anything; what only
+an estimate flags warns ``SparseCoreCompileWarning``.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Mapping, Sequence
 
 import numpy as np
+import tensorflow as tf
 
 from tpu_embed_ext import errors
 from tpu_embed_ext.tf import optimizers
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore import limits as sc_limits
 from tpu_embed_ext.sparsecore import restore as sc_restore
+from tpu_embed_ext.sparsecore import scratchpad as sc_scratchpad
 from tpu_embed_ext.sparsecore import trackable
 from tpu_embed_ext.sparsecore.topology import parse_topology
 
-__all__ = ["SparseCoreState"]
+__all__ = ["SparseCoreState", "SparseCoreCompileError", "SparseCoreCompileWarning"]
+
+
+class SparseCoreCompileError(errors.Error, tf.errors.ResourceExhaustedError):
+  """What SparseCore's compiler refuses (OpenXLA E3001, E3000): XLA's words
+  first, then ours. ``code_name`` is "E3001" or "E3000"."""
+
+  def __init__(self, message: str, code_name: str = ""):
+    tf.errors.ResourceExhaustedError.__init__(self, None, None, message)
+    self.code_name = code_name
+
+  def __str__(self):
+    return self.message
+
+
+class SparseCoreCompileWarning(UserWarning):
+  """A stacked table's scratchpad may not fit (E3001 on an estimate): warned only."""
 
 
 class SparseCoreState:
@@ -54,6 +79,7 @@ class SparseCoreState:
       self.padding[f.table.name] = {
           "parameters": 0.0, **dict(zip(spec.slot_names, spec.slot_initial_values()))}
     self.router = sc_restore.Router(self.layouts)
+    self._compiled = set()  # sample counts already checked (check_compile)
 
   def track(self, owner, variables: Mapping[str, Mapping[str, object]]) -> None:
     """Makes ``owner`` save and restore ``variables`` in the stacked layout."""
@@ -77,6 +103,39 @@ class SparseCoreState:
   def check_checkpoint(self, path: str, prefix: str = "embedding") -> None:
     trackable.check_checkpoint(path, self.layouts, prefix)
 
+  def compile_verdicts(self, sample_counts: Sequence[int]):
+    """``(scratchpad per stack, HBM stack)`` of a step with these global
+    sample counts, one per flat feature (``scratchpad.py``)."""
+    samples = sc_scratchpad.samples_per_sparsecore(
+        self.layouts, [(f.table.name, int(n)) for f, n in zip(self._features, sample_counts)],
+        self.topology)
+    stacks = sc_scratchpad.scratchpad(self.layouts, samples, self.limits, self.topology)
+    generation = sc_scratchpad.generation_of(self.topology)
+    used = sc_scratchpad.tables_and_slots_bytes(
+        self.layouts, {t: len(states) for t, states in self.padding.items()},
+        self.topology)
+    return stacks, sc_scratchpad.hbm_stack(stacks, used, generation.capacity_bytes,
+                                           f"{generation.name}, chips.py")
+
+  def check_compile(self, sample_counts: Sequence[int]) -> None:
+    """What the compiler refuses for a step of these sample counts, before it
+    runs: raises ``SparseCoreCompileError`` (E3001, then E3000), warns
+    ``SparseCoreCompileWarning`` where only the estimate does not fit. Once
+    per set of sample counts."""
+    key = tuple(int(n) for n in sample_counts)
+    if key in self._compiled or len(key) != len(self._features):
+      return
+    stacks, stack_hbm = self.compile_verdicts(key)
+    for s in stacks:
+      if s.refused:
+        raise SparseCoreCompileError(s.message(), "E3001")
+    if stack_hbm.refused:
+      raise SparseCoreCompileError(stack_hbm.message(), "E3000")
+    self._compiled.add(key)
+    for s in stacks:
+      if s.verdict == sc_scratchpad.WARNED:
+        warnings.warn(s.message(), SparseCoreCompileWarning, stacklevel=2)
+
   def keep(self, samples: Sequence[np.ndarray], ids: Sequence[np.ndarray],
            sample_counts: Sequence[int]) -> List[np.ndarray]:
     """Per flat feature, which ids SparseCore keeps this step (or InputError)."""
@@ -89,6 +148,7 @@ class SparseCoreState:
                                      np.asarray(i, np.int64), int(n), path)
                 for f, path, s, i, n in zip(self._features, self._paths, samples, ids,
                                             sample_counts)]
+    self.check_compile(sample_counts)
     _, keep = sc_limits.check_limits(features, self.layouts, self.topology, self.limits)
     return keep
 
@@ -98,7 +158,6 @@ class SparseCoreState:
     In a graph, a limit error surfaces as the ``InvalidArgumentError`` of
     ``tf.numpy_function`` carrying the same message.
     """
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     n = len(ids)
     if tf.executing_eagerly():
       return [tf.constant(k) for k in self.keep(
@@ -112,6 +171,7 @@ class SparseCoreState:
       sc_limits.validate([sc_limits.FeatureIds(f.table.name, empty, empty, int(c), path)
                           for f, path, c in zip(self._features, self._paths, static)],
                          self.topology)
+      self.check_compile(static)  # E3001 / E3000 when the step is traced
     masks = tf.numpy_function(
         lambda *a: self.keep(a[:n], a[n:2 * n], [int(c) for c in a[2 * n:]]),
         [tf.cast(s, tf.int64) for s in samples] + [tf.cast(i, tf.int64) for i in ids]
