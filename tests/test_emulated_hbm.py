@@ -34,12 +34,12 @@ XLA = "Ran out of memory in memory space hbm. Used "
 BATCH, DIM = 16, 8  # DIM a multiple of 8: the upper bound (widths padded) is the lower.
 
 
-def _v5e_rows_that_fit(states: int, replicas: int = 1) -> int:
-  """The most rows one table of DIM may have on v5e with ``replicas`` devices."""
+def _v5e_rows_that_fit(states: int) -> int:
+  """The most rows one table of DIM (and one feature of BATCH ids) may have
+  on one v5e chip, with ``states`` floats per element."""
   capacity = round(15.75 * GIB)
   buffers = 2 * BATCH * DIM * 4
-  per_device = (capacity - buffers) // (DIM * 4 * states)
-  return per_device * replicas
+  return (capacity - buffers) // (DIM * 4 * states)
 
 
 def _embedding(rows: int, optimizer=None, name="big"):
@@ -49,7 +49,8 @@ def _embedding(rows: int, optimizer=None, name="big"):
 
 
 def _creations(fn):
-  """How many variables ``fn()`` creates (it may raise)."""
+  """(names of the variables ``fn()`` creates, the ResourceExhaustedError it
+  raised or None)."""
   made = []
 
   def creator(next_creator, **kwargs):
