@@ -170,3 +170,11 @@ def test_plan_refuses_criteo_on_one_v5e_chip_and_fits_four():
   from tpu_embed_ext.cli import plan as plan_lib
   memory = plan_lib.plan(spec).memory("v5e:4", batch_size=128)
   assert memory.lower == lower(4, 128) and memory.fits
+
+
+def test_plan_engine_must_be_the_slices(capsys):
+  from tests import jobs
+  assert jobs.one_line_error(capsys, "plan", "--config", "tiny", "--engine", "v2",
+                             "--topology", "v5e:4") == (
+      "--engine v2 with --topology v5e:4: v5e runs TPUEmbedding. Fix: drop "
+      "--engine, or give --engine v1.")
