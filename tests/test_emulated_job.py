@@ -98,6 +98,16 @@ def test_a_bad_emulated_tpu_is_one_line(capsys, tmp_path, tiny_data_dir):
   assert line == (
       "--tpu: 'emulate:0' is not an emulated TPU. Fix: write emulate (the default "
       "number of replicas), emulate:N with N >= 1 replicas (TPUEmbedding), e.g. "
-      "emulate:2, or emulate:TOPOLOGY for SparseCore (TPUEmbeddingV2), e.g. "
-      "emulate:v5p:4, emulate:v6e:8 or emulate:8x2.")
+      "emulate:2, or emulate:TOPOLOGY, a TPU slice: e.g. emulate:v5e:4 or "
+      "emulate:v3:4 (TPUEmbedding), emulate:v5p:4, emulate:v6e:8 or emulate:8x2 "
+      "(SparseCore, TPUEmbeddingV2).")
   assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_tiny_trains_on_a_v5e_slice(tmp_path, tiny_data_dir):
+  """``--tpu emulate:v5e:4``: a slice without SparseCore runs TPUEmbedding,
+  its tables checked against v5e's HBM at build (issue 44)."""
+  config = jobs.scaled_config(tmp_path, tiny_data_dir, "tiny", **TRAIN)
+  metrics, log = jobs.train_in_process(config, tmp_path / "v5e", "emulate:v5e:4", 2)
+  assert "Training on emulated TPU v5e:4, 4 replicas (TPUEmbedding)." in log
+  assert metrics["table_step"] == 2

@@ -30,11 +30,11 @@ def _v1_bytes(rows, devices, dim, states, batch, features):
 def test_generations_have_their_published_figures():
   g = chips.GENERATIONS
   # Cloud TPU's figures, per chip; v2 and v3 show each TensorCore as a device.
-  assert {n: (x.hbm_gib, x.replicas_per_chip, x.sparsecores_per_chip, x.embedding)
+  assert {n: (x.hbm_gib, x.replicas_per_chip, x.sparsecores_per_chip, x.embedding_v2)
           for n, x in g.items()} == {
-      "v2": (16, 2, 0, "v1"), "v3": (32, 2, 0, "v1"), "v4": (32, 1, 4, "v1"),
-      "v5e": (16, 1, 0, "v1"), "v5p": (95, 1, 4, "v2"), "v6e": (32, 1, 2, "v2"),
-      "tpu7x": (192, 1, 2, "v2")}
+      "v2": (16, 2, 0, False), "v3": (32, 2, 0, False), "v4": (32, 1, 4, False),
+      "v5e": (16, 1, 0, False), "v5p": (95, 1, 4, True), "v6e": (32, 1, 2, True),
+      "tpu7x": (192, 1, 2, True)}
   assert all("cloud.google.com/tpu/docs/" + n in x.source for n, x in g.items())
   # XLA's own capacity where its messages publish it, else the nominal figure.
   assert g["v5e"].capacity_bytes == round(15.75 * GIB)

@@ -53,8 +53,9 @@ _FLAGS = {
     "tpu": ("string", "auto", "'auto' (use a TPU if one is attached), 'none' (CPU "
             "emulation), 'emulate' or 'emulate:N' (the job's TPU path on an "
             "emulated TPU of N replicas, default 8, on CPU: TPUEmbedding), "
-            "'emulate:TOPOLOGY' (an emulated TPU with SparseCore, e.g. "
-            "emulate:v5p:4, emulate:v6e:8: TPUEmbeddingV2), or a TPU name/address.",
+            "'emulate:TOPOLOGY' (an emulated TPU slice: emulate:v5e:4, "
+            "emulate:v3:4: TPUEmbedding; emulate:v5p:4, emulate:v6e:8: SparseCore, "
+            "TPUEmbeddingV2), or a TPU name/address.",
             {}),
     "out": ("string", None, "export: where to write the SavedModel (default: "
             "<model_dir>/serving); convert-checkpoint: the prefix of the converted "

@@ -15,6 +15,9 @@ keys, plus what ``tpu_embedding_v2.py`` does differently under a
 * ``embedding_tables`` raises the TPU's ``RuntimeError`` (the tables live on
   the TPU), except while a SavedModel is being written;
 * it is not callable (lookups go through ``enqueue`` / ``dequeue``);
+* ``build`` refuses tables that cannot fit a device's HBM on the emulated
+  slice, with XLA's words first, before any variable is created
+  (``hbm_check.py``);
 * ``pipeline_execution_with_tensor_core=True`` makes the TPU look up with
   tables one step old (TensorFlow's docstring); that schedule is not
   emulated, so it is refused rather than silently giving other numbers.
@@ -47,8 +50,9 @@ from tensorflow.python.tpu import tpu_embedding_v2_utils
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.emulated_tpu import (embedding_memory, outer_jit, patching,
-                                        strategy as strategy_lib, tpu_inputs)
+from tpu_embed_ext.emulated_tpu import (embedding_memory, hbm_check, outer_jit,
+                                        patching, session, strategy as strategy_lib,
+                                        tpu_inputs)
 from tpu_embed_ext.emulated_tpu.errors import NotEmulatedError
 from tpu_embed_ext.emulation import engine, structure_checks
 
@@ -104,6 +108,12 @@ class TPUEmbedding(engine.CPUEmbedding):
       # no shapes given, every feature needs a fully defined output shape.
       for feature, shape in zip(self._features, self._output_shapes):
         structure_checks.check_fully_defined(feature.where, shape)
+    # The shapes build fixes, worked out on a copy (a refused build fixes
+    # none), then the TPU's HBM per device, before any variable exists.
+    shapes = copy.copy(self._shapes)
+    shapes.build(per_replica_input_shapes, per_replica_batch_size)
+    hbm_check.check("TPUEmbedding.build()", False, self.feature_config,
+                    self._tables, self._features, shapes.stored)
     super().build(per_replica_input_shapes, per_replica_batch_size)
     embedding_memory.claim(self, tables)
     for variables in self._table_vars.values():
@@ -273,7 +283,11 @@ class TPUEmbeddingV2WithoutSparseCore:
 
   def __init__(self, *args, **kwargs):
     del args, kwargs
+    emulation = session.current()
+    slice_ = getattr(emulation, "slice", None)
     raise NotEmulatedError(
-        "TPUEmbeddingV2 needs SparseCore, and this emulated TPU has none (as a "
-        "TPU v2-v4). Fix: emulate_tpu(sparsecore=True) (or `emulate "
-        "--sparsecore`), or use tf.tpu.experimental.embedding.TPUEmbedding.")
+        "TPUEmbeddingV2 needs SparseCore, and this emulated TPU"
+        + (f" ({slice_})" if slice_ is not None else "") + " has none (as a "
+        "TPU v2, v3, v4 or v5e). Fix: emulate_tpu(sparsecore=True) (or `emulate "
+        "--sparsecore`) or a SparseCore topology (v5p:4, v6e:4), or use "
+        "tf.tpu.experimental.embedding.TPUEmbedding.")

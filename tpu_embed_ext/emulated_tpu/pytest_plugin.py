@@ -25,8 +25,10 @@ op at import), the fixture's error names the module and the fix.
 
 ``--emulate-tpu-sparsecore`` and ``--emulate-tpu-topology`` without
 ``--emulate-tpu`` are usage errors (pytest's ``ERROR:`` line, status 4);
-``--emulate-tpu-topology`` implies ``--emulate-tpu-sparsecore`` and must
-name a real slice (``v5p:3`` is refused), as for the runner.
+``--emulate-tpu-topology`` must name a real slice (``v5p:3`` is refused), as
+for the runner; a SparseCore generation's (v5p, v6e, tpu7x, ``CxS``) implies
+``--emulate-tpu-sparsecore``, and one without SparseCore (v2, v3, v4, v5e)
+refuses it.
 
 Inert unless asked: without ``--emulate-tpu`` and without ``emulated_tpu``
 tests nothing is imported beyond this module and the emulated TPU's
@@ -61,7 +63,10 @@ def pytest_addoption(parser):
                   "(TPUEmbeddingV2).")
   group.addoption("--emulate-tpu-topology", metavar="T", default=None,
                   dest="emulate_tpu_topology",
-                  help="With --emulate-tpu: the SparseCore topology (v5p:N...).")
+                  help="With --emulate-tpu: the TPU slice, GENERATION:CHIPS "
+                  "(v5e:4, v4:4, v3:4 with 8 replicas: TPUEmbedding; v5p:8, "
+                  "v6e:8, tpu7x:8 or 8x4: SparseCore), whose HBM build() "
+                  "checks the tables against.")
   group.addoption("--emulate-tpu-no-xla", action="store_true", default=False,
                   dest="emulate_tpu_no_xla",
                   help="With --emulate-tpu: do not check that each replica's "
@@ -90,10 +95,13 @@ def _session_shape(config, options=None):
     return None
   if topology is not None:
     try:
-      runner.check_slice(topology)  # Without loading TensorFlow.
+      slice_ = runner.check_slice(topology)  # Without loading TensorFlow.
     except errors.Error as e:
       raise pytest.UsageError(f"--emulate-tpu-topology: {e}") from None
-    sparsecore = True
+    if sparsecore and not slice_.sparsecore:
+      raise pytest.UsageError(session_lib.no_sparsecore(
+          "", "--emulate-tpu-sparsecore", slice_))
+    sparsecore = slice_.sparsecore  # A SparseCore generation implies it.
   return replicas, sparsecore, topology, not no_xla
 
 
@@ -177,6 +185,11 @@ def pytest_unconfigure(config):
     stack.close()
 
 
+def _same_slice(asked, active) -> bool:
+  return active is None or (asked.generation.name, asked.chips) == (
+      active.generation.name, active.chips)
+
+
 @pytest.fixture
 def emulated_tpu(request):
   """The test's emulated TPU (an ``Emulation``): see the module docstring."""
@@ -190,6 +203,10 @@ def emulated_tpu(request):
     if asked != (active.replicas, active.sparsecore):
       pytest.skip(f"needs emulate_tpu(replicas={asked[0]}, sparsecore={asked[1]}); "
                   f"the session runs on {session_lib.host()}")
+    if wanted.get("topology") is not None and not _same_slice(
+        runner.check_slice(wanted["topology"]), active.slice):
+      pytest.skip(f"needs emulate_tpu(topology={wanted['topology']!r}); the "
+                  f"session runs on {session_lib.host()} ({active.slice})")
     if wanted.get("xla", active.xla) == active.xla:
       yield active
       return

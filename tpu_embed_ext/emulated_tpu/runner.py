@@ -84,12 +84,15 @@ def _replicas(text: str) -> int:
 # Options by name; a new option is a new entry (the parser reads this table).
 OPTIONS = {
     "--replicas": Option("N", "TPU cores (replicas), one logical CPU device "
-                         "each (default: the --topology's chips, else 8).",
+                         "each (default: the --topology's replicas, else 8).",
                          _replicas),
     "--sparsecore": Option(None, "The TPU has SparseCore: TPUEmbeddingV2 is "
                            "emulated."),
-    "--topology": Option("T", "The TPU slice, e.g. v5p:8, v6e:8, tpu7x:8 or "
-                         "8x4 (chips x SparseCores); implies --sparsecore."),
+    "--topology": Option("T", "The TPU slice, GENERATION:CHIPS: v5e:4, v4:4, "
+                         "v3:4 (8 replicas), v2:4 (TPUEmbedding) or v5p:8, "
+                         "v6e:8, tpu7x:8, 8x4 (chips x SparseCores; implies "
+                         "--sparsecore). build() refuses tables that do not "
+                         "fit its HBM (default: v4, or v5p with --sparsecore)."),
     "--no-xla": Option(None, "Do not check that each replica's step compiles "
                        "with XLA, as a TPU's must (faster; see "
                        "docs/guides/tpu-on-cpu.md)."),
@@ -173,34 +176,54 @@ def _help() -> str:
 def _shape(command: Command):
   """(replicas, sparsecore, topology, xla) with the slice checked."""
   topology, replicas = command.get("--topology"), command.get("--replicas")
+  sparsecore = command.get("--sparsecore")
   if topology is not None:
     try:
-      chips = check_slice(topology).chips
+      slice_ = check_slice(topology)
     except errors.Error as e:
       raise UsageError(f"--topology: {' '.join(str(e).split())}") from None
-    if "--replicas" not in command.options:  # One replica per chip.
-      replicas = chips
-  sparsecore = command.get("--sparsecore") or topology is not None
+    if sparsecore and not slice_.sparsecore:
+      raise UsageError(session.no_sparsecore("", "--sparsecore", slice_))
+    sparsecore = slice_.sparsecore  # A SparseCore generation implies it.
+    if "--replicas" not in command.options:  # v2, v3: two per chip.
+      replicas = slice_.replicas
   return replicas, sparsecore, topology, not command.get("--no-xla")
 
 
 def check_slice(topology):
-  """``sparsecore.topology.check_slice`` without loading TensorFlow.
+  """The TPU slice ``topology`` names (``sparsecore.chips.Slice``), checked
+  to be one Cloud TPU has (``v5p:3`` is refused), without loading TensorFlow.
 
   The ``tpu_embed_ext.sparsecore`` package imports TensorFlow (its checkpoint
   conversion); a usage error should not print TensorFlow's start-up lines,
-  so ``topology.py`` (which needs only ``errors``) is read on its own.
+  so ``chips.py`` (which needs only ``errors``) is read on its own.
   """
-  name = "tpu_embed_ext.sparsecore.topology"
+  chips = _chips()
+  slice_ = chips.parse_slice(topology, check=False)
+  generation, n = slice_.generation, slice_.chips
+  if slice_.named_generation and not generation.slice_exists(n):
+    name = generation.name
+    nearest = next(c for c in range(n, n + 1024) if generation.slice_exists(c))
+    per_chip = generation.sparsecores_per_chip
+    other = (f", or {n}x{per_chip} for {n} chips of {per_chip} SparseCores"
+             if slice_.sparsecore else "")
+    raise errors.ConfigError(
+        f"topology {str(topology).strip()!r} is not a {name} slice: {name} "
+        f"slices have {generation.slices}. Fix: e.g. {name}:{nearest}{other}.")
+  return slice_
+
+
+def _chips():
+  name = "tpu_embed_ext.sparsecore.chips"
   module = sys.modules.get(name) or sys.modules.get(f"{name}_standalone")
   if module is None:
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__))), "sparsecore", "topology.py")
+        __file__))), "sparsecore", "chips.py")
     spec = importlib.util.spec_from_file_location(f"{name}_standalone", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look the module up.
     spec.loader.exec_module(module)
-  return module.check_slice(topology)
+  return module
 
 
 def main(argv: Optional[List[str]] = None, *, owns_process: bool = False) -> int:

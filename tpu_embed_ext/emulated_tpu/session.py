@@ -51,13 +51,16 @@ as a difference):
   (``device_datasets.py``: the same elements per replica as
   ``MirroredStrategy``'s per-replica iterators, whose threads hung their
   destructors at 8 replicas);
-  memory limits and speed are the CPU's.
+  the host's memory limits and speed are the CPU's (the TPU's HBM per
+  device is the slice's: ``build()`` refuses tables that cannot fit it,
+  ``hbm_check.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import threading
 from typing import Optional
 
@@ -66,7 +69,7 @@ from tpu_embed_ext.emulated_tpu import patching
 from tpu_embed_ext.emulated_tpu.errors import EmulationError
 
 __all__ = ["emulate_tpu", "is_active", "current", "Emulation", "xla_switched",
-           "hosted_by", "host"]
+           "hosted_by", "host", "no_sparsecore"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +77,12 @@ class Emulation:
   """The active emulated TPU.
 
   ``replicas`` TPU cores, one per logical CPU device in ``devices``; one
-  host. ``topology`` is the SparseCore topology (``sparsecore.Topology``:
-  ``replicas`` chips, SparseCores per chip) when ``sparsecore`` is on or a
-  topology was given, else None. ``xla``: each replica's step is checked
+  host. ``slice`` is the TPU slice (``sparsecore.chips.Slice``: generation,
+  chips, HBM per device), always set by ``emulate_tpu``: the ``topology``
+  given, else ``chips.default_slice`` (v4 without SparseCore, v5p with it,
+  one chip per replica). ``topology`` is the SparseCore topology
+  (``sparsecore.Topology``: ``replicas`` chips, SparseCores per chip) when
+  ``sparsecore`` is on, else None. ``xla``: each replica's step is checked
   to compile with XLA, as a TPU's must (``xla_check.py``).
   """
   replicas: int
@@ -84,6 +90,7 @@ class Emulation:
   topology: Optional[object]
   devices: tuple
   xla: bool = True
+  slice: Optional[object] = None
 
 
 _lock = threading.Lock()
@@ -101,7 +108,7 @@ def current() -> Optional[Emulation]:
 
 
 def _checked(replicas, sparsecore, topology, xla=True) -> tuple:
-  """(replicas, sparsecore, parsed topology or None), or ConfigError."""
+  """(replicas, sparsecore, SparseCore topology or None, slice), or ConfigError."""
   if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
     raise errors.ConfigError(
         f"emulate_tpu needs a positive integer replicas, got replicas={replicas!r}. "
@@ -113,21 +120,54 @@ def _checked(replicas, sparsecore, topology, xla=True) -> tuple:
   if not isinstance(xla, bool):
     raise errors.ConfigTypeError(
         f"emulate_tpu xla must be True or False, got xla={xla!r}.")
-  if topology is None and not sparsecore:
-    return replicas, sparsecore, None
   # Lazy: the tpu_embed_ext.sparsecore package imports TensorFlow (convert.py);
   # keeps it off `import tpu_embed_ext.emulated_tpu`.
-  from tpu_embed_ext.sparsecore import topology as topology_lib  # pylint: disable=g-import-not-at-top
-  if topology is None:  # TPUEmbeddingV2's default SparseCores per chip.
-    parsed = topology_lib.Topology(replicas, 4, name=f"v5p:{replicas}")
+  from tpu_embed_ext.sparsecore import chips as chips_lib, topology as topology_lib  # pylint: disable=g-import-not-at-top
+  if topology is None:
+    slice_ = chips_lib.default_slice(replicas, sparsecore)
   else:
+    given = topology
+    if isinstance(topology, topology_lib.Topology):  # A SparseCore topology object.
+      given = (topology.name if re.fullmatch(r"[a-z0-9]+:\d+", topology.name)
+               else f"{topology.chips}x{topology.sparsecores_per_chip}")
+    slice_ = chips_lib.parse_slice(given, check=False)
+    if sparsecore and not slice_.sparsecore:
+      raise errors.ConfigError(no_sparsecore("emulate_tpu ", "sparsecore=True", slice_))
+    sparsecore = slice_.sparsecore  # A SparseCore generation implies SparseCore.
+    if slice_.replicas != replicas:
+      raise errors.ConfigError(_other_replicas(str(topology), slice_, replicas))
+  parsed = None
+  if sparsecore and topology is None:  # TPUEmbeddingV2's default SparseCores per chip.
+    parsed = topology_lib.Topology(replicas, 4, name=f"v5p:{replicas}")
+  elif sparsecore:
     parsed = topology_lib.parse_topology(topology)
-  if parsed.chips != replicas:
-    raise errors.ConfigError(
-        f"emulate_tpu topology {str(topology)!r} has {parsed.chips} chips but "
-        f"replicas={replicas}: a TPU runs one replica per chip. Fix: "
-        f"replicas={parsed.chips}, or a topology of {replicas} chips.")
-  return replicas, sparsecore, parsed
+  return replicas, sparsecore, parsed, slice_
+
+
+def no_sparsecore(who: str, asked: str, slice_) -> str:
+  """The refusal of SparseCore on a slice of a generation without it
+  (``asked``: the field that asked for it, e.g. ``--sparsecore``)."""
+  name = slice_.generation.name
+  return (f"{who}{asked} with topology {slice_.name!r}: a TPU {name} has no "
+          f"SparseCore for TPUEmbeddingV2 (its embedding engine is TPUEmbedding, "
+          f"embedding_feature V1). Fix: drop {asked} to "
+          f"emulate {slice_.name} with TPUEmbedding, or name a SparseCore slice "
+          "(v5p:4, v6e:4, tpu7x:4 or CHIPSxSPARSECORES, e.g. 4x4).")
+
+
+def _other_replicas(topology: str, slice_, replicas: int) -> str:
+  per_chip = slice_.generation.replicas_per_chip
+  if per_chip == 1:
+    return (f"emulate_tpu topology {topology!r} has {slice_.chips} chips but "
+            f"replicas={replicas}: a TPU runs one replica per chip. Fix: "
+            f"replicas={slice_.chips}, or a topology of {replicas} chips.")
+  chips = replicas // per_chip
+  other = (f"a topology of {chips} chip{'s' if chips != 1 else ''}"
+           if replicas % per_chip == 0 else f"a multiple of {per_chip} replicas")
+  return (f"emulate_tpu topology {topology!r} has {slice_.chips} chips but "
+          f"replicas={replicas}: a TPU {slice_.generation.name} runs {per_chip} "
+          f"replicas per chip (one per TensorCore), {slice_.replicas} in all. "
+          f"Fix: replicas={slice_.replicas}, or {other}.")
 
 
 @contextlib.contextmanager
@@ -139,9 +179,16 @@ def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None,
     replicas: TPU cores (replicas in sync), one logical CPU device each.
     sparsecore: the TPU has SparseCore (``embedding_feature`` V2):
       ``TPUEmbeddingV2`` is emulated, and ``create_embedding`` /
-      ``EmbeddingLayer`` / keras-rs choose it.
-    topology: a SparseCore topology (``"v5p:8"``, ``"8x2"``) of ``replicas``
-      chips; default with ``sparsecore``: 4 SparseCores per chip.
+      ``EmbeddingLayer`` / keras-rs choose it. Refused with a ``topology``
+      of a generation without SparseCore.
+    topology: the TPU slice, ``GENERATION:CHIPS`` of any generation of
+      ``sparsecore/chips.py`` (``"v5e:4"``, ``"v3:4"``: 8 replicas, two per
+      chip; ``"v5p:8"``) or ``CHIPSxSPARSECORES`` (``"8x2"``), with
+      ``replicas`` its replicas. Its generation decides the embedding engine
+      (v2, v3, v4, v5e: ``TPUEmbedding``; v5p, v6e, tpu7x and ``CxS``:
+      SparseCore, implying ``sparsecore``) and the HBM per device that
+      ``build()`` checks the tables against. Default: ``chips.default_slice``
+      (v4 without SparseCore, v5p with it, one chip per replica).
     xla: when a step is first traced, check that each replica's program
       (``strategy.run``'s function, without the embedding engine's work)
       compiles with XLA as a TPU's must: an op with no XLA kernel or a type a
@@ -161,17 +208,18 @@ def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None,
   with the command line that gives it.
   """
   global _active
-  replicas, sparsecore, parsed = _checked(replicas, sparsecore, topology, xla)
+  replicas, sparsecore, parsed, slice_ = _checked(replicas, sparsecore, topology, xla)
   with _lock:
     outer = _active
     if outer is not None:
-      _refuse_nested(outer, replicas, sparsecore, parsed)
+      _refuse_nested(outer, replicas, sparsecore, parsed,
+                     slice_ if topology is not None else None)
     else:
       # Lazy: TensorFlow loads when an emulation is entered, not at
       # `import tpu_embed_ext.emulated_tpu` (the runner sets devices up first).
       from tpu_embed_ext.emulated_tpu import devices  # pylint: disable=g-import-not-at-top
       emulation = Emulation(replicas, sparsecore, parsed,
-                            devices.logical_devices(replicas), xla)
+                            devices.logical_devices(replicas), xla, slice_)
       patches = patching.apply(emulation)
       _active = emulation
   if outer is not None:  # Joins the runner's or the pytest session's.
@@ -212,8 +260,9 @@ def _shape(replicas, sparsecore, parsed) -> tuple:
   return replicas, sparsecore, parsed and (parsed.chips, parsed.sparsecores_per_chip)
 
 
-def _refuse_nested(outer: Emulation, replicas, sparsecore, parsed) -> None:
-  """Returns if ``emulate_tpu(...)`` may join the program's ``outer``."""
+def _refuse_nested(outer: Emulation, replicas, sparsecore, parsed, slice_=None) -> None:
+  """Returns if ``emulate_tpu(...)`` may join the program's ``outer``
+  (``slice_``: the topology the program named, if it named one)."""
   if not _host:
     raise EmulationError(
         f"emulate_tpu(replicas={replicas}) entered while emulate_tpu("
@@ -221,18 +270,24 @@ def _refuse_nested(outer: Emulation, replicas, sparsecore, parsed) -> None:
         "emulations are refused, as the patched TensorFlow names are shared "
         "by the whole process. Fix: leave the first emulate_tpu before "
         "entering another.")
-  if _shape(replicas, sparsecore, parsed) == _shape(
+  same_slice = slice_ is None or outer.slice is None or (
+      (slice_.generation.name, slice_.chips)
+      == (outer.slice.generation.name, outer.slice.chips))
+  if same_slice and _shape(replicas, sparsecore, parsed) == _shape(
       outer.replicas, outer.sparsecore, outer.topology):
     return
-  flags = ("" if parsed is None else f" --topology {parsed.chips}x"
-           f"{parsed.sparsecores_per_chip}") or (" --sparsecore" if sparsecore else "")
-  asked = f"replicas={replicas}" + (f", topology={parsed.name!r}" if sparsecore else "")
+  flags = (f" --topology {slice_.name}" if slice_ is not None
+           else " --sparsecore" if sparsecore else "")
+  asked = f"replicas={replicas}" + (f", topology={slice_.name!r}" if slice_ is not None
+                                    else ", sparsecore=True" if sparsecore else "")
+  outer_slice = (f" on {outer.slice.name}" if slice_ is not None and outer.slice is not None
+                 else "")
   raise EmulationError(
       f"emulate_tpu({asked}) entered inside {_host['description']}, whose "
       f"emulated TPU has {outer.replicas} replicas"
       + (f" and SparseCore ({outer.topology})" if outer.sparsecore else "")
-      + ": one emulation per process, and the program's own emulate_tpu joins "
-      "it only with the same shape. Fix: "
+      + outer_slice + ": one emulation per process, and the program's own "
+      "emulate_tpu joins it only with the same shape. Fix: "
       + _host["fix"].format(replicas=replicas, flags=flags))
 
 @contextlib.contextmanager

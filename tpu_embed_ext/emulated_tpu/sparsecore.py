@@ -56,14 +56,16 @@ than ``enqueue``; passed to ``strategy.run``, every replica reads that batch.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, Optional
 
 import tensorflow as tf
 from tensorflow.python.util import nest
 
 from tpu_embed_ext import errors
-from tpu_embed_ext.emulated_tpu import (partitioned, pipelining, sharded_views,
-                                        sparsecore_inputs, sparsecore_stats)
+from tpu_embed_ext.emulated_tpu import (hbm_check, partitioned, pipelining,
+                                        sharded_views, sparsecore_inputs,
+                                        sparsecore_stats)
 from tpu_embed_ext.emulated_tpu.sharded_views import StackedTable
 from tpu_embed_ext.emulation import engine as engine_lib
 from tpu_embed_ext.sparsecore import layout as sc_layout
@@ -155,6 +157,12 @@ class TPUEmbeddingV2(pipelining.PipelinedSteps, engine_lib.CPUEmbedding):
     is called once unless a restore waiting for the build fills them all."""
     if self._table_vars is not None:
       return
+    # The shapes build fixes, on a copy (a refused build fixes none), then
+    # the stacked tables against each chip's HBM, before any variable exists.
+    shapes = copy.copy(self._shapes)
+    shapes.build(per_replica_input_shapes, per_replica_batch_size)
+    hbm_check.check("TPUEmbeddingV2.build()", True, self.feature_config,
+                    self._tables, self._features, shapes.stored)
     with tf.init_scope():  # as upstream's _maybe_build: never in a traced step
       pending = sharded_views.uninitialized(self)
       super().build(per_replica_input_shapes, per_replica_batch_size)

@@ -91,7 +91,7 @@ def _not_emulated(what: str, why: str = "") -> NotEmulatedError:
 
 
 def hardware_feature(emulation) -> tpu_hardware_feature.HardwareFeature:
-  """What ``tpu_hardware_feature`` reports: SparseCore (V2) or V1."""
+  """What ``tpu_hardware_feature`` reports: SparseCore (V2) or V1 (v2-v5e)."""
   proto = topology_pb2.TPUHardwareFeature()
   if emulation.sparsecore:
     proto.embedding_feature = topology_pb2.TPUHardwareFeature.EmbeddingFeature.V2

@@ -4,10 +4,13 @@
 ``emulate_tpu`` (N replicas on logical CPU devices, default that of
 ``emulate_tpu``): the resolver, ``initialize_tpu_system``, ``TPUStrategy`` and
 the layer's ``TPUEmbedding`` branch are the emulation's.
-``--tpu emulate:TOPOLOGY`` (``emulate:v5p:4``, ``emulate:v6e:8``,
-``emulate:8x2``: the spellings of ``emulate --topology``) emulates a TPU with
-SparseCore of that many chips, one replica each: the layer then takes the
-``TPUEmbeddingV2`` branch, as on a v5p or v6e.
+``--tpu emulate:TOPOLOGY`` (the spellings of ``emulate --topology``) emulates
+that TPU slice with its replicas: ``emulate:v5e:4``, ``emulate:v4:4``,
+``emulate:v3:4`` (8 replicas, two per chip) take the ``TPUEmbedding`` branch;
+``emulate:v5p:4``, ``emulate:v6e:8``, ``emulate:8x2`` have SparseCore, one
+replica per chip, and the layer takes the ``TPUEmbeddingV2`` branch, as on a
+v5p or v6e. The slice's HBM per device is what ``build()`` checks the tables
+against.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from typing import NamedTuple, Optional
 import tensorflow as tf
 
 from tpu_embed_ext import emulated_tpu, errors
+from tpu_embed_ext.emulated_tpu import runner
 from tpu_embed_ext.emulation import dispatch
+from tpu_embed_ext.sparsecore import chips as chips_lib
 from tpu_embed_ext.sparsecore import topology as topology_lib
 
 __all__ = ["resolve_strategy", "emulation", "emulated_tpu_of", "EmulatedTPU"]
@@ -28,9 +33,13 @@ _EMULATE = re.compile(r"emulate(?::(.+))?")
 
 
 class EmulatedTPU(NamedTuple):
-  """What ``--tpu emulate[:N|:TOPOLOGY]`` asks for (``replicas`` 0: the default)."""
+  """What ``--tpu emulate[:N|:TOPOLOGY]`` asks for (``replicas`` 0: the default).
+
+  ``slice``: the TPU slice of ``emulate:TOPOLOGY``; ``topology``: its
+  SparseCore topology when its generation has SparseCore, else None."""
   replicas: int
   topology: Optional[topology_lib.Topology] = None
+  slice: Optional[chips_lib.Slice] = None
 
 
 def emulated_tpu_of(tpu: str) -> Optional[EmulatedTPU]:
@@ -39,9 +48,10 @@ def emulated_tpu_of(tpu: str) -> Optional[EmulatedTPU]:
     return None
   match = _EMULATE.fullmatch(tpu)
   fix = ("Fix: write emulate (the default number of replicas), emulate:N with "
-         "N >= 1 replicas (TPUEmbedding), e.g. emulate:2, or emulate:TOPOLOGY for "
-         "SparseCore (TPUEmbeddingV2), e.g. emulate:v5p:4, emulate:v6e:8 or "
-         "emulate:8x2.")
+         "N >= 1 replicas (TPUEmbedding), e.g. emulate:2, or emulate:TOPOLOGY, a "
+         "TPU slice: e.g. emulate:v5e:4 or emulate:v3:4 (TPUEmbedding), "
+         "emulate:v5p:4, emulate:v6e:8 or emulate:8x2 (SparseCore, "
+         "TPUEmbeddingV2).")
   if match is None:
     raise errors.ConfigError(f"{tpu!r} is not an emulated TPU. {fix}", path="--tpu")
   rest = match.group(1)
@@ -52,10 +62,11 @@ def emulated_tpu_of(tpu: str) -> Optional[EmulatedTPU]:
       raise errors.ConfigError(f"{tpu!r} is not an emulated TPU. {fix}", path="--tpu")
     return EmulatedTPU(int(rest))
   try:
-    topology = topology_lib.check_slice(rest)
+    slice_ = runner.check_slice(rest)  # Cloud TPU's slices only (v5p:3 is not).
+    topology = topology_lib.parse_topology(rest) if slice_.sparsecore else None
   except errors.ConfigError as e:
     raise errors.ConfigError(f"{tpu!r} is not an emulated TPU: {e}", path="--tpu") from None
-  return EmulatedTPU(topology.chips, topology)
+  return EmulatedTPU(slice_.replicas, topology, slice_)
 
 
 def emulation(tpu: str):
@@ -63,9 +74,10 @@ def emulation(tpu: str):
   asked = emulated_tpu_of(tpu)
   if asked is None:
     return contextlib.nullcontext()
-  if asked.topology is not None:
-    return emulated_tpu.emulate_tpu(replicas=asked.replicas, sparsecore=True,
-                                    topology=asked.topology)
+  if asked.slice is not None:
+    return emulated_tpu.emulate_tpu(replicas=asked.replicas,
+                                    sparsecore=asked.slice.sparsecore,
+                                    topology=asked.slice.name)
   return (emulated_tpu.emulate_tpu(replicas=asked.replicas) if asked.replicas
           else emulated_tpu.emulate_tpu())
 
@@ -104,7 +116,10 @@ def _found(resolver, strategy) -> str:
   replicas = strategy.num_replicas_in_sync
   emulation = emulated_tpu.current()
   if emulation is not None:
-    shape = f" {emulation.topology}" if emulation.topology is not None else ""
+    named = emulation.slice is not None and not emulation.slice.name.endswith(
+        "(default)")
+    shape = (f" {emulation.topology}" if emulation.topology is not None
+             else f" {emulation.slice}" if named else "")
     return f"emulated TPU{shape}, {replicas} replicas ({api})"
   return f"TPU ({resolver.master() or 'local'}), {replicas} replicas ({api})"
 

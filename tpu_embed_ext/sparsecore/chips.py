@@ -53,9 +53,9 @@ class Generation:
   """Devices (replicas) a ``TPUStrategy`` sees per chip: 2 on v2 and v3 (each
   TensorCore its own device), 1 elsewhere (one TensorCore, or megacore)."""
   sparsecores_per_chip: int
-  embedding: str
-  """``"v1"``: ``TPUEmbedding`` (``embedding_feature`` V1); ``"v2"``:
-  ``TPUEmbeddingV2`` on SparseCore (V2)."""
+  embedding_v2: bool
+  """Its embedding engine is ``TPUEmbeddingV2`` on SparseCore
+  (``embedding_feature`` V2); else ``TPUEmbedding`` (V1)."""
   slices: str
   """The chip counts of its slices, for errors."""
   slice_exists: Callable[[int], bool]
@@ -83,29 +83,29 @@ def _multiple_of_4(chips: int) -> bool:
 _POWERS = (1, 4, 8, 16, 32, 64, 128, 256)
 
 GENERATIONS = {g.name: g for g in (
-    Generation("v2", 16, 2, 0, "v1", "a multiple of 4 chips (v2-8 = 4 chips)",
+    Generation("v2", 16, 2, 0, False, "a multiple of 4 chips (v2-8 = 4 chips)",
                _multiple_of_4, "cloud.google.com/tpu/docs/v2: 16 GiB HBM per chip, "
                "2 TensorCores"),
-    Generation("v3", 32, 2, 0, "v1", "a multiple of 4 chips (v3-8 = 4 chips)",
+    Generation("v3", 32, 2, 0, False, "a multiple of 4 chips (v3-8 = 4 chips)",
                _multiple_of_4, "cloud.google.com/tpu/docs/v3: 32 GiB HBM per chip, "
                "2 TensorCores; XLA's capacity per TensorCore 15.48G",
                xla_capacity_gib=15.48),
-    Generation("v4", 32, 1, 4, "v1", "a multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...)",
+    Generation("v4", 32, 1, 4, False, "a multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...)",
                _multiple_of_4, "cloud.google.com/tpu/docs/v4: 32 GiB HBM per chip, "
                "megacore, 4 SparseCores"),
-    Generation("v5e", 16, 1, 0, "v1", "1, 4, 8, 16, 32, 64, 128 or 256 chips",
+    Generation("v5e", 16, 1, 0, False, "1, 4, 8, 16, 32, 64, 128 or 256 chips",
                lambda chips: chips in _POWERS,
                "cloud.google.com/tpu/docs/v5e: 16 GiB HBM per chip, 1 TensorCore; "
                "XLA's capacity 15.75G", xla_capacity_gib=15.75),
-    Generation("v5p", 95, 1, 4, "v2", "a multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...)",
+    Generation("v5p", 95, 1, 4, True, "a multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...)",
                _multiple_of_4, "cloud.google.com/tpu/docs/v5p: 95 GiB HBM per chip, "
                "megacore; 4 SparseCores (jax-tpu-embedding NUM_SC_PER_DEVICE_MAP; "
                "TPUEmbeddingV2's default of 4)"),
-    Generation("v6e", 32, 1, 2, "v2", "1, 4, 8, 16, 32, 64, 128 or 256 chips",
+    Generation("v6e", 32, 1, 2, True, "1, 4, 8, 16, 32, 64, 128 or 256 chips",
                lambda chips: chips in _POWERS,
                "cloud.google.com/tpu/docs/v6e: 32 GiB HBM per chip, 1 TensorCore; "
                "2 SparseCores (jax-tpu-embedding NUM_SC_PER_DEVICE_MAP)"),
-    Generation("tpu7x", 192, 1, 2, "v2", "a multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...)",
+    Generation("tpu7x", 192, 1, 2, True, "a multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...)",
                _multiple_of_4, "cloud.google.com/tpu/docs/tpu7x: 192 GiB HBM per chip; "
                "2 SparseCores as TensorFlow sees them (jax-tpu-embedding "
                "NUM_SC_PER_DEVICE_MAP 'TPU7x': 2, megacore disabled)"),
@@ -138,7 +138,7 @@ class Slice:
   @property
   def sparsecore(self) -> bool:
     """Whether the slice runs ``TPUEmbeddingV2`` (SparseCore, V2)."""
-    return self.generation.embedding == "v2"
+    return self.generation.embedding_v2
 
   def __str__(self) -> str:
     return self.name
@@ -147,7 +147,7 @@ class Slice:
 def _sparsecore_generation(per_chip: int) -> Generation:
   """The V2 generation with ``per_chip`` SparseCores and the most HBM."""
   return max((g for g in GENERATIONS.values()
-              if g.embedding == "v2" and g.sparsecores_per_chip == per_chip),
+              if g.embedding_v2 and g.sparsecores_per_chip == per_chip),
              key=lambda g: g.hbm_gib)
 
 
@@ -169,13 +169,16 @@ def parse_slice(text, check: bool = True) -> Slice:
     if check and not generation.slice_exists(chips):
       nearest = next(c for c in range(chips, chips + 1024)
                      if generation.slice_exists(c))
+      per_chip = generation.sparsecores_per_chip
+      spelling = (f", or {chips}x{per_chip} for {chips} chips of {per_chip} "
+                  "SparseCores" if generation.embedding_v2 else "")
       raise errors.ConfigError(
           f"topology {text!r} is not a {name} slice: {name} slices have "
-          f"{generation.slices}. Fix: e.g. {name}:{nearest}.")
+          f"{generation.slices}. Fix: e.g. {name}:{nearest}{spelling}.")
     return Slice(chips, generation, text)
   match = re.fullmatch(r"(\d{1,9})x(\d{1,9})", text)
   per_chip = {g.sparsecores_per_chip for g in GENERATIONS.values()
-              if g.embedding == "v2"}
+              if g.embedding_v2}
   if match and int(match.group(2)) in per_chip and int(match.group(1)) >= 1:
     generation = _sparsecore_generation(int(match.group(2)))
     return Slice(int(match.group(1)), generation, text, named_generation=False)

@@ -229,9 +229,9 @@ def generation_of(topology: Topology) -> chips_lib.Generation:
   if match and match.group(1) in chips_lib.GENERATIONS:
     return chips_lib.GENERATIONS[match.group(1)]
   candidates = [g for g in chips_lib.GENERATIONS.values()
-                if g.embedding == "v2" and g.sparsecores_per_chip == topology.sparsecores_per_chip]
+                if g.embedding_v2 and g.sparsecores_per_chip == topology.sparsecores_per_chip]
   candidates = candidates or [g for g in chips_lib.GENERATIONS.values()
-                              if g.embedding == "v2"]
+                              if g.embedding_v2]
   return max(candidates, key=lambda g: g.hbm_gib)
 
 

@@ -28,7 +28,7 @@ __all__ = ["PRESETS", "Topology", "parse_topology", "check_slice", "SPARSECORES_
 # generation -> (SparseCores per chip, source of the figure): the generations
 # whose embedding engine is TPUEmbeddingV2 (chips.py).
 PRESETS = {g.name: (g.sparsecores_per_chip, g.source)
-           for g in chips_lib.GENERATIONS.values() if g.embedding == "v2"}
+           for g in chips_lib.GENERATIONS.values() if g.embedding_v2}
 
 # The SparseCore counts a chip can have: the values above (TPUEmbeddingV2 reads
 # tpu_hardware_feature.num_embedding_devices_per_chip and falls back to 4).
