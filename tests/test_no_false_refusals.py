@@ -99,7 +99,8 @@ def _model_garden(dim=MG_DIM, threshold=MG_SIZE_THRESHOLD, optimizer=None):
 # (config, topology, where the repository documents it). "emulate:N" is
 # `train --tpu emulate:N`: TPUEmbedding on N replicas of the default
 # generation without SparseCore (chips.default_slice); the others are
-# `--tpu emulate:TOPOLOGY` / `--topology` (TPUEmbeddingV2 on SparseCore).
+# `--tpu emulate:TOPOLOGY` / `--topology`: TPUEmbedding on v3 and v5e,
+# TPUEmbeddingV2 on SparseCore (v5p, CxS).
 SHIPPED = [
     ("tiny", "emulate:2", "tests/test_emulated_job.py (tiny at 2 replicas)"),
     ("tiny", "emulate:8", "docs/cli.md: --tpu emulate is 8 replicas"),
@@ -107,6 +108,12 @@ SHIPPED = [
                       "--tpu emulate:v5p:4"),
     ("tiny", "2x4", "tests/test_emulated_job_sparsecore.py (emulate:2x4)"),
     ("tiny", "v5p:8", "docs/guides/tpu-coverage.md: tiny on 2 and 8 SparseCore chips"),
+    ("tiny", "v5e:4", "tests/test_emulated_job.py: --tpu emulate:v5e:4"),
+    ("tiny", "v3:4", "docs/cli.md: --tpu emulate:v3:4 (8 replicas), an example slice"),
+    ("ranking", "v5e:4", "docs/cli.md: --tpu emulate:v5e:4, an example slice"),
+    ("ranking", "v3:4", "docs/cli.md: --tpu emulate:v3:4 (8 replicas), an example slice"),
+    ("movielens", "v5e:4", "docs/cli.md: --tpu emulate:v5e:4, an example slice"),
+    ("movielens", "v3:4", "docs/cli.md: --tpu emulate:v3:4 (8 replicas), an example slice"),
     ("ranking", "emulate:2", "docs/guides/tpu-on-cpu.md: train --config "
                              "configs/ranking.yaml --tpu emulate:2"),
     ("ranking", "emulate:8", "tests/test_emulated_job.py (ranking at 8 replicas)"),
