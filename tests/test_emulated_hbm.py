@@ -79,7 +79,7 @@ def test_the_boundary_of_a_v5e_chip_through_the_count():
 
 
 def test_one_row_over_a_v5e_chip_is_refused_by_build_in_xlas_words():
-  with tee.emulate_tpu(replicas=1, topology="v5e:1") as emulation:
+  with tee.emulate_tpu(topology="v5e:1") as emulation:
     assert str(emulation.slice) == "v5e:1" and not emulation.sparsecore
     strategy = tf.distribute.TPUStrategy()
     rows = _v5e_rows_that_fit(states=3) + 1
@@ -130,7 +130,7 @@ def test_sgd_without_gradient_accumulation_counts_parameters_only():
 
 def test_tables_are_divided_over_a_v3_slices_eight_cores():
   """v3:4 is 8 replicas (two TensorCores per chip, each a device of 15.48G)."""
-  with tee.emulate_tpu(replicas=8, topology="v3:4") as emulation:
+  with tee.emulate_tpu(topology="v3:4") as emulation:
     assert (emulation.replicas, emulation.slice.replicas) == (8, 8)
     assert tf.distribute.TPUStrategy().num_replicas_in_sync == 8
   assert runner._shape(runner.parse(["--topology", "v3:4", "s.py"]))[:2] == (8, False)  # pylint: disable=protected-access

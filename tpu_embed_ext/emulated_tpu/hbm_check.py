@@ -78,4 +78,4 @@ def check(what: str, sparsecore: bool, feature_config, tables, features,
     return
   memory = memory_of(sparsecore, named_feature_config(feature_config, tables, features),
                      shapes, slice_)
-  hbm.check(memory, what)
+  hbm.check(memory, what, stacklevel=3)  # The user's line that built.

@@ -108,8 +108,13 @@ def current() -> Optional[Emulation]:
 
 
 def _checked(replicas, sparsecore, topology, xla=True) -> tuple:
-  """(replicas, sparsecore, SparseCore topology or None, slice), or ConfigError."""
-  if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+  """(replicas, sparsecore, SparseCore topology or None, slice), or ConfigError.
+
+  ``replicas`` None: the topology's replicas, else 8."""
+  if replicas is None and topology is None:
+    replicas = 8
+  if replicas is not None and (isinstance(replicas, bool) or
+                               not isinstance(replicas, int) or replicas < 1):
     raise errors.ConfigError(
         f"emulate_tpu needs a positive integer replicas, got replicas={replicas!r}. "
         "Fix: e.g. replicas=8 (one per TPU core).")
@@ -134,6 +139,8 @@ def _checked(replicas, sparsecore, topology, xla=True) -> tuple:
     if sparsecore and not slice_.sparsecore:
       raise errors.ConfigError(no_sparsecore("emulate_tpu ", "sparsecore=True", slice_))
     sparsecore = slice_.sparsecore  # A SparseCore generation implies SparseCore.
+    if replicas is None:
+      replicas = slice_.replicas
     if slice_.replicas != replicas:
       raise errors.ConfigError(_other_replicas(str(topology), slice_, replicas))
   parsed = None
@@ -171,12 +178,13 @@ def _other_replicas(topology: str, slice_, replicas: int) -> str:
 
 
 @contextlib.contextmanager
-def emulate_tpu(replicas: int = 8, sparsecore: bool = False, topology=None,
+def emulate_tpu(replicas: Optional[int] = None, sparsecore: bool = False, topology=None,
                 xla: bool = True):
   """Runs TensorFlow's TPU entry points on an emulated TPU while active.
 
   Args:
-    replicas: TPU cores (replicas in sync), one logical CPU device each.
+    replicas: TPU cores (replicas in sync), one logical CPU device each
+      (default: the ``topology``'s, else 8).
     sparsecore: the TPU has SparseCore (``embedding_feature`` V2):
       ``TPUEmbeddingV2`` is emulated, and ``create_embedding`` /
       ``EmbeddingLayer`` / keras-rs choose it. Refused with a ``topology``

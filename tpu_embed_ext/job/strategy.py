@@ -120,7 +120,8 @@ def _found(resolver, strategy) -> str:
         "(default)")
     shape = (f" {emulation.topology}" if emulation.topology is not None
              else f" {emulation.slice}" if named else "")
-    return f"emulated TPU{shape}, {replicas} replicas ({api})"
+    return (f"emulated TPU{shape}, {replicas} replica{'s' if replicas != 1 else ''} "
+            f"({api})")
   return f"TPU ({resolver.master() or 'local'}), {replicas} replicas ({api})"
 
 

@@ -297,9 +297,10 @@ class EmbeddingLayer(keras.layers.Layer):
           tf.nest.pack_sequence_as(step.gradients[0], grads) for grads in flat])
       return tf.constant(0.0)
 
-    if replicas > 1:
-      # The engine sums replicas in a merge_call, which cannot run inside
-      # tf.cond: no overflow skip under a strategy (the engine's finite check
+    if replicas > 1 or tf.distribute.has_strategy():
+      # The engine sums replicas in a merge_call (and a MirroredVariable's
+      # update is one), which cannot run inside tf.cond: no overflow skip
+      # under a strategy, even of one replica (the engine's finite check
       # stops the step instead).
       return apply()
     finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))

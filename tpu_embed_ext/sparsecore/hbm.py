@@ -256,9 +256,10 @@ def refusal(memory: DeviceMemory, what: str) -> str:
           + "; or ".join(fixes) + ".)")
 
 
-def check(memory: DeviceMemory, what: str) -> None:
+def check(memory: DeviceMemory, what: str, stacklevel: int = 2) -> None:
   """Raises ``HBMExhaustedError`` if the lower bound does not fit; warns
-  ``HBMNearlyFullWarning`` if the upper bound passes 90% of the capacity."""
+  ``HBMNearlyFullWarning`` if the upper bound passes 90% of the capacity
+  (``stacklevel`` as ``warnings.warn``'s, counted from the caller of this)."""
   if not memory.fits:
     raise HBMExhaustedError(refusal(memory, what))
   if memory.nearly_full:
@@ -267,4 +268,4 @@ def check(memory: DeviceMemory, what: str) -> None:
         f"{human_bytes(memory.capacity)} HBM per device on {memory.slice} "
         f"(over {WARN_FRACTION:.0%}; at least {human_bytes(memory.lower)}), "
         "leaving little for the dense model. Fix: a larger slice, or fewer "
-        "slots or smaller tables.", HBMNearlyFullWarning, stacklevel=3)
+        "slots or smaller tables.", HBMNearlyFullWarning, stacklevel=stacklevel + 1)
