@@ -15,7 +15,7 @@ Pinned, by pure counting (no table is allocated: criteo alone is 15.7 GiB):
 
 Model Garden documents no topology in its YAMLs (``runtime.distribution_strategy:
 'tpu'`` only). Its README names one slice for the embedding: "We can have up to
-96 GB embedding tables for TPU v3-8" (official/recommendation/ranking/README.md),
+96 GB embedding tables for TPU v3-8" (https://github.com/tensorflow/models/blob/master/official/recommendation/ranking/README.md),
 so the configs are pinned on v3-8 (``v3:4``: 4 chips, 8 TensorCores), with
 ``TPUEmbedding``; and on the smallest v5p slice (``v5p:4``, "v5p-8"), where
 TensorFlow Recommenders' ``TPUEmbedding`` layer builds ``TPUEmbeddingV2``

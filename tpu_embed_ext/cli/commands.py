@@ -33,6 +33,9 @@ def _slice(f):
   """``plan --topology``: any generation's slice (``v5e:1``, ``v3:4``,
   ``v5p:8``), and the engine it runs: a generation with SparseCore runs
   ``TPUEmbeddingV2``, one without runs ``TPUEmbedding``."""
+  generation = chips.GENERATIONS.get(str(f.topology).split(":")[0])
+  if generation is None or generation.embedding_v2:
+    _topology(f)  # A SparseCore spelling: the words emulate and convert use.
   try:
     slice_ = chips.parse_slice(f.topology)
   except errors.ConfigError as e:

@@ -38,9 +38,12 @@ from typing import Callable, Optional
 from tpu_embed_ext import errors
 
 __all__ = ["Generation", "GENERATIONS", "Slice", "parse_slice", "default_slice",
-           "DEFAULT_V1", "DEFAULT_V2", "GIB"]
+           "DEFAULT_V1", "DEFAULT_V2", "GIB", "MAX_CHIPS"]
 
 GIB = 1 << 30
+MAX_CHIPS = 1 << 16
+"""Above the largest TPU slices (a v5p pod has 8,960 chips, an Ironwood pod
+9,216); ``topology.py`` bounds SparseCore topologies by it too."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +169,11 @@ def parse_slice(text, check: bool = True) -> Slice:
     if chips < 1:
       raise errors.ConfigError(
           f"topology {text!r} has no chips. Fix: e.g. {name}:4.")
+    if chips > MAX_CHIPS:
+      raise errors.ConfigError(
+          f"topology {text!r}: {chips:,} chips is larger than any TPU (at most "
+          f"{MAX_CHIPS:,} chips here). Fix: give the slice's chip count, e.g. "
+          f"{name}:4.")
     if check and not generation.slice_exists(chips):
       nearest = next(c for c in range(chips, chips + 1024)
                      if generation.slice_exists(c))

@@ -33,11 +33,11 @@ PRESETS = {g.name: (g.sparsecores_per_chip, g.source)
 # The SparseCore counts a chip can have: the values above (TPUEmbeddingV2 reads
 # tpu_hardware_feature.num_embedding_devices_per_chip and falls back to 4).
 SPARSECORES_PER_CHIP = tuple(sorted({n for n, _ in PRESETS.values()}))
-MAX_CHIPS = 1 << 16
-"""Above the largest TPU slices (a v5p pod has 8,960 chips, an Ironwood pod
-9,216): a bound that keeps ``chips * sparsecores_per_chip`` inside the
-stacker's 32-bit ints and the padding (rows to a multiple of ``8 * chips *
-sparsecores_per_chip``) far below memory."""
+MAX_CHIPS = chips_lib.MAX_CHIPS
+"""Above the largest TPU slices (``chips.MAX_CHIPS``): a bound that keeps
+``chips * sparsecores_per_chip`` inside the stacker's 32-bit ints and the
+padding (rows to a multiple of ``8 * chips * sparsecores_per_chip``) far below
+memory."""
 
 
 @dataclasses.dataclass(frozen=True)
