@@ -133,8 +133,7 @@ class Plan:
                             if feature.max_sequence_length else [])))
       else:
         shapes.append(None)
-    count = hbm.for_tpu_embedding_v2 if slice_.sparsecore else hbm.for_tpu_embedding
-    return count(self._config, None, shapes, slice_)
+    return hbm.for_engine(slice_.sparsecore, self._config, None, shapes, slice_)
 
   def _sparsecore_warnings(self) -> List[str]:
     out = []

@@ -19,8 +19,6 @@ from tpu_embed_ext.sparsecore.topology import Topology
 __all__ = ["DataReport", "StackingPlan", "feature_ids", "measure",
            "stacking_plan"]
 
-_BYTES_PER_FLOAT = 4
-
 
 @dataclasses.dataclass(frozen=True)
 class StackingPlan:
@@ -41,8 +39,7 @@ class StackingPlan:
   def stack_bytes_per_chip(self, stack: str) -> Dict[str, int]:
     """``{"parameters": bytes, "slots": bytes}`` of ``stack`` on one chip."""
     first = self.stacks[stack][0]
-    table = (first.rows_per_shard * self.topology.sparsecores_per_chip
-             * first.padded_dim * _BYTES_PER_FLOAT)
+    table = first.bytes_per_chip(self.topology.sparsecores_per_chip)
     return {"parameters": table, "slots": table * len(self.slots[first.table])}
 
   @property

@@ -29,7 +29,7 @@ from tensorflow.python.util import nest
 from tpu_embed_ext.emulated_tpu import session
 from tpu_embed_ext.sparsecore import hbm
 
-__all__ = ["check", "named_feature_config", "memory_of"]
+__all__ = ["check", "named_feature_config"]
 
 
 def named_feature_config(feature_config, tables: Sequence, features: Sequence):
@@ -58,14 +58,6 @@ def named_feature_config(feature_config, tables: Sequence, features: Sequence):
   return nest.pack_sequence_as(feature_config, flat)
 
 
-def memory_of(sparsecore: bool, feature_config, shapes: List[tf.TensorShape],
-              slice_) -> hbm.DeviceMemory:
-  """The embedding's HBM per device on ``slice_`` (``TPUEmbeddingV2``'s
-  stacked layout with ``sparsecore``, else ``TPUEmbedding``'s)."""
-  count = hbm.for_tpu_embedding_v2 if sparsecore else hbm.for_tpu_embedding
-  return count(feature_config, None, list(shapes), slice_)
-
-
 def check(what: str, sparsecore: bool, feature_config, tables, features,
           shapes: List[tf.TensorShape]) -> None:
   """``hbm.HBMExhaustedError`` (a ``tf.errors.ResourceExhaustedError``, XLA's
@@ -76,6 +68,6 @@ def check(what: str, sparsecore: bool, feature_config, tables, features,
   slice_ = getattr(emulation, "slice", None)
   if slice_ is None:
     return
-  memory = memory_of(sparsecore, named_feature_config(feature_config, tables, features),
-                     shapes, slice_)
+  memory = hbm.for_engine(sparsecore, named_feature_config(feature_config, tables, features),
+                          None, list(shapes), slice_)
   hbm.check(memory, what, stacklevel=3)  # The user's line that built.

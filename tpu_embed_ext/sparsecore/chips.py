@@ -38,7 +38,8 @@ from typing import Callable, Optional
 from tpu_embed_ext import errors
 
 __all__ = ["Generation", "GENERATIONS", "Slice", "parse_slice", "default_slice",
-           "DEFAULT_V1", "DEFAULT_V2", "GIB", "MAX_CHIPS"]
+           "DEFAULT_V1", "DEFAULT_V2", "GIB", "MAX_CHIPS",
+           "sparsecore_generation"]
 
 GIB = 1 << 30
 MAX_CHIPS = 1 << 16
@@ -147,10 +148,11 @@ class Slice:
     return self.name
 
 
-def _sparsecore_generation(per_chip: int) -> Generation:
-  """The V2 generation with ``per_chip`` SparseCores and the most HBM."""
-  return max((g for g in GENERATIONS.values()
-              if g.embedding_v2 and g.sparsecores_per_chip == per_chip),
+def sparsecore_generation(per_chip: int) -> Generation:
+  """The SparseCore (V2) generation with ``per_chip`` SparseCores and the most
+  HBM (of every V2 generation if none has that many): no false refusal."""
+  v2 = [g for g in GENERATIONS.values() if g.embedding_v2]
+  return max([g for g in v2 if g.sparsecores_per_chip == per_chip] or v2,
              key=lambda g: g.hbm_gib)
 
 
@@ -188,7 +190,7 @@ def parse_slice(text, check: bool = True) -> Slice:
   per_chip = {g.sparsecores_per_chip for g in GENERATIONS.values()
               if g.embedding_v2}
   if match and int(match.group(2)) in per_chip and int(match.group(1)) >= 1:
-    generation = _sparsecore_generation(int(match.group(2)))
+    generation = sparsecore_generation(int(match.group(2)))
     return Slice(int(match.group(1)), generation, text, named_generation=False)
   if match:
     raise errors.ConfigError(

@@ -46,7 +46,7 @@ from tpu_embed_ext.spec import numeric_traps
 from tpu_embed_ext.tf import optimizers as tf_optimizers
 
 __all__ = ["TableMemory", "DeviceMemory", "HBMExhaustedError", "HBMNearlyFullWarning",
-           "for_tpu_embedding", "for_tpu_embedding_v2", "check", "xla_size",
+           "for_tpu_embedding", "for_tpu_embedding_v2", "for_engine", "check", "xla_size",
            "WARN_FRACTION"]
 
 _FLOAT = 4
@@ -229,6 +229,13 @@ def for_tpu_embedding_v2(feature_config, optimizer, output_shapes,
                               first.padded_dim))
   buffers, uncounted = _buffers(features, output_shapes)
   return DeviceMemory(slice_, "TPUEmbeddingV2", tuple(tables), buffers, uncounted)
+
+
+def for_engine(v2: bool, feature_config, optimizer, output_shapes,
+               slice_: chips_lib.Slice) -> DeviceMemory:
+  """``for_tpu_embedding_v2`` with ``v2`` (SparseCore), else ``for_tpu_embedding``."""
+  count = for_tpu_embedding_v2 if v2 else for_tpu_embedding
+  return count(feature_config, optimizer, output_shapes, slice_)
 
 
 def refusal(memory: DeviceMemory, what: str) -> str:

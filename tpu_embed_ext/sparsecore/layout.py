@@ -86,6 +86,12 @@ class TableLayout:
     """Rows of this table in each shard."""
     return self.padded_rows // self.num_sparse_cores
 
+  def bytes_per_chip(self, sparsecores_per_chip: int, states: int = 1) -> int:
+    """Bytes of this table's whole stack on one chip, ``states`` float32
+    copies (parameters and slots): ``sparsecores_per_chip`` shards of
+    ``rows_per_shard`` rows of the padded width."""
+    return self.rows_per_shard * sparsecores_per_chip * self.padded_dim * 4 * states
+
   @property
   def stacked_rows(self) -> int:
     return self.rows_per_shard * self.num_sparse_cores

@@ -52,9 +52,9 @@ the formula as approximate, so the check is the least the stack can take.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from tpu_embed_ext import errors
 from tpu_embed_ext.sparsecore import chips as chips_lib
 from tpu_embed_ext.sparsecore import layout as sc_layout
 from tpu_embed_ext.sparsecore.topology import Topology
@@ -217,22 +217,18 @@ def tables_and_slots_bytes(layouts: Sequence[sc_layout.TableLayout],
   total = 0
   for members in sc_layout.layouts_by_stack(layouts).values():
     first = members[0]
-    total += (first.rows_per_shard * topology.sparsecores_per_chip * first.padded_dim
-              * _FLOAT * int(states[first.table]))
+    total += first.bytes_per_chip(topology.sparsecores_per_chip,
+                                  int(states[first.table]))
   return total
 
 
 def generation_of(topology: Topology) -> chips_lib.Generation:
   """The generation named by the topology ("v5p:4"), else the SparseCore
   generation with its SparseCores per chip and the most HBM (no false refusal)."""
-  match = re.match(r"([a-z0-9]+):\d+", topology.name or "")
-  if match and match.group(1) in chips_lib.GENERATIONS:
-    return chips_lib.GENERATIONS[match.group(1)]
-  candidates = [g for g in chips_lib.GENERATIONS.values()
-                if g.embedding_v2 and g.sparsecores_per_chip == topology.sparsecores_per_chip]
-  candidates = candidates or [g for g in chips_lib.GENERATIONS.values()
-                              if g.embedding_v2]
-  return max(candidates, key=lambda g: g.hbm_gib)
+  try:
+    return chips_lib.parse_slice(topology.name, check=False).generation
+  except errors.ConfigError:  # No name, or not a slice's.
+    return chips_lib.sparsecore_generation(topology.sparsecores_per_chip)
 
 
 @dataclasses.dataclass(frozen=True)
