@@ -60,6 +60,11 @@ exists and is the object named in ``ORIGINALS``, and no other module under
   ``_xla_outside_compilation`` as TensorFlow does inside a
   ``TPUReplicateContext``, so that the XLA check leaves them out.
 
+* ``device_util.get_host_for_device`` (internal, no alias; how ``input_lib``,
+  ``tpu_embedding_v2`` and ``tpu_embedding_v3`` find the host of a core) ->
+  ``pod.get_host_for_device``: on an emulated pod, the host of an emulated
+  core; TensorFlow's answer for any other device.
+
 ``tf.X`` above is the module ``tensorflow._api.v2.X`` (what ``tf.X`` is), v1 is
 ``tensorflow._api.v2.compat.v1.X``, compat.v2 ``tensorflow._api.v2.compat.v2.X``.
 """
@@ -123,6 +128,8 @@ ORIGINALS = {
         "MultiDeviceIteratorSpec"),
     "outside_compilation_impl": ("tensorflow.python.tpu.tpu_replication",
                                  "outside_compilation_impl"),
+    "get_host_for_device": ("tensorflow.python.distribute.device_util",
+                            "get_host_for_device"),
 }
 
 # Key -> replacement (module:attribute under tpu_embed_ext.emulated_tpu).
@@ -147,6 +154,8 @@ _REPLACEMENTS = {
     # What tf.tpu.outside_compilation and map_outside_compilation call:
     # marks the host's ops in an emulated replica (host_ops.py).
     "outside_compilation_impl": "host_ops:outside_compilation_impl",
+    # The host of a core on a pod (emulate_tpu(hosts=H)): pod.py.
+    "get_host_for_device": "pod:get_host_for_device",
 }
 _WITHOUT_SPARSECORE = "mid_level:TPUEmbeddingV2WithoutSparseCore"
 
@@ -181,7 +190,8 @@ PATCHES: Tuple[Patch, ...] = tuple(
     + _rows("device_assignment")
     + _rows("OwnedMultiDeviceIterator")
     + _rows("MultiDeviceIteratorSpec")
-    + _rows("outside_compilation_impl"))
+    + _rows("outside_compilation_impl")
+    + _rows("get_host_for_device"))
 
 
 def _object(path: str, emulation):

@@ -33,7 +33,9 @@ as a difference):
   (``InputOptions(experimental_fetch_to_device=True)``), ids computed inside
   ``strategy.run``, ``enqueue`` in a nested ``tf.function`` or control flow
   inside ``strategy.run``, gradients other than float32;
-* differences that raise nothing: one host (``extended.num_hosts`` 1);
+* differences that raise nothing: a pod's hosts (``hosts``) are input
+  workers in this one process, each host's CPU its first core's device
+  (``Emulation.host_devices``; ``docs/guides/tpu-on-cpu.md``, "Pods");
   steps run as TensorFlow ops on CPU devices (with ``xla=True``, the
   default, each replica's program is checked when first traced against the
   rules XLA and the TPU apply, and replica 0's TensorCore program, without
@@ -60,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 import threading
 from typing import Optional
@@ -76,8 +79,9 @@ __all__ = ["emulate_tpu", "is_active", "current", "Emulation", "xla_switched",
 class Emulation:
   """The active emulated TPU.
 
-  ``replicas`` TPU cores, one per logical CPU device in ``devices``; one
-  host. ``slice`` is the TPU slice (``sparsecore.chips.Slice``: generation,
+  ``replicas`` TPU cores, one per logical CPU device in ``devices``, fed by
+  ``hosts`` hosts of ``replicas_per_host`` cores each (a pod slice when more
+  than one: ``host_devices``, ``host_of``). ``slice`` is the TPU slice (``sparsecore.chips.Slice``: generation,
   chips, HBM per device), always set by ``emulate_tpu``: the ``topology``
   given, else ``chips.default_slice`` (v4 without SparseCore, v5p with it,
   one chip per replica). ``topology`` is the SparseCore topology
@@ -91,6 +95,38 @@ class Emulation:
   devices: tuple
   xla: bool = True
   slice: Optional[object] = None
+  hosts: int = 1
+
+  @property
+  def replicas_per_host(self) -> int:
+    """Cores (replicas) each host feeds: ``replicas / hosts``."""
+    return self.replicas // self.hosts
+
+  @functools.cached_property
+  def _canonical(self) -> tuple:
+    return tuple(_canonicalize(d) for d in self.devices)
+
+  @property
+  def host_devices(self) -> tuple:
+    """Each host's CPU (canonical names), in host order: its first core's
+    device (host k's cores are ``devices[k*R : (k+1)*R]``, host-major as
+    TensorFlow orders a pod's cores)."""
+    return self._canonical[::self.replicas_per_host]
+
+  def host_of(self, device) -> Optional[str]:
+    """The host device (canonical) of an emulated core or host ``device``,
+    or None for any other device."""
+    try:
+      index = self._canonical.index(_canonicalize(device))
+    except (ValueError, TypeError):
+      return None
+    return self.host_devices[index // self.replicas_per_host]
+
+
+def _canonicalize(device) -> str:
+  # Lazy: TensorFlow loads when an emulation is entered (module doc).
+  from tensorflow.python.distribute import device_util  # pylint: disable=g-import-not-at-top
+  return device_util.canonicalize(device)
 
 
 _lock = threading.Lock()
@@ -107,10 +143,12 @@ def current() -> Optional[Emulation]:
   return _active
 
 
-def _checked(replicas, sparsecore, topology, xla=True) -> tuple:
-  """(replicas, sparsecore, SparseCore topology or None, slice), or ConfigError.
+def _checked(replicas, sparsecore, topology, xla=True, hosts=None) -> tuple:
+  """(replicas, sparsecore, SparseCore topology or None, slice, hosts), or
+  ConfigError.
 
-  ``replicas`` None: the topology's replicas, else 8."""
+  ``replicas`` None: the topology's replicas, else 8. ``hosts`` None: the
+  topology's hosts, else 1."""
   if replicas is None and topology is None:
     replicas = 8
   if replicas is not None and (isinstance(replicas, bool) or
@@ -148,7 +186,36 @@ def _checked(replicas, sparsecore, topology, xla=True) -> tuple:
     parsed = topology_lib.Topology(replicas, 4, name=f"v5p:{replicas}")
   elif sparsecore:
     parsed = topology_lib.parse_topology(topology)
-  return replicas, sparsecore, parsed, slice_
+  return replicas, sparsecore, parsed, slice_, _checked_hosts(hosts, replicas,
+                                                              topology, slice_)
+
+
+def _checked_hosts(hosts, replicas: int, topology, slice_) -> int:
+  """The hosts of the emulation (see ``_checked``), or ConfigError."""
+  if hosts is not None and (isinstance(hosts, bool) or not isinstance(hosts, int)
+                            or hosts < 1):
+    raise errors.ConfigError(
+        f"emulate_tpu needs a positive integer hosts, got hosts={hosts!r}. "
+        "Fix: e.g. hosts=2 (a pod slice of two TPU VMs), or leave it out for one.")
+  if topology is not None and slice_.hosts != (hosts or slice_.hosts):
+    per_host = slice_.replicas // slice_.hosts
+    raise errors.ConfigError(
+        f"emulate_tpu topology {slice_.name!r} has {slice_.hosts} "
+        f"host{'s' if slice_.hosts != 1 else ''} ({per_host} replicas each, as "
+        f"Cloud TPU's VMs hold them) but hosts={hosts}. Fix: leave hosts out "
+        f"(the topology implies {slice_.hosts}), or give replicas={replicas} "
+        f"and hosts={hosts} without a topology.")
+  hosts = hosts or (slice_.hosts if topology is not None else 1)
+  if replicas % hosts:
+    # TensorFlow's words (input_lib.DistributedDataset._make_rebatch_fn).
+    raise errors.ConfigError(
+        "tf.distribute expects every worker to have the same number of "
+        f"replicas. However, encountered `num_replicas_in_sync` ({replicas}) "
+        f"that cannot be divided by `num_workers` ({hosts}). (emulate_tpu("
+        f"replicas={replicas}, hosts={hosts}): a pod's hosts feed as many "
+        f"cores each.) Fix: replicas a multiple of hosts, e.g. replicas="
+        f"{hosts * max(1, replicas // hosts)} with hosts={hosts}.")
+  return hosts
 
 
 def no_sparsecore(who: str, asked: str, slice_) -> str:
@@ -179,7 +246,7 @@ def _other_replicas(topology: str, slice_, replicas: int) -> str:
 
 @contextlib.contextmanager
 def emulate_tpu(replicas: Optional[int] = None, sparsecore: bool = False, topology=None,
-                xla: bool = True):
+                xla: bool = True, hosts: Optional[int] = None):
   """Runs TensorFlow's TPU entry points on an emulated TPU while active.
 
   Args:
@@ -207,6 +274,12 @@ def emulate_tpu(replicas: Optional[int] = None, sparsecore: bool = False, topolo
       (not run); what XLA's compiler refuses (a compile-time constant
       computed from the data) raises ``NotCompilableError``. ``False``
       skips both.
+    hosts: the TPU VMs of a pod slice, each feeding ``replicas / hosts``
+      cores from its own input pipeline (default: the ``topology``'s, else
+      1). ``TPUStrategy`` then reports them (``extended.num_hosts``, one
+      input worker per host) and calls an input function once per host with
+      its ``InputContext``, through TensorFlow's own ``input_lib``.
+      ``replicas`` must be a multiple of it.
 
   Yields the ``Emulation``. Raises ``EmulationError`` if another emulation is
   active (patched names are process-wide) or TensorFlow already runs with
@@ -216,18 +289,20 @@ def emulate_tpu(replicas: Optional[int] = None, sparsecore: bool = False, topolo
   with the command line that gives it.
   """
   global _active
-  replicas, sparsecore, parsed, slice_ = _checked(replicas, sparsecore, topology, xla)
+  asked_hosts = hosts if topology is None else None  # A topology's are checked.
+  replicas, sparsecore, parsed, slice_, hosts = _checked(replicas, sparsecore,
+                                                        topology, xla, hosts)
   with _lock:
     outer = _active
     if outer is not None:
       _refuse_nested(outer, replicas, sparsecore, parsed,
-                     slice_ if topology is not None else None)
+                     slice_ if topology is not None else None, asked_hosts)
     else:
       # Lazy: TensorFlow loads when an emulation is entered, not at
       # `import tpu_embed_ext.emulated_tpu` (the runner sets devices up first).
       from tpu_embed_ext.emulated_tpu import devices  # pylint: disable=g-import-not-at-top
       emulation = Emulation(replicas, sparsecore, parsed,
-                            devices.logical_devices(replicas), xla, slice_)
+                            devices.logical_devices(replicas), xla, slice_, hosts)
       patches = patching.apply(emulation)
       _active = emulation
   if outer is not None:  # Joins the runner's or the pytest session's.
@@ -268,9 +343,12 @@ def _shape(replicas, sparsecore, parsed) -> tuple:
   return replicas, sparsecore, parsed and (parsed.chips, parsed.sparsecores_per_chip)
 
 
-def _refuse_nested(outer: Emulation, replicas, sparsecore, parsed, slice_=None) -> None:
+def _refuse_nested(outer: Emulation, replicas, sparsecore, parsed, slice_=None,
+                   hosts: Optional[int] = None) -> None:
   """Returns if ``emulate_tpu(...)`` may join the program's ``outer``
-  (``slice_``: the topology the program named, if it named one)."""
+  (``slice_``: the topology the program named, if it named one; ``hosts``:
+  the hosts it named, None joining the outer's, as a program run with
+  ``emulate --hosts H`` is meant to run on H hosts)."""
   if not _host:
     raise EmulationError(
         f"emulate_tpu(replicas={replicas}) entered while emulate_tpu("
@@ -281,19 +359,25 @@ def _refuse_nested(outer: Emulation, replicas, sparsecore, parsed, slice_=None) 
   same_slice = slice_ is None or outer.slice is None or (
       (slice_.generation.name, slice_.chips)
       == (outer.slice.generation.name, outer.slice.chips))
-  if same_slice and _shape(replicas, sparsecore, parsed) == _shape(
+  if slice_ is not None:
+    hosts = slice_.hosts
+  if same_slice and hosts in (None, outer.hosts) and _shape(replicas, sparsecore, parsed) == _shape(
       outer.replicas, outer.sparsecore, outer.topology):
     return
   flags = (f" --topology {slice_.name}" if slice_ is not None
            else " --sparsecore" if sparsecore else "")
+  if hosts not in (None, 1) and slice_ is None:
+    flags += f" --hosts {hosts}"
   asked = f"replicas={replicas}" + (f", topology={slice_.name!r}" if slice_ is not None
                                     else ", sparsecore=True" if sparsecore else "")
+  asked += f", hosts={hosts}" if hosts not in (None, 1) and slice_ is None else ""
   outer_slice = (f" on {outer.slice.name}" if slice_ is not None and outer.slice is not None
                  else "")
   raise EmulationError(
       f"emulate_tpu({asked}) entered inside {_host['description']}, whose "
       f"emulated TPU has {outer.replicas} replicas"
       + (f" and SparseCore ({outer.topology})" if outer.sparsecore else "")
+      + (f" on {outer.hosts} hosts" if outer.hosts != 1 else "")
       + outer_slice + ": one emulation per process, and the program's own "
       "emulate_tpu joins it only with the same shape. Fix: "
       + _host["fix"].format(replicas=replicas, flags=flags))

@@ -5,16 +5,16 @@ How TensorFlow decides it is on a TPU, and what stands in for each step here
 
 * ``TPUClusterResolver`` (``cluster_resolver/tpu/tpu_cluster_resolver.py``)
   asks the Cloud TPU client or the local TPU VM for its workers.
-  ``EmulatedTPUClusterResolver`` answers for one local host with
-  ``replicas`` cores, whatever ``tpu=`` names.
+  ``EmulatedTPUClusterResolver`` answers for the emulated slice's hosts
+  and cores (in this process), whatever ``tpu=`` names.
 * ``connect_to_cluster`` (``eager/remote.py``) starts a gRPC server and
   resets the eager context to the cluster. The emulated TPU is local:
   connecting to its resolver does nothing (any other cluster is connected
   as before).
 * ``initialize_tpu_system`` (``tpu/tpu_strategy_util.py``) runs the TPU's
   configuration op and returns the ``Topology`` it reports. Here it returns
-  the topology of the emulated shape: one task, ``replicas`` chips of one
-  core in a line (``mesh_shape [replicas, 1, 1, 1]``).
+  the topology of the emulated shape: one task per host, ``replicas`` chips
+  of one core in a line (``mesh_shape [replicas, 1, 1, 1]``).
 * ``TPUStrategy`` (``distribute/tpu_strategy.py``) replicates compiled
   functions over TPU cores. ``EmulatedTPUStrategy`` is a ``MirroredStrategy``
   over ``replicas`` logical CPU devices (the engine's replicas,
@@ -34,11 +34,15 @@ which is how the engine (``replicas.check_strategy``) accepts it.
 
 The name checks TensorFlow and Keras make (a class whose name, or a base's,
 starts with ``TPUStrategy``: ``tpu_replication.is_tpu_strategy``, Keras's
-``_is_tpu_strategy``) see the real base and read ``extended.num_hosts`` (1)
+``_is_tpu_strategy``) see the real base and read ``extended.num_hosts``
 and ``extended._device_assignment`` (None), which the extended provides.
+On a pod (``emulate_tpu(hosts=H)``) each host is one input worker
+(``pod.py``).
 """
 
 from __future__ import annotations
+
+import collections
 
 import numpy as np
 import tensorflow as tf
@@ -52,12 +56,12 @@ from tensorflow.python.eager import context
 from tensorflow.python.autograph.core import ag_ctx as autograph_ctx
 from tensorflow.python.autograph.impl import api as autograph
 from tensorflow.python.tpu import embedding_context_utils as ecu
-from tensorflow.python.tpu import tpu_hardware_feature, tpu_system_metadata
+from tensorflow.python.tpu import tpu_hardware_feature
 from tensorflow.python.training import server_lib
 
 from tpu_embed_ext.emulated_tpu import (device_datasets, embedding_memory,
-                                        outer_jit, patching, session, tpu_inputs,
-                                        xla_check)
+                                        outer_jit, patching, pod, session,
+                                        tpu_inputs, xla_check)
 from tpu_embed_ext.emulated_tpu.devices import (configure_logical_devices,
                                                 logical_devices)
 from tpu_embed_ext.emulated_tpu.errors import EmulationError, NotEmulatedError
@@ -101,21 +105,8 @@ def hardware_feature(emulation) -> tpu_hardware_feature.HardwareFeature:
   return tpu_hardware_feature.HardwareFeature(proto)
 
 
-def emulated_topology(emulation) -> "tf.tpu.experimental.Topology":
-  """One task with ``replicas`` single-core chips in a line."""
-  n = emulation.replicas
-  coordinates = np.zeros((1, n, 4), dtype=np.int32)
-  coordinates[0, :, 0] = np.arange(n)
-  return tf.tpu.experimental.Topology(mesh_shape=[n, 1, 1, 1],
-                                      device_coordinates=coordinates)
-
-
-def _metadata(emulation) -> tpu_system_metadata.TPUSystemMetadata:
-  devices = [tf.config.LogicalDevice(name, "TPU") for name in emulation.devices]
-  return tpu_system_metadata.TPUSystemMetadata(
-      num_cores=emulation.replicas, num_hosts=1,
-      num_of_cores_per_host=emulation.replicas,
-      topology=emulated_topology(emulation), devices=devices)
+emulated_topology = pod.topology  # H tasks of R single-core chips in a line.
+_metadata = pod.metadata
 
 
 class EmulatedTPUClusterResolver(tpu_resolver_lib.TPUClusterResolver):
@@ -167,7 +158,7 @@ class EmulatedTPUClusterResolver(tpu_resolver_lib.TPUClusterResolver):
 
   def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
     del task_type, task_id, config_proto
-    return {"TPU": self._emulation.replicas}
+    return {"TPU": self._emulation.replicas_per_host}  # Per worker, as TF's.
 
   def set_tpu_topology(self, serialized_tpu_topology):
     self._tpu_topology = topology_pb2.TopologyProto()
@@ -250,6 +241,13 @@ class EmulatedTPUExtended(mirrored_strategy.MirroredExtended):
     super().__init__(container_strategy, devices=list(devices),
                      cross_device_ops=tf.distribute.ReductionToOneDevice())
     self._emulation = emulation
+    # One input worker per host (pod.py); MirroredExtended builds its input
+    # workers from these pairs, TPUExtended's names read them too.
+    workers = pod.input_workers(emulation, self._devices)
+    self._input_workers_devices = tuple((h, tuple(d)) for h, d in workers.items())
+    self._device_input_worker_devices = workers
+    self._host_input_worker_devices = collections.OrderedDict(
+        (h, [h] * len(d)) for h, d in workers.items())
     # Read by tpu_replication.is_tpu_strategy's callers (outside compilation).
     self._device_assignment = None
     # TPUExtended's [replicas, logical cores per replica] array of device
@@ -262,11 +260,14 @@ class EmulatedTPUExtended(mirrored_strategy.MirroredExtended):
 
   @property
   def num_hosts(self):
-    return 1
+    return len(self._input_workers_devices)
 
   @property
   def num_replicas_per_host(self):
-    return len(self.worker_devices)
+    return len(self._input_workers_devices[0][1])
+
+  def _get_input_workers(self, options):
+    return self._input_workers_with_options(options)
 
   def experimental_logical_device(self, logical_device_id):
     raise _not_emulated("TPUStrategy.extended.experimental_logical_device")
@@ -295,13 +296,13 @@ class EmulatedTPUExtended(mirrored_strategy.MirroredExtended):
   # host (its destructor hung at 8 replicas); the replicas read them through
   # device_datasets.HostIterator (patched in by patching.PATCHES).
   def _experimental_distribute_dataset(self, dataset, options):
-    return super()._experimental_distribute_dataset(
-        device_datasets.without_autotuning(dataset), options)
+    return pod.checked(super()._experimental_distribute_dataset(
+        device_datasets.without_autotuning(dataset), options), self._emulation)
 
   def _distribute_datasets_from_function(self, dataset_fn, options):
-    return super()._distribute_datasets_from_function(
+    return pod.checked(super()._distribute_datasets_from_function(
         lambda context: device_datasets.without_autotuning(dataset_fn(context)),
-        options)
+        options), self._emulation)
 
 
 class _TPUFace:

@@ -127,8 +127,11 @@ def _same(a: tf.DeviceSpec, b: tf.DeviceSpec) -> bool:
 
 
 def check_inputs_on_host(strategy, flat_inputs, flat_paths) -> None:
-  """``ValueError`` (``InputError``) for an input on a core's device."""
-  cores = _devices(strategy)[1:]
+  """``ValueError`` (``InputError``) for an input on a core's device (a
+  host's CPU is its first core's device: not a core here; an input on another
+  host's CPU is legal on a pod, only slow)."""
+  hosts = {d for d, _ in strategy.extended._input_workers_devices}  # pylint: disable=protected-access
+  cores = [c for c in _devices(strategy) if c.to_string() not in hosts]
   for value, path in zip(flat_inputs, flat_paths):
     for tensor in nest.flatten(value, expand_composites=True):
       device = getattr(tensor, "device", "") or ""

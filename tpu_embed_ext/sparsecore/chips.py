@@ -26,6 +26,24 @@ generation, ``xla_capacity_gib`` holds it: v5e 15.75G (one chip) and v3
 in many public error reports. Elsewhere Y is the nominal figure per device,
 an upper bound: a count refused against it is refused by the TPU too.
 
+Hosts. A TensorFlow "host" is one worker task, one TPU VM: its CPU runs
+that host's input pipeline and feeds its chips (``Slice.hosts``). Chips per
+VM, from each generation's "Configurations" table:
+
+- v2, v3: 4 chips (8 TensorCores) per host (v2-8, v3-8: one host; v3-32:
+  four);
+- v4, v5p: 4 chips per host (v5p: "2x2x1: 4 chips, 1 host; 2x2x2: 8 chips,
+  2 hosts; 2x4x4: 32 chips, 8 hosts");
+- tpu7x: "Each Ironwood (TPU7x) virtual machine (VM) contains four chips"
+  (cloud.google.com/kubernetes-engine/docs/concepts/tpu-ironwood);
+- v5e, v6e: one VM of up to 8 chips for slices of 8 chips or fewer (v6e
+  "2x4: 8 chips, 1 VM"), 4-chip VMs on larger slices (v6e "4x4: 16 chips,
+  4 VMs"; v5e: "Each TPU VM in a v5e TPU slice contains 1, 4 or 8 chips", its
+  4-chip VMs on multi-host slices inferred from v6e's table).
+
+A ``CHIPSxSPARSECORES`` slice names no generation and implies no hosts
+(``Slice.hosts`` 1 unless given).
+
 This module loads no TensorFlow.
 """
 
@@ -66,6 +84,16 @@ class Generation:
   source: str
   xla_capacity_gib: Optional[float] = None
   """Y of XLA's "Used X of Y hbm" per device, where public messages show it."""
+  single_host_chips: int = 4
+  """The most chips one VM holds (a slice of at most this many is one host)."""
+  chips_per_host: int = 4
+  """Chips per VM of a slice larger than ``single_host_chips``."""
+
+  def hosts(self, chips: int) -> int:
+    """TensorFlow hosts (TPU VMs, worker tasks) of a slice of ``chips``."""
+    if chips <= self.single_host_chips:
+      return 1
+    return -(-chips // self.chips_per_host)
 
   @property
   def hbm_bytes_per_device(self) -> int:
@@ -100,7 +128,8 @@ GENERATIONS = {g.name: g for g in (
     Generation("v5e", 16, 1, 0, False, "1, 4, 8, 16, 32, 64, 128 or 256 chips",
                lambda chips: chips in _POWERS,
                "cloud.google.com/tpu/docs/v5e: 16 GiB HBM per chip, 1 TensorCore; "
-               "XLA's capacity 15.75G", xla_capacity_gib=15.75),
+               "XLA's capacity 15.75G", xla_capacity_gib=15.75,
+               single_host_chips=8),
     Generation("v5p", 95, 1, 4, True, "a multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...)",
                _multiple_of_4, "cloud.google.com/tpu/docs/v5p: 95 GiB HBM per chip, "
                "megacore; 4 SparseCores (jax-tpu-embedding NUM_SC_PER_DEVICE_MAP; "
@@ -108,7 +137,8 @@ GENERATIONS = {g.name: g for g in (
     Generation("v6e", 32, 1, 2, True, "1, 4, 8, 16, 32, 64, 128 or 256 chips",
                lambda chips: chips in _POWERS,
                "cloud.google.com/tpu/docs/v6e: 32 GiB HBM per chip, 1 TensorCore; "
-               "2 SparseCores (jax-tpu-embedding NUM_SC_PER_DEVICE_MAP)"),
+               "2 SparseCores (jax-tpu-embedding NUM_SC_PER_DEVICE_MAP)",
+               single_host_chips=8),
     Generation("tpu7x", 192, 1, 2, True, "a multiple of 4 chips (2x2x1 = 4, 2x2x2 = 8, ...)",
                _multiple_of_4, "cloud.google.com/tpu/docs/tpu7x: 192 GiB HBM per chip; "
                "2 SparseCores as TensorFlow sees them (jax-tpu-embedding "
@@ -143,6 +173,14 @@ class Slice:
   def sparsecore(self) -> bool:
     """Whether the slice runs ``TPUEmbeddingV2`` (SparseCore, V2)."""
     return self.generation.embedding_v2
+
+  @property
+  def hosts(self) -> int:
+    """Its TensorFlow hosts (TPU VMs; see the module doc): 1 for
+    ``CHIPSxSPARSECORES`` and for a default slice, which name no machine."""
+    if not self.named_generation or self.name.endswith("(default)"):
+      return 1
+    return self.generation.hosts(self.chips)
 
   def __str__(self) -> str:
     return self.name
