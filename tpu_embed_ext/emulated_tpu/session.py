@@ -80,9 +80,10 @@ class Emulation:
   """The active emulated TPU.
 
   ``replicas`` TPU cores, one per logical CPU device in ``devices``, fed by
-  ``hosts`` hosts of ``replicas_per_host`` cores each (a pod slice when more
-  than one: ``host_devices``, ``host_of``). ``slice`` is the TPU slice (``sparsecore.chips.Slice``: generation,
-  chips, HBM per device), always set by ``emulate_tpu``: the ``topology``
+  ``hosts`` hosts of ``replicas_per_host`` cores each (a pod slice when
+  more than one: ``host_devices``, ``host_of``). ``slice`` is the TPU slice
+  (``sparsecore.chips.Slice``: generation, chips, HBM per device), always
+  set by ``emulate_tpu``: the ``topology``
   given, else ``chips.default_slice`` (v4 without SparseCore, v5p with it,
   one chip per replica). ``topology`` is the SparseCore topology
   (``sparsecore.Topology``: ``replicas`` chips, SparseCores per chip) when
@@ -361,7 +362,8 @@ def _refuse_nested(outer: Emulation, replicas, sparsecore, parsed, slice_=None,
       == (outer.slice.generation.name, outer.slice.chips))
   if slice_ is not None:
     hosts = slice_.hosts
-  if same_slice and hosts in (None, outer.hosts) and _shape(replicas, sparsecore, parsed) == _shape(
+  same_hosts = hosts in (None, outer.hosts)
+  if same_slice and same_hosts and _shape(replicas, sparsecore, parsed) == _shape(
       outer.replicas, outer.sparsecore, outer.topology):
     return
   flags = (f" --topology {slice_.name}" if slice_ is not None

@@ -19,12 +19,12 @@ builds the enqueue ops; each check has a CPU counterpart here:
 * ``_raise_error_for_inputs_not_on_cpu``: every input tensor must be on the
   host, not on a TPU device, i.e. read from a distributed dataset with
   ``InputOptions(experimental_fetch_to_device=False)``. The emulated TPU's
-  cores are the logical CPU devices ``strategy.extended.worker_devices``; the
-  host is the first of them (``/device:CPU:0``), which is also core 0's
-  device. A tensor placed on any other core's device is refused
-  (``check_inputs_on_host``). With one replica, or for core 0's own part,
-  host and core are one device, so that refusal cannot be seen; every
-  other core's part shows it.
+  cores are the logical CPU devices ``strategy.extended.worker_devices``;
+  each host is its first core's device (``/device:CPU:0`` on one host; on a
+  pod host k's is ``CPU:k*R``). A tensor placed on any other core's device
+  is refused (``check_inputs_on_host``). With one replica per host, or for
+  a host's first core, host and core are one device, so that refusal cannot
+  be seen; every other core's part shows it.
 """
 
 from __future__ import annotations
