@@ -12,10 +12,10 @@ the patched names, ``strategy.py`` and ``mid_level.py`` the stand-ins. This
 face loads no TensorFlow: ``import tpu_embed_ext`` exports ``emulate_tpu`` lazily.
 """
 
-from tpu_embed_ext.emulated_tpu.errors import (EmulationError, NotEmulatedError,
-                                               TPURuntimeError)
+from tpu_embed_ext.emulated_tpu.errors import (DuplicateInputWarning, EmulationError,
+                                               NotEmulatedError, TPURuntimeError)
 from tpu_embed_ext.emulated_tpu.session import (Emulation, current, emulate_tpu,
                                                 is_active)
 
 __all__ = ["emulate_tpu", "is_active", "current", "Emulation", "EmulationError",
-           "NotEmulatedError", "TPURuntimeError"]
+           "NotEmulatedError", "TPURuntimeError", "DuplicateInputWarning"]

@@ -3,7 +3,8 @@ what a TPU refuses, refused alike (re-exported by ``tpu_embed_ext.emulated_tpu``
 
 from tpu_embed_ext import errors
 
-__all__ = ["EmulationError", "NotEmulatedError", "TPURuntimeError"]
+__all__ = ["EmulationError", "NotEmulatedError", "TPURuntimeError",
+           "DuplicateInputWarning"]
 
 
 class EmulationError(errors.Error, RuntimeError):
@@ -22,3 +23,10 @@ class TPURuntimeError(errors.Error, RuntimeError):
   used after ``initialize_tpu_system`` discarded its tables: the message starts
   with TensorFlow's own words (users' tests match them), then ours.
   """
+
+
+class DuplicateInputWarning(UserWarning):
+  """Hosts of an emulated pod (``emulate_tpu(hosts=H)``) whose input
+  pipelines yield the same first batch: every host reads the same examples,
+  which a TPU pod trains on silently. The message names the hosts and the
+  fix (shard by ``input_context.input_pipeline_id``)."""

@@ -37,6 +37,7 @@ from tensorflow.python.data.ops import options as options_lib
 from tensorflow.python.tpu import tpu_system_metadata
 
 from tpu_embed_ext.emulated_tpu import patching, session
+from tpu_embed_ext.emulated_tpu.errors import DuplicateInputWarning
 
 __all__ = ["get_host_for_device", "input_workers", "topology", "metadata",
            "checked", "warn_if_hosts_read_the_same", "DuplicateInputWarning"]
@@ -79,11 +80,6 @@ def metadata(emulation) -> tpu_system_metadata.TPUSystemMetadata:
       num_cores=emulation.replicas, num_hosts=emulation.hosts,
       num_of_cores_per_host=emulation.replicas_per_host,
       topology=topology(emulation), devices=devices)
-
-
-class DuplicateInputWarning(UserWarning):
-  """Hosts of an emulated pod whose input pipelines yield the same first
-  batch: every host reads the same examples."""
 
 
 # Datasets whose first element cannot be read twice without a side effect
