@@ -29,6 +29,19 @@ the host variables on a TPU, and do nothing here (the host variables are the
 tables); each table and slot variable has ``.variables``, its shards as on a
 TPU (``TPUEmbeddingVariable``): one, the whole table, as on a one-host TPU.
 
+On a pod (``emulate_tpu(hosts=H)``) TensorFlow creates each table and slot
+as one shard per host (``make_sharded_variable_creator``: rows split, the
+first ``rows % H`` hosts one more), each initialised by its own call of the
+initializer. Here the table stays one variable (``.variables`` one shard;
+checkpoint keys and values those of the whole table, as TensorFlow saves its
+shards as slices of it, so a pod's checkpoint restores on one host and on
+CPU), but its initial value is built as the pod's (``_initialized_per_host``):
+a sharding-aware initializer (one taking ``shard_info``) gets each shard's
+``ShardInfo``, any other each shard's shape, so a full-table
+``tf.constant_initializer`` fails on the pod with TensorFlow's TypeError.
+The configuration proto counts the hosts (``num_hosts``, each table's
+vocabulary at least ``num_hosts``), from the strategy, as TensorFlow's.
+
 Identity: ``isinstance(e, tf.tpu.experimental.embedding.TPUEmbedding)`` and
 ``isinstance(e, tpu_embedding_v2.TPUEmbedding)`` hold while the emulation is
 active (the names are patched; ``EmbeddingLayer`` decides its TPU branch
@@ -41,13 +54,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import types
 from typing import List
 
 import tensorflow as tf
 from tensorflow.python.saved_model import save_context
 from tensorflow.python.tpu import tpu_embedding_v2_utils
-from tensorflow.python.util import nest
+from tensorflow.python.trackable import base as trackable_base
+from tensorflow.python.util import nest, tf_inspect
 
 from tpu_embed_ext import errors
 from tpu_embed_ext.emulated_tpu import (embedding_memory, hbm_check, outer_jit,
@@ -114,7 +129,8 @@ class TPUEmbedding(engine.CPUEmbedding):
     shapes.build(per_replica_input_shapes, per_replica_batch_size)
     hbm_check.check("TPUEmbedding.build()", False, self.feature_config,
                     self._tables, self._features, shapes.stored)
-    super().build(per_replica_input_shapes, per_replica_batch_size)
+    with _initialized_per_host(self, self._replicas.strategy.extended.num_hosts):
+      super().build(per_replica_input_shapes, per_replica_batch_size)
     embedding_memory.claim(self, tables)
     for variables in self._table_vars.values():
       for variable in variables.values():
@@ -229,6 +245,72 @@ class TPUEmbedding(engine.CPUEmbedding):
     raise errors.InputTypeError(
         "TPUEmbedding is not callable, on a TPU either. Fix: enqueue the "
         "features, then dequeue the activations inside strategy.run.")
+
+
+def host_rows(rows: int, hosts: int) -> List[int]:
+  """Rows of each host's shard of a table on a pod, as TensorFlow splits
+  them (``make_sharded_variable_creator``): the first ``rows % hosts`` hosts
+  one more; a host may get none."""
+  return [rows // hosts + (host < rows % hosts) for host in range(hosts)]
+
+
+@contextlib.contextmanager
+def _initialized_per_host(owner: TPUEmbedding, hosts: int):
+  """While ``owner`` builds on a pod of ``hosts`` hosts: each table's
+  initializer is called once per host shard (``host_rows``), as
+  ``tpu_embedding_v2.make_sharded_variable_creator`` creates a table's
+  shards, and the shards concatenated are the one variable. A restore
+  waiting for the build replaces the initializer (nothing is called)."""
+  if hosts == 1:
+    yield
+    return
+  tables = owner._tables  # pylint: disable=protected-access
+  per_host = []
+  for table in tables:
+    config = copy.copy(table.config)  # the user's is never modified
+    config.initializer = functools.partial(_per_host_value, table.name,
+                                           table.config.initializer, hosts)
+    per_host.append(table._replace(config=config))
+  object.__setattr__(owner, "_tables", type(tables)(per_host))
+  try:
+    yield
+  finally:
+    object.__setattr__(owner, "_tables", tables)
+
+
+def _per_host_value(name: str, initializer, hosts: int, shape, dtype=None):
+  """The table ``name`` as TensorFlow initialises it on ``hosts`` hosts: a
+  sharding-aware ``initializer`` (one taking ``shard_info``) is called with
+  the whole shape and each shard's ``ShardInfo``, any other with each
+  shard's shape."""
+  rows, cols = shape
+  whole = functools.partial(initializer, shape, dtype=dtype)
+  aware = "shard_info" in tf_inspect.getargspec(whole).args
+  sizes = host_rows(rows, hosts)
+  shards, offset = [], 0
+  for size in sizes:
+    if not size:  # TensorFlow creates no shard for a host without rows.
+      continue
+    if aware:
+      shards.append(whole(shard_info=trackable_base.ShardInfo((size, cols),
+                                                              (offset, 0))))
+    else:
+      try:
+        shards.append(initializer((size, cols), dtype=dtype))
+      except (TypeError, ValueError) as e:
+        kind = errors.ConfigTypeError if isinstance(e, TypeError) else errors.ConfigError
+        raise kind(
+            f"{e} (TPUEmbedding on a pod of {hosts} hosts creates table "
+            f"{name!r} as one shard per host, rows {sizes} of {rows}, and calls "
+            f"its initializer with each shard's shape, ({size}, {cols}) here: "
+            "tpu_embedding_v2.make_sharded_variable_creator; one host calls it "
+            "once with the whole shape.) Fix: an initializer for any shape "
+            "(a scalar or random one), or one taking shard_info: def init("
+            "shape, dtype=None, shard_info=None) returning the rows "
+            "shard_info.offset[0] to shard_info.offset[0] + shard_info.shape[0] "
+            "of the table when shard_info is given.") from None
+    offset += size
+  return tf.concat(shards, 0) if len(shards) > 1 else shards[0]
 
 
 def _with_table(feature, table):
