@@ -39,7 +39,9 @@ does not predict anyway.
 
 ``tests/test_emulated_tpu.py`` compares every replica's batches, eagerly and
 in a ``tf.function``, to the end of the data (partial batches included),
-with a plain ``MirroredStrategy``'s at 2, 4 and 8 replicas.
+with a plain ``MirroredStrategy``'s at 2, 4 and 8 replicas;
+``tests/test_emulated_pod_inputs.py`` with what TensorFlow's ``input_lib``
+deals from each host's dataset on a pod (``emulate_tpu(hosts=2)``).
 """
 
 from __future__ import annotations
@@ -182,10 +184,28 @@ class HostIterator(multi_device_iterator_ops.OwnedMultiDeviceIterator):
     return result
 
   def get_next_as_optional(self):
-    """Every device's next element as an ``Optional``, in device order (its
-    value is read on the device, as TensorFlow's ``input_lib`` reads it)."""
+    """Every device's next element as an ``Optional``, in device order, its
+    value on the device as TensorFlow's per-device optionals hold it.
+
+    Eagerly a read's outputs stay on the optional's device whatever the
+    scope ``input_lib`` reads it under: all on the host here, where
+    ``MirroredStrategy`` gives replica r its value on device r. So each value
+    is moved to its device, in a new ``Optional`` made there. In a
+    ``tf.function`` the traced reads carry no device, here as in TensorFlow's
+    (a step's outputs are on the call's device), and are left as they are."""
     with ops.device(self._source_device):
-      return [self._iterator.get_next_as_optional() for _ in self._devices]
+      optionals = [self._iterator.get_next_as_optional() for _ in self._devices]
+    if not tf.executing_eagerly():
+      return optionals
+    return [self._optional_on(o, d) for o, d in zip(optionals, self._devices)]
+
+  def _optional_on(self, optional, device):
+    if device_util.canonicalize(device) == device_util.canonicalize(
+        self._source_device) or not optional.has_value():
+      return optional  # An empty one: input_lib makes the dummy on the device.
+    value = self._on_device(optional.get_value(), device)
+    with ops.device(device):
+      return tf.experimental.Optional.from_value(value)
 
   @property
   def _type_spec(self):

@@ -28,6 +28,8 @@ process, no DCN (``docs/guides/tpu-on-cpu.md``, "Pods").
 from __future__ import annotations
 
 import collections
+import os
+import sys
 import warnings
 
 import numpy as np
@@ -120,6 +122,22 @@ def checked(distributed, emulation):
   return distributed
 
 
+# Frames of TensorFlow and of the emulated TPU: a warning names the first
+# frame outside them (the program's call that distributed the dataset).
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+             os.path.dirname(os.path.abspath(tf.__file__)) + os.sep)
+
+
+def _caller_stacklevel() -> int:
+  """``stacklevel`` for a ``warnings.warn`` in this module's caller: its
+  first frame outside TensorFlow and the emulated TPU."""
+  frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
+  while frame is not None and os.path.abspath(
+      frame.f_code.co_filename).startswith(_INTERNAL):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
 def warn_if_hosts_read_the_same(host_datasets, hosts) -> None:
   """One ``DuplicateInputWarning`` naming the hosts (``hosts``: their
   devices) whose ``host_datasets`` (one per host) yield the same first
@@ -160,4 +178,4 @@ def warn_if_hosts_read_the_same(host_datasets, hosts) -> None:
       "(each example counted once per host). Fix: shard by the input context "
       "in the input function, e.g. dataset.shard(input_context."
       "num_input_pipelines, input_context.input_pipeline_id), or give each "
-      "host its own files."), stacklevel=4)
+      "host its own files."), stacklevel=_caller_stacklevel())
