@@ -475,11 +475,15 @@ def test_distributed_batches_are_mirrored_strategys(how, replicas):
   device_datasets.py) give each replica what MirroredStrategy gives it, on
   the same device, to the end of the data: the last global batch (193 = 16
   x 12 + 1) leaves all replicas but one an empty batch."""
-  expected = _steps(_mirrored(replicas), how, steps=None)
+  # A TPU refuses a dataset of ragged tensors prefetched to its cores
+  # (test_ragged_datasets_prefetched_to_the_cores_are_refused); a function's
+  # per-replica specs pass TensorFlow's check (_check_spec), as here.
+  fetch = how == "function"
+  expected = _steps(_mirrored(replicas), how, steps=None, fetch_to_device=fetch)
   with emulate_tpu(replicas=replicas):
     emulated = tf.distribute.TPUStrategy(
         tf.distribute.cluster_resolver.TPUClusterResolver(tpu=""))
-    assert _steps(emulated, how, steps=None) == expected
+    assert _steps(emulated, how, steps=None, fetch_to_device=fetch) == expected
   ys = [y for step in expected for (_, replica_ys), _ in step for y in replica_ys]
   assert sorted(ys) == list(range(193))  # Each element once, to one replica.
   assert [] in [ids for step in expected for (ids, _), _ in step]  # An empty batch.
@@ -492,12 +496,15 @@ def test_distributed_iterator_with_next_in_a_function(fetch_to_device):
   without fetching to the replicas' devices."""
   data = tf.data.Dataset.range(10 ** 6).map(lambda x: tf.fill([x % 3 + 1], x))
   data = data.ragged_batch(16, drop_remainder=True)
+  if fetch_to_device:  # A TPU prefetches dense tensors only (TPUStrategy._check_spec).
+    data = data.map(lambda v: tf.RaggedTensor.to_tensor(v))
 
   def run(strategy):
     options = tf.distribute.InputOptions(experimental_fetch_to_device=fetch_to_device)
     iterator = iter(strategy.experimental_distribute_dataset(data, options=options))
     step = tf.function(lambda it: next(it))
-    return [[(v.to_list(), v.flat_values.device)
+    return [[(v.numpy().tolist(), v.device) if fetch_to_device else
+             (v.to_list(), v.flat_values.device)
              for v in strategy.experimental_local_results(
                  step(iterator) if i % 2 else next(iterator))] for i in range(5)]
 
@@ -507,6 +514,41 @@ def test_distributed_iterator_with_next_in_a_function(fetch_to_device):
   devices = [device_util.canonicalize(device) for _, device in expected[0]]
   assert devices == ([device_util.canonicalize(d) for d in strategy_lib.logical_devices(8)]
                      if fetch_to_device else [devices[0]] * 8)
+
+
+def test_ragged_datasets_prefetched_to_the_cores_are_refused():
+  """What TPUStrategy refuses when it distributes a dataset, in TensorFlow's
+  words (tpu_strategy.py: _check_spec, PER_REPLICA): a sparse or ragged
+  dataset prefetched to the cores, and per-replica input pipelines."""
+  data = tf.data.Dataset.from_tensor_slices(tf.ragged.constant([[1], [2, 3], [4], [5]]))
+  with emulate_tpu(replicas=2):
+    strategy = tf.distribute.TPUStrategy()
+    with pytest.raises(ValueError) as e:
+      strategy.experimental_distribute_dataset(data.batch(2))
+    assert str(e.value) == (
+        "Found tensor  with spec <class 'tensorflow.python.ops.ragged.ragged_tensor."
+        "RaggedTensorSpec'>. TPUStrategy does not support distributed datasets with "
+        "device prefetch when using sparse or ragged tensors. If you intend to use "
+        "sparse or ragged tensors, please pass a tf.distribute.InputOptions object "
+        "with experimental_fetch_to_device set to False to your dataset distribution "
+        "function. Fix: options=tf.distribute.InputOptions("
+        "experimental_fetch_to_device=False), as TPU embedding programs distribute "
+        "their ids.")
+    with pytest.raises(ValueError, match="^Found tensor 0 with spec"):
+      strategy.distribute_datasets_from_function(lambda context: data.batch(1))
+    no_fetch = tf.distribute.InputOptions(experimental_fetch_to_device=False)
+    assert next(iter(strategy.experimental_distribute_dataset(
+        data.batch(2), options=no_fetch))) is not None
+    per_replica = tf.distribute.InputOptions(
+        experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA)
+    with pytest.raises(NotImplementedError) as e:
+      strategy.distribute_datasets_from_function(lambda context: data, per_replica)
+    assert str(e.value) == (
+        "InputReplicationMode.PER_REPLICA is only supported in  "
+        "`experimental_distribute_datasets_from_function` of "
+        "tf.distribute.MirroredStrategy (TPUStrategy feeds each host's cores from "
+        "one input pipeline per host.) Fix: drop experimental_replication_mode "
+        "(PER_WORKER, the default), and shard by input_context.input_pipeline_id.")
 
 
 @pytest.mark.parametrize("read", ["IteratorGetNext", "IteratorGetNextAsOptional"])

@@ -292,17 +292,20 @@ class EmulatedTPUExtended(mirrored_strategy.MirroredExtended):
       pairs.append((value, destinations))
     return super()._batch_reduce_to(reduce_op, pairs, options)
 
-  # Datasets: MirroredStrategy's, with no tf.data autotuning thread on the
-  # host (its destructor hung at 8 replicas); the replicas read them through
-  # device_datasets.HostIterator (patched in by patching.PATCHES).
+  # Datasets: MirroredStrategy's, after TPUStrategy's checks (tpu_inputs),
+  # without tf.data autotuning (device_datasets), read by HostIterator.
   def _experimental_distribute_dataset(self, dataset, options):
+    tpu_inputs.check_distributed(options, dataset.element_spec, False)
     return pod.checked(super()._experimental_distribute_dataset(
         device_datasets.without_autotuning(dataset), options), self._emulation)
 
   def _distribute_datasets_from_function(self, dataset_fn, options):
-    return pod.checked(super()._distribute_datasets_from_function(
+    tpu_inputs.check_distributed(options, None, True)
+    distributed = super()._distribute_datasets_from_function(
         lambda context: device_datasets.without_autotuning(dataset_fn(context)),
-        options), self._emulation)
+        options)
+    tpu_inputs.check_distributed(options, distributed.element_spec, True)
+    return pod.checked(distributed, self._emulation)
 
 
 class _TPUFace:

@@ -33,6 +33,7 @@ import contextlib
 from typing import List, NamedTuple, Optional
 
 import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib, values
 from tensorflow.python.framework import ops
 from tensorflow.python.util import nest
 
@@ -148,3 +149,38 @@ def check_inputs_on_host(strategy, flat_inputs, flat_paths) -> None:
             "prefetched to a TPU core's device. Fix: "
             "distribute the dataset with options=tf.distribute.InputOptions("
             "experimental_fetch_to_device=False).")
+
+
+def check_distributed(options, element_spec, from_function: bool) -> None:
+  """What ``TPUStrategy`` refuses when it distributes a dataset
+  (``TPUExtended._experimental_distribute_dataset``,
+  ``_distribute_datasets_from_function``, ``_check_spec``): per-replica
+  input replication (``NotImplementedError``), and a sparse or ragged
+  ``element_spec`` prefetched to the cores (``ValueError``: a TPU's infeed
+  takes dense tensors). TensorFlow's words first."""
+  if (options is not None and options.experimental_replication_mode
+      == distribute_lib.InputReplicationMode.PER_REPLICA):
+    raise NotImplementedError(
+        "InputReplicationMode.PER_REPLICA is only supported in "
+        + (" `experimental_distribute_datasets_from_function` of "
+           "tf.distribute.MirroredStrategy" if from_function else
+           "`experimental_distribute_datasets_from_function`.")
+        + " (TPUStrategy feeds each host's cores from one input pipeline per "
+        "host.) Fix: drop experimental_replication_mode (PER_WORKER, the "
+        "default), and shard by input_context.input_pipeline_id.")
+  if element_spec is None or (options is not None
+                              and not options.experimental_fetch_to_device):
+    return
+  if isinstance(element_spec, values.PerReplicaSpec):
+    element_spec = element_spec._component_specs  # pylint: disable=protected-access
+  for path, spec in nest.flatten_with_joined_string_paths(element_spec):
+    if isinstance(spec, (tf.SparseTensorSpec, tf.RaggedTensorSpec)):
+      raise errors.InputError(
+          f"Found tensor {path} with spec {type(spec)}. TPUStrategy does not "
+          "support distributed datasets with device prefetch when using sparse "
+          "or ragged tensors. If you intend to use sparse or ragged tensors, "
+          "please pass a tf.distribute.InputOptions object with "
+          "experimental_fetch_to_device set to False to your dataset "
+          "distribution function. Fix: options=tf.distribute.InputOptions("
+          "experimental_fetch_to_device=False), as TPU embedding programs "
+          "distribute their ids.")
