@@ -7,9 +7,11 @@ tests/test_emulated_job_sparsecore.py: every config and every mode at least
 once, within the suite's time). This runs the whole matrix, the same way:
 each config scaled down to the tiny dataset (``jobs.scaled_config``;
 movielens on tfds's mock data) trained with ``--tpu none`` once and with
-``emulate:2``, ``emulate:8`` (``TPUEmbedding``), ``emulate:2x4`` and
-``emulate:v5p:8`` (``TPUEmbeddingV2``, its stacked checkpoint converted to
-per-table keys), on the same global batches. For each run it checks every
+``emulate:2``, ``emulate:8``, ``emulate:8,hosts=2`` (``TPUEmbedding``; the
+last a pod slice of 2 hosts, each reading its replicas' rows of the global
+batches), ``emulate:2x4`` and ``emulate:v5p:8`` (``TPUEmbeddingV2``, its
+stacked checkpoint converted to per-table keys; v5p:8 is 2 hosts of 4
+chips), on the same global batches. For each run it checks every
 checkpointed variable (``jobs.assert_same_checkpoints``: floats to rtol 1e-4,
 atol 1e-5; ints equal) and the held-out AUC (1e-4), and prints one JSON line
 with the worst relative difference (|a - b| / max(|b|, 1e-3)) and the AUC
@@ -37,7 +39,7 @@ from tpu_embed_ext.sparsecore import convert  # pylint: disable=g-import-not-at-
 from tpu_embed_ext.spec import EmbeddingSpec  # pylint: disable=g-import-not-at-top
 
 CONFIGS = ("tiny", "ranking", "criteo", "movielens")
-MODES = ("emulate:2", "emulate:8", "emulate:2x4", "emulate:v5p:8")
+MODES = ("emulate:2", "emulate:8", "emulate:8,hosts=2", "emulate:2x4", "emulate:v5p:8")
 
 
 def _run(config, root, steps):
@@ -45,10 +47,10 @@ def _run(config, root, steps):
   cpu, _ = jobs.train_in_process(config, root / "cpu", "none", steps)
   for mode in MODES:
     start = time.perf_counter()
-    model_dir = root / mode.replace(":", "_")
+    model_dir = root / mode.replace(":", "_").replace(",", "_").replace("=", "")
     emulated, _ = jobs.train_in_process(config, model_dir, mode, steps)
     prefix = jobs.checkpoint(model_dir, steps)
-    if "x" in mode or "v5p" in mode:
+    if "x" in mode.partition(",")[0] or "v5p" in mode:
       per_table = str(model_dir / "per_table" / "ckpt")
       convert.convert_checkpoint(prefix, per_table, EmbeddingSpec.from_file(config),
                                  log=lambda _: None)

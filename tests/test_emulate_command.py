@@ -127,7 +127,7 @@ def test_the_scripts_excepthook_reports_its_exception(tmp_path, capsys):
 
 # --- usage errors: one line, status 2 (pinned messages) -------------------------
 
-_USAGE = (" Usage: python -m tpu_embed_ext emulate [--replicas N] [--sparsecore] "
+_USAGE = (" Usage: python -m tpu_embed_ext emulate [--replicas N] [--hosts H] [--sparsecore] "
           "[--topology T] [--no-xla] (SCRIPT | -m MODULE) [ARGS...]\n")
 
 
@@ -154,10 +154,25 @@ _USAGE = (" Usage: python -m tpu_embed_ext emulate [--replicas N] [--sparsecore]
      "--topology: topology 'v6e:3' is not a v6e slice: v6e slices have 1, 4, "
      "8, 16, 32, 64, 128 or 256 chips. Fix: e.g. v6e:4, or 3x2 for 3 chips of "
      "2 SparseCores."),
+    (["--hosts", "two", "prog.py"],
+     "--hosts takes a whole number of hosts (TPU VMs), got 'two'. Fix: e.g. "
+     "--hosts 2."),
+    (["--hosts", "0", "prog.py"],
+     "--hosts takes a positive number of hosts (TPU VMs), got 0. Fix: e.g. "
+     "--hosts 2, or leave it out for one host."),
+    (["--replicas", "8", "--hosts", "3", "prog.py"],
+     "--hosts 3: 8 replicas (--replicas counts every host's cores) do not split "
+     "over 3 hosts, each feeding as many. Fix: --replicas a multiple of 3, e.g. "
+     "--replicas 6 --hosts 3."),
+    (["--topology", "v5p:8", "--hosts", "1", "prog.py"],
+     "--hosts 1 with --topology v5p:8: that slice has 2 hosts (4 replicas each, as "
+     "Cloud TPU's VMs hold them). Fix: leave --hosts out (the topology implies 2), "
+     "or give --replicas 8 --hosts 1 --sparsecore without --topology."),
 ], ids=["no_program", "unknown_option", "option_without_value",
         "replicas_not_a_number", "switch_with_value", "dash_m_without_module",
         "no_such_module", "no_such_script", "v5p_slice_of_3_chips",
-        "v6e_slice_of_3_chips"])
+        "v6e_slice_of_3_chips", "hosts_not_a_number", "no_hosts",
+        "hosts_not_dividing_the_replicas", "hosts_other_than_the_topologys"])
 def test_bad_command_lines_are_one_line_and_status_2(argv, message, tmp_path,
                                                       monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
@@ -393,6 +408,39 @@ def test_a_programs_own_logical_devices_get_the_runners_fix(tmp_path, capsys):
       "tpu_embed_ext.emulated_tpu.is_active()."]
 
 
+_OWN_POD = """
+import tensorflow as tf
+import tpu_embed_ext as tee
+print("hosts", tf.distribute.TPUStrategy().extended.num_hosts)
+for hosts in (None, 2, 1):
+  try:
+    with tee.emulate_tpu(replicas=4, hosts=hosts) as emulation:
+      print("joined", hosts, emulation.hosts)
+  except tee.emulated_tpu.EmulationError as e:
+    print("refused", hosts, e)
+"""
+
+
+def test_hosts_reach_the_program_and_its_own_emulate_tpu(tmp_path, capsys):
+  """--hosts H: TPUStrategy has H hosts; the program's own emulate_tpu joins
+  with the same hosts or none named, and another's fix names --hosts."""
+  script = tmp_path / "pod.py"
+  script.write_text(_OWN_POD)
+  assert runner.main(["--replicas", "4", "--hosts", "2", str(script)]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[:3] == ["hosts 2", "joined None 2", "joined 2 2"]
+  assert out[3].startswith(
+      "refused 1 emulate_tpu(replicas=4) entered inside `python -m tpu_embed_ext "
+      "emulate --replicas 4 --hosts 2`, whose emulated TPU has 4 replicas on 2 "
+      "hosts: ")
+  assert runner.main(["--replicas", "4", str(script)]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[2].endswith(
+      "Fix: run the program with `python -m tpu_embed_ext emulate --replicas 4 "
+      "--hosts 2 ...` (its emulate_tpu then joins the runner's), or with plain "
+      "`python`, where its emulate_tpu makes its own."), out
+
+
 _TESTS_UNDER_EMULATE = """
 import pytest
 
@@ -407,6 +455,10 @@ def test_xla_off(emulated_tpu):
 @pytest.mark.emulate_tpu(replicas=4)
 def test_other_shape(emulated_tpu):
   pass
+
+@pytest.mark.emulate_tpu(replicas=2, hosts=2)
+def test_other_hosts(emulated_tpu):
+  pass
 """
 
 
@@ -418,6 +470,8 @@ def test_emulate_m_pytest_gives_emulated_tpu_tests_the_runners_emulation(tmp_pat
        "test_under_emulate.py"], capture_output=True, text=True, timeout=LIMIT,
       check=False, cwd=str(tmp_path), env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  assert "2 passed, 1 skipped" in done.stdout
+  assert "2 passed, 2 skipped" in done.stdout
   assert ("needs emulate_tpu(replicas=4, sparsecore=False); the session runs on "
           "`python -m tpu_embed_ext emulate --replicas 2`") in done.stdout
+  assert ("needs emulate_tpu(hosts=2); the session runs on `python -m "
+          "tpu_embed_ext emulate --replicas 2` (1 host)") in done.stdout

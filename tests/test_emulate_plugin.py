@@ -40,8 +40,23 @@ def _pytest(tmp_path, source, *flags):
      "ERROR: --emulate-tpu-no-xla needs --emulate-tpu=N (the session's "
      "emulated TPU of N replicas); without it --emulate-tpu-no-xla would do "
      "nothing. Fix: add --emulate-tpu=N, or drop the flag."),
+    (["--emulate-tpu-hosts=2"],
+     "ERROR: --emulate-tpu-hosts needs --emulate-tpu=N (the session's "
+     "emulated TPU of N replicas); without it --emulate-tpu-hosts would do "
+     "nothing. Fix: add --emulate-tpu=N, or drop the flag."),
+    (["--emulate-tpu=8", "--emulate-tpu-hosts=3"],
+     "ERROR: --emulate-tpu-hosts=3: 8 replicas (--emulate-tpu counts every host's "
+     "cores) do not split over 3 hosts, each feeding as many. Fix: --emulate-tpu a "
+     "multiple of 3, e.g. --emulate-tpu=6 --emulate-tpu-hosts=3."),
+    (["--emulate-tpu=8", "--emulate-tpu-topology=v5p:8", "--emulate-tpu-hosts=1"],
+     "ERROR: --emulate-tpu-hosts=1 with --emulate-tpu-topology=v5p:8: that slice "
+     "has 2 hosts (4 replicas each, as Cloud TPU's VMs hold them). Fix: leave "
+     "--emulate-tpu-hosts out (the topology implies 2), or give --emulate-tpu=8 "
+     "--emulate-tpu-hosts=1 --emulate-tpu-sparsecore without "
+     "--emulate-tpu-topology."),
 ], ids=["sparsecore_without_emulate_tpu", "topology_without_emulate_tpu",
-        "v5p_slice_of_3_chips", "no_xla_without_emulate_tpu"])
+        "v5p_slice_of_3_chips", "no_xla_without_emulate_tpu",
+        "hosts_without_emulate_tpu", "hosts_not_dividing", "hosts_other_than_the_topologys"])
 def test_plugin_misuse_is_a_usage_error(flags, message, tmp_path):
   done = _pytest(tmp_path, "def test_nothing():\n  pass\n", *flags)
   assert done.returncode == 4, done.stdout + done.stderr  # pytest's usage error.
@@ -168,3 +183,31 @@ def test_a_markers_xla_and_a_tests_own_emulate_tpu_under_emulate_tpu(tmp_path):
       "fixture with @pytest.mark.emulate_tpu(replicas=4) (skipped unless the session "
       "matches), or run the test with pytest --emulate-tpu=4, or without "
       "--emulate-tpu, where its emulate_tpu makes its own.\n") in done.stdout
+
+
+_POD = """
+import pytest
+import tensorflow as tf
+import tpu_embed_ext as tee
+
+def test_the_session_is_a_pod(emulated_tpu):
+  assert (emulated_tpu.replicas, emulated_tpu.hosts) == (4, 2)
+  assert tf.distribute.TPUStrategy().extended.num_hosts == 2
+
+@pytest.mark.emulate_tpu(replicas=4, hosts=2)
+def test_a_marker_of_the_sessions_hosts(emulated_tpu):
+  with tee.emulate_tpu(replicas=4) as joined:  # No hosts named: the session's.
+    assert joined.hosts == 2
+
+@pytest.mark.emulate_tpu(replicas=4, hosts=1)
+def test_a_marker_of_other_hosts(emulated_tpu):
+  pass
+"""
+
+
+def test_emulate_tpu_hosts_makes_the_session_a_pod(tmp_path):
+  done = _pytest(tmp_path, _POD, "--emulate-tpu=4", "--emulate-tpu-hosts=2", "-rs")
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert "2 passed, 1 skipped" in done.stdout
+  assert ("needs emulate_tpu(hosts=1); the session runs on `pytest --emulate-tpu=4 "
+          "--emulate-tpu-hosts=2` (2 hosts)") in done.stdout

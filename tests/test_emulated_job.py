@@ -9,18 +9,25 @@ them. Trained on the same global batches, its checkpoint must equal
 float32 reordering (the replicas' gradients are summed in another order
 than one device sums them), and the held-out AUC to 1e-4.
 
+On a pod slice (``emulate:4,hosts=2``) each host reads its replicas' rows
+of the same global batches (``replicated.fit_dataset``: DATA auto-shard).
+
 Every shipped config runs here or in test_emulated_job_sparsecore.py, scaled
 down to the session's tiny dataset (``jobs.scaled_config``): tiny at 2
 replicas (with a killed-and-resumed run and the export), ranking at 8,
 movielens (tfds mocked) at 2; SparseCore there.
 """
 
+import warnings
+
 import pytest
 import tensorflow as tf
 
 from tests import jobs
 from tests.test_train import _movielens_examples
-from tpu_embed_ext.job import loop
+from tpu_embed_ext import errors
+from tpu_embed_ext.emulated_tpu import pod
+from tpu_embed_ext.job import loop, strategy as job_strategy
 
 STEPS = 4
 TRAIN = {"steps_per_checkpoint": 2, "eval_batches": 1, "batch_size": 128}
@@ -100,7 +107,8 @@ def test_a_bad_emulated_tpu_is_one_line(capsys, tmp_path, tiny_data_dir):
       "number of replicas), emulate:N with N >= 1 replicas (TPUEmbedding), e.g. "
       "emulate:2, or emulate:TOPOLOGY, a TPU slice: e.g. emulate:v5e:4 or "
       "emulate:v3:4 (TPUEmbedding), emulate:v5p:4, emulate:v6e:8 or emulate:8x2 "
-      "(SparseCore, TPUEmbeddingV2).")
+      "(SparseCore, TPUEmbeddingV2); add ,hosts=H for a pod slice of H hosts, "
+      "e.g. emulate:8,hosts=2.")
   assert not (tmp_path / "r" / "checkpoints").exists()
 
 
@@ -112,3 +120,49 @@ def test_tiny_on_one_v5e_chip_equals_cpu(tmp_path, tiny_data_dir):
   config = jobs.scaled_config(tmp_path, tiny_data_dir, "tiny", **TRAIN)
   log = _same_as_cpu(config, tmp_path, "emulate:v5e:1", "v5e")
   assert "Training on emulated TPU v5e:1, 1 replica (TPUEmbedding)." in log
+
+
+def test_tiny_on_a_pod_of_2_hosts_equals_cpu(tmp_path, tiny_data_dir):
+  """``--tpu emulate:4,hosts=2``: 2 hosts of 2 replicas, each host its own
+  input pipeline (TensorFlow's input_lib: a clone per host, rebatched and
+  sharded by host). Each step's global batch over both hosts holds the
+  examples of --tpu none's step, so the checkpoint equals it; no host reads
+  another's examples (no DuplicateInputWarning)."""
+  config = jobs.scaled_config(tmp_path, tiny_data_dir, "tiny", **TRAIN)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", pod.DuplicateInputWarning)
+    log = _same_as_cpu(config, tmp_path, "emulate:4,hosts=2", "pod")
+  assert "Training on emulated TPU, 4 replicas on 2 hosts (TPUEmbedding)." in log
+
+
+@pytest.mark.parametrize("tpu, replicas, hosts", [
+    ("emulate:8,hosts=2", 8, 2), ("emulate,hosts=2", 0, 2), ("emulate:v5p:8", 8, 2),
+    ("emulate:v3:8", 16, 2), ("emulate:v5p:8,hosts=2", 8, 2), ("emulate:8x2", 8, 1),
+    ("emulate:8", 8, 1)])
+def test_the_pod_spelling_and_topologies_name_the_hosts(tpu, replicas, hosts):
+  asked = job_strategy.emulated_tpu_of(tpu)
+  assert (asked.replicas, asked.hosts) == (replicas, hosts)
+
+
+@pytest.mark.parametrize("tpu, message", [
+    ("emulate:8,hosts=3", "'emulate:8,hosts=3' is not an emulated TPU: 8 replicas "
+     "do not split over 3 hosts (each host feeds as many cores). Fix: a multiple "
+     "of 3 replicas, e.g. emulate:6,hosts=3."),
+    ("emulate:8,hosts=0", "'emulate:8,hosts=0' is not an emulated TPU: a pod slice "
+     "has at least 1 host. Fix: emulate:8,hosts=2 for 2 hosts, or emulate:8 for one."),
+    ("emulate:v5p:8,hosts=1", "'emulate:v5p:8,hosts=1' is not an emulated TPU: "
+     "topology 'v5p:8' has 2 hosts (4 replicas each, as Cloud TPU's VMs hold them). "
+     "Fix: write emulate:v5p:8 (its 2 hosts), or emulate:8x4 (8 chips of 4 "
+     "SparseCores on one host)."),
+    ("emulate:v3:8,hosts=4", "'emulate:v3:8,hosts=4' is not an emulated TPU: "
+     "topology 'v3:8' has 2 hosts (8 replicas each, as Cloud TPU's VMs hold them). "
+     "Fix: write emulate:v3:8 (its 2 hosts), or emulate:16,hosts=4 (16 replicas on "
+     "4 hosts, no named slice)."),
+    ("emulate:8,hosts=two", "'emulate:8,hosts=two' is not an emulated TPU. Fix: "
+     "write emulate"),
+], ids=["hosts_not_dividing", "no_hosts", "other_than_a_sparsecore_topologys",
+        "other_than_the_topologys", "not_a_number"])
+def test_a_bad_pod_is_one_line(tpu, message):
+  with pytest.raises(errors.ConfigError) as e:
+    job_strategy.emulated_tpu_of(tpu)
+  assert str(e.value).startswith(f"--tpu: {message}")

@@ -75,3 +75,21 @@ def test_replicas_other_than_the_topologys_chips_are_one_line(tmp_path, monkeypa
   assert capsys.readouterr().err == (
       "error: emulate: emulate_tpu topology 'v5p:4' has 4 chips but replicas=8: a "
       "TPU runs one replica per chip. Fix: replicas=4, or a topology of 8 chips.\n")
+
+
+@pytest.mark.parametrize("argv, hosts", [
+    (["--replicas", "8", "--hosts", "2", "s.py"], 2), (["--hosts=4", "s.py"], 4),
+    (["--topology", "v5p:8", "s.py"], None), (["--topology", "v5p:8", "--hosts", "2",
+                                               "s.py"], 2), (["s.py"], None)],
+    ids=["both_given", "default_replicas", "the_topologys", "the_topologys_given",
+         "neither"])
+def test_emulate_takes_the_hosts(argv, hosts):
+  """None: emulate_tpu's default (the topology's hosts, else 1)."""
+  assert runner._shape(runner.parse(argv))[4] == hosts  # pylint: disable=protected-access
+
+
+def test_help_says_replicas_count_every_hosts_cores(capsys):
+  assert runner.main(["--help"]) == 0
+  out = " ".join(capsys.readouterr().out.split())
+  assert "--replicas N TPU cores (replicas) of the whole slice, every host's" in out
+  assert "--hosts H Hosts (TPU VMs) of a pod slice" in out

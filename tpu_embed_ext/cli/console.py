@@ -35,7 +35,7 @@ SUMMARIES = {
     "convert-checkpoint": "convert a checkpoint between per-table keys and "
                           "TPUEmbeddingV2's (SparseCore) stacked layout",
     "emulate": "run a TPU training script on CPU with emulated TPU devices: "
-               "emulate [--replicas N] [--sparsecore] [--topology T] [--no-xla] (SCRIPT | -m MODULE) [ARGS...]",
+               "emulate [--replicas N] [--hosts H] [--sparsecore] [--topology T] [--no-xla] (SCRIPT | -m MODULE) [ARGS...]",
 }
 
 EXAMPLES = {

@@ -1,10 +1,10 @@
 """Command line: ``tpu-embed COMMAND [flags]`` (also ``python -m tpu_embed_ext``).
 
   plan    --config C [--proto] [--topology T] [--engine v2 [--data N]]
-  train   --config C [--steps N] [--model_dir DIR] [--tpu auto|none|emulate[:N|:TOPOLOGY]|NAME]
+  train   --config C [--steps N] [--model_dir DIR] [--tpu auto|none|emulate[:N|:TOPOLOGY][,hosts=H]|NAME]
   export  --config C --model_dir DIR [--out DIR]
   convert-checkpoint --checkpoint PREFIX --out PREFIX --topology T|none [--config C]
-  emulate [--replicas N] [--sparsecore] [--topology T] [--no-xla] (SCRIPT | -m MODULE) [ARGS...]
+  emulate [--replicas N] [--hosts H] [--sparsecore] [--topology T] [--no-xla] (SCRIPT | -m MODULE) [ARGS...]
 
 ``--config`` is a file or the name of a shipped config (``tiny``,
 ``ranking``...: ``files.resolve``). ``--help`` lists the commands,
@@ -55,7 +55,9 @@ _FLAGS = {
             "emulated TPU of N replicas, default 8, on CPU: TPUEmbedding), "
             "'emulate:TOPOLOGY' (an emulated TPU slice: emulate:v5e:4, "
             "emulate:v3:4: TPUEmbedding; emulate:v5p:4, emulate:v6e:8: SparseCore, "
-            "TPUEmbeddingV2), or a TPU name/address.",
+            "TPUEmbeddingV2), each with ',hosts=H' for a pod slice of H hosts "
+            "(emulate:8,hosts=2: 8 replicas on 2 hosts; a named slice implies "
+            "its hosts: emulate:v5p:8 is 2), or a TPU name/address.",
             {}),
     "out": ("string", None, "export: where to write the SavedModel (default: "
             "<model_dir>/serving); convert-checkpoint: the prefix of the converted "

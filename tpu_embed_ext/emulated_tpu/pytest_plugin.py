@@ -1,16 +1,20 @@
 """pytest plugin (``pytest11`` entry point ``tpu_embed_ext``): tests on the emulated TPU.
 
 * ``pytest --emulate-tpu=N`` (with ``--emulate-tpu-sparsecore``,
-  ``--emulate-tpu-topology=T``, ``--emulate-tpu-no-xla``) runs the whole session inside
-  ``emulate_tpu(N, ...)``. The logical CPU devices are configured before
-  any ``conftest.py`` is loaded (a conftest that configures at least as many
-  keeps its own), and the emulation is entered once they are loaded.
+  ``--emulate-tpu-topology=T``, ``--emulate-tpu-hosts=H``,
+  ``--emulate-tpu-no-xla``) runs the whole session inside
+  ``emulate_tpu(N, ...)``; N counts every host's cores. The logical CPU
+  devices are configured before any ``conftest.py`` is loaded (a conftest
+  that configures at least as many keeps its own), and the emulation is
+  entered once they are loaded.
 * The ``emulated_tpu`` fixture gives a test its own emulated TPU, shaped by
   ``@pytest.mark.emulate_tpu(replicas=2, sparsecore=False, topology=None,
-  xla=True)`` (default 8 replicas). In a session already under ``--emulate-tpu`` it
-  yields the session's, and skips a test whose marker asks for other
-  replicas or SparseCore; a marker's ``xla`` is honoured (the session's
-  emulation with the test's XLA check, ``session.xla_switched``).
+  xla=True, hosts=None)`` (default 8 replicas; hosts: the topology's, else
+  1). In a session already under ``--emulate-tpu`` it yields the session's,
+  and skips a test whose marker asks for other replicas, SparseCore, slice
+  or hosts (a marker without ``hosts`` takes the session's); a marker's
+  ``xla`` is honoured (the session's emulation with the test's XLA check,
+  ``session.xla_switched``).
 
 Under the runner (``python -m tpu_embed_ext emulate -m pytest``) the fixture
 gives the runner's emulation as it gives the session's, and a test's own
@@ -23,8 +27,10 @@ not depend on whether an earlier test already initialised TensorFlow. If
 TensorFlow was initialised before that (a test module or conftest running an
 op at import), the fixture's error names the module and the fix.
 
-``--emulate-tpu-sparsecore`` and ``--emulate-tpu-topology`` without
-``--emulate-tpu`` are usage errors (pytest's ``ERROR:`` line, status 4);
+``--emulate-tpu-sparsecore``, ``--emulate-tpu-topology`` and
+``--emulate-tpu-hosts`` without ``--emulate-tpu`` are usage errors (pytest's
+``ERROR:`` line, status 4), as are hosts that do not divide the replicas or
+differ from the topology's (``runner.check_hosts``);
 ``--emulate-tpu-topology`` must name a real slice (``v5p:3`` is refused), as
 for the runner; a SparseCore generation's (v5p, v6e, tpu7x, ``CxS``) implies
 ``--emulate-tpu-sparsecore``, and one without SparseCore (v2, v3, v4, v5e)
@@ -67,6 +73,11 @@ def pytest_addoption(parser):
                   "(v5e:4, v4:4, v3:4 with 8 replicas: TPUEmbedding; v5p:8, "
                   "v6e:8, tpu7x:8 or 8x4: SparseCore), whose HBM build() "
                   "checks the tables against.")
+  group.addoption("--emulate-tpu-hosts", metavar="H", type=int, default=None,
+                  dest="emulate_tpu_hosts",
+                  help="With --emulate-tpu: a pod slice of H hosts (TPU VMs), "
+                  "each feeding N/H of the N cores from its own input pipeline "
+                  "(default: the --emulate-tpu-topology's hosts, else 1).")
   group.addoption("--emulate-tpu-no-xla", action="store_true", default=False,
                   dest="emulate_tpu_no_xla",
                   help="With --emulate-tpu: do not check that each replica's "
@@ -74,7 +85,8 @@ def pytest_addoption(parser):
 
 
 def _session_shape(config, options=None):
-  """(replicas, sparsecore, topology, xla) of --emulate-tpu, or None; UsageError.
+  """(replicas, sparsecore, topology, xla, hosts) of --emulate-tpu, or None;
+  UsageError.
 
   ``options``: the parsed options (``config.option`` once configured; the
   early namespace before conftests load)."""
@@ -83,9 +95,11 @@ def _session_shape(config, options=None):
   sparsecore = getattr(options, "emulate_tpu_sparsecore", False)
   topology = getattr(options, "emulate_tpu_topology", None)
   no_xla = getattr(options, "emulate_tpu_no_xla", False)
+  hosts = getattr(options, "emulate_tpu_hosts", None)
   if replicas is None:
     for flag, given in (("--emulate-tpu-sparsecore", sparsecore),
                         ("--emulate-tpu-topology", topology is not None),
+                        ("--emulate-tpu-hosts", hosts is not None),
                         ("--emulate-tpu-no-xla", no_xla)):
       if given:
         raise pytest.UsageError(
@@ -93,6 +107,7 @@ def _session_shape(config, options=None):
             f"replicas); without it {flag} would do nothing. Fix: add "
             "--emulate-tpu=N, or drop the flag.")
     return None
+  slice_ = None
   if topology is not None:
     try:
       slice_ = runner.check_slice(topology)  # Without loading TensorFlow.
@@ -102,7 +117,16 @@ def _session_shape(config, options=None):
       raise pytest.UsageError(session_lib.no_sparsecore(
           "", "--emulate-tpu-sparsecore", slice_))
     sparsecore = slice_.sparsecore  # A SparseCore generation implies it.
-  return replicas, sparsecore, topology, not no_xla
+  try:
+    runner.check_hosts(hosts, replicas, slice_, _FLAGS, sep="=")
+  except runner.UsageError as e:
+    raise pytest.UsageError(str(e)) from None
+  return replicas, sparsecore, topology, not no_xla, hosts
+
+
+# check_hosts's names of hosts, replicas, topology and SparseCore here.
+_FLAGS = ("--emulate-tpu-hosts", "--emulate-tpu", "--emulate-tpu-topology",
+          "--emulate-tpu-sparsecore")
 
 
 def _tensorflow_initialised() -> bool:
@@ -146,15 +170,17 @@ def pytest_load_initial_conftests(early_config, parser, args):
   del parser, args
   known = early_config.known_args_namespace
   replicas = getattr(known, "emulate_tpu", None)
-  if replicas and getattr(known, "emulate_tpu_topology", None) is not None:
-    _session_shape(early_config, known)  # A bad slice: refused before TF loads.
+  if replicas and (getattr(known, "emulate_tpu_topology", None) is not None or
+                   getattr(known, "emulate_tpu_hosts", None) is not None):
+    _session_shape(early_config, known)  # A bad slice or hosts: before TF loads.
   if replicas:
     _configure_devices(replicas)
 
 
 def pytest_configure(config):
   config.addinivalue_line(
-      "markers", "emulate_tpu(replicas=8, sparsecore=False, topology=None, xla=True): "
+      "markers", "emulate_tpu(replicas=8, sparsecore=False, topology=None, xla=True, "
+      "hosts=None): "
       "the shape of the TPU the emulated_tpu fixture gives the test.")
   shape = _session_shape(config)
   if shape is None:
@@ -168,7 +194,8 @@ def pytest_configure(config):
   session_lib.hosted_by(
       f"`pytest --emulate-tpu={shape[0]}"
       + (f" --emulate-tpu-topology={shape[2]}" if shape[2] else
-         " --emulate-tpu-sparsecore" if shape[1] else "") + "`",
+         (f" --emulate-tpu-hosts={shape[4]}" if (shape[4] or 1) > 1 else "")
+         + (" --emulate-tpu-sparsecore" if shape[1] else "")) + "`",
       "use the emulated_tpu fixture with @pytest.mark.emulate_tpu(replicas="
       "{replicas}) (skipped unless the session matches), or run the test with "
       "pytest --emulate-tpu={replicas}, or without --emulate-tpu, where its "
@@ -207,6 +234,10 @@ def emulated_tpu(request):
         runner.check_slice(wanted["topology"]), active.slice):
       pytest.skip(f"needs emulate_tpu(topology={wanted['topology']!r}); the "
                   f"session runs on {session_lib.host()} ({active.slice})")
+    if wanted.get("hosts", None) not in (None, active.hosts):
+      pytest.skip(f"needs emulate_tpu(hosts={wanted['hosts']}); the session "
+                  f"runs on {session_lib.host()} ({active.hosts} "
+                  f"host{'s' if active.hosts != 1 else ''})")
     if wanted.get("xla", active.xla) == active.xla:
       yield active
       return

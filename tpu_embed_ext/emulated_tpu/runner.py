@@ -59,9 +59,10 @@ from tpu_embed_ext import errors
 from tpu_embed_ext.emulated_tpu import programs, session, start_up_objects
 from tpu_embed_ext.host import library_log
 
-__all__ = ["main", "parse", "check_slice", "UsageError", "USAGE", "OPTIONS"]
+__all__ = ["main", "parse", "check_slice", "check_hosts", "UsageError", "USAGE",
+           "OPTIONS"]
 
-USAGE = ("python -m tpu_embed_ext emulate [--replicas N] [--sparsecore] "
+USAGE = ("python -m tpu_embed_ext emulate [--replicas N] [--hosts H] [--sparsecore] "
          "[--topology T] [--no-xla] (SCRIPT | -m MODULE) [ARGS...]")
 
 
@@ -81,11 +82,24 @@ def _replicas(text: str) -> int:
                      f"{text!r}. Fix: e.g. --replicas 8.") from None
 
 
+def _hosts(text: str) -> int:
+  try:
+    return int(text)
+  except ValueError:
+    raise UsageError(f"--hosts takes a whole number of hosts (TPU VMs), got "
+                     f"{text!r}. Fix: e.g. --hosts 2.") from None
+
+
 # Options by name; a new option is a new entry (the parser reads this table).
 OPTIONS = {
-    "--replicas": Option("N", "TPU cores (replicas), one logical CPU device "
+    "--replicas": Option("N", "TPU cores (replicas) of the whole slice, every "
+                         "host's (num_replicas_in_sync), one logical CPU device "
                          "each (default: the --topology's replicas, else 8).",
                          _replicas),
+    "--hosts": Option("H", "Hosts (TPU VMs) of a pod slice, each feeding N/H "
+                      "of the cores from its own input pipeline: TPUStrategy "
+                      "calls an input function once per host (default: the "
+                      "--topology's hosts, e.g. 2 for v5p:8, else 1).", _hosts),
     "--sparsecore": Option(None, "The TPU has SparseCore: TPUEmbeddingV2 is "
                            "emulated."),
     "--topology": Option("T", "The TPU slice, GENERATION:CHIPS: v5e:4, v4:4, "
@@ -174,9 +188,10 @@ def _help() -> str:
 
 
 def _shape(command: Command):
-  """(replicas, sparsecore, topology, xla) with the slice checked."""
+  """(replicas, sparsecore, topology, xla, hosts) with the slice and the
+  hosts checked (``hosts`` None: the topology's, else 1)."""
   topology, replicas = command.get("--topology"), command.get("--replicas")
-  sparsecore = command.get("--sparsecore")
+  sparsecore, slice_ = command.get("--sparsecore"), None
   if topology is not None:
     try:
       slice_ = check_slice(topology)
@@ -187,7 +202,41 @@ def _shape(command: Command):
     sparsecore = slice_.sparsecore  # A SparseCore generation implies it.
     if "--replicas" not in command.options:  # v2, v3: two per chip.
       replicas = slice_.replicas
-  return replicas, sparsecore, topology, not command.get("--no-xla")
+  hosts = command.get("--hosts")
+  check_hosts(hosts, replicas, slice_)
+  return replicas, sparsecore, topology, not command.get("--no-xla"), hosts
+
+
+def check_hosts(hosts, replicas: int, slice_=None,
+                flags=("--hosts", "--replicas", "--topology", "--sparsecore"),
+                sep: str = " ") -> None:
+  """UsageError unless ``hosts`` (None: the slice's, else 1) can feed
+  ``replicas`` cores of ``slice_`` (a named slice, or None): a positive
+  number dividing the replicas, and a named slice's own hosts. ``flags``: the
+  command line's names of hosts, replicas, topology and SparseCore, ``sep``
+  between a flag and its value, for the message."""
+  hosts_flag, replicas_flag, topology_flag, sparsecore_flag = flags
+  if hosts is None:
+    return
+  if hosts < 1:
+    raise UsageError(f"{hosts_flag} takes a positive number of hosts (TPU VMs), "
+                     f"got {hosts}. Fix: e.g. {hosts_flag}{sep}2, or leave it out "
+                     "for one host.")
+  if slice_ is not None and hosts != slice_.hosts:
+    implied, per_host = slice_.hosts, slice_.replicas // slice_.hosts
+    sparsecore = f" {sparsecore_flag}" if slice_.sparsecore else ""
+    raise UsageError(
+        f"{hosts_flag}{sep}{hosts} with {topology_flag}{sep}{slice_.name}: that "
+        f"slice has {implied} host{'s' if implied != 1 else ''} ({per_host} "
+        f"replicas each, as Cloud TPU's VMs hold them). Fix: leave {hosts_flag} "
+        f"out (the topology implies {implied}), or give {replicas_flag}{sep}"
+        f"{replicas} {hosts_flag}{sep}{hosts}{sparsecore} without {topology_flag}.")
+  if replicas % hosts:
+    raise UsageError(
+        f"{hosts_flag}{sep}{hosts}: {replicas} replicas ({replicas_flag} counts "
+        f"every host's cores) do not split over {hosts} hosts, each feeding as "
+        f"many. Fix: {replicas_flag} a multiple of {hosts}, e.g. {replicas_flag}"
+        f"{sep}{hosts * max(1, replicas // hosts)} {hosts_flag}{sep}{hosts}.")
 
 
 def check_slice(topology):
@@ -289,7 +338,8 @@ def _start(stack: contextlib.ExitStack, shape, owns_process: bool) -> None:
     if log is not None:
       log.close()
   topology = (f" --topology {shape[2]}" if shape[2] else
-              " --sparsecore" if shape[1] else "") + ("" if shape[3] else " --no-xla")
+              (f" --hosts {emulation.hosts}" if emulation.hosts > 1 else "")
+              + (" --sparsecore" if shape[1] else "")) + ("" if shape[3] else " --no-xla")
   session.hosted_by(
       f"`python -m tpu_embed_ext emulate --replicas {emulation.replicas}{topology}`",
       "run the program with `python -m tpu_embed_ext emulate --replicas "

@@ -108,7 +108,20 @@ def fit_dataset(make_dataset):
   prefetch those to its devices (``TPUStrategy._check_spec``), hence
   ``experimental_fetch_to_device=False``; Keras's first-batch build of such
   a batch: ``keras/distributed_fit.py``.
+
+  On a pod slice (several hosts: ``--tpu emulate:8,hosts=2``,
+  ``emulate:v5p:8``) TensorFlow's ``input_lib`` gives every host a clone of
+  the dataset, rebatched to its replicas' shares and auto-sharded by host.
+  The policy is DATA: every host reads the same seeded order and keeps its
+  replicas' rows of each global batch, so a step's global batch, over all
+  hosts, holds the examples of ``--tpu none``'s step (``AUTO`` would shard
+  by file: other examples per step than one host reads, and an error for a
+  split stored in fewer files than hosts).
   """
   dataset = tf.data.Dataset.range(1).flat_map(lambda _: make_dataset())
+  options = tf.data.Options()
+  options.experimental_distribute.auto_shard_policy = (
+      tf.data.experimental.AutoShardPolicy.DATA)
+  dataset = dataset.with_options(options)
   return tf.distribute.get_strategy().experimental_distribute_dataset(
       dataset, options=tf.distribute.InputOptions(experimental_fetch_to_device=False))
