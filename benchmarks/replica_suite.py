@@ -1,4 +1,4 @@
-"""Benchmark: a suite of TPU-style tests under ``emulate`` at 1, 2 and 8 replicas.
+"""Benchmark: a suite of TPU-style tests under ``emulate`` at 1, 2 and 8 replicas, and at 8 on 2 hosts.
 
 Each test does what TensorFlow's own TPUEmbedding tests do
 (``tpu_embedding_base_test.py``): a fresh ``TPUClusterResolver``,
@@ -15,12 +15,25 @@ the script's last line (Python's exit, through the runner). Goals (issue
 34): 8 replicas within 2x of 1 per test, no collection over 1 s, the exit
 within 2 s.
 
+The same suite also runs at 8 replicas on 2 hosts (``emulate_tpu(replicas=8,
+hosts=2)``, a pod slice of two TPU VMs of 4 cores: issue 45), next to 8 on 1
+host in each round. On a pod ``experimental_distribute_dataset`` clones the
+data set to each host, rebatches it and auto-shards it by host
+(TensorFlow's ``input_lib``), and the emulation reads each host's first
+batch to warn of hosts reading the same examples (``pod.py``). Goal: 8
+replicas on 2 hosts within 1.3x of 8 on 1 per test (``ratio_8x2_to_8x1``,
+the median of the rounds' ratios of median test seconds). The 2-host
+process runs ``emulate --replicas 8 --hosts 2`` when the runner has
+``--hosts``; otherwise the child enters ``emulate_tpu(replicas=8, hosts=2)``
+itself, as the runner does (TensorFlow's start-up lines to the library
+log, start-up objects frozen before the tests).
+
 Usage: ``python -m benchmarks.replica_suite [--tests N] [--rounds K]``.
 Writes ``results/replica_suite.json``. Each count runs in its own process
 (``python -m tpu_embed_ext emulate --replicas R``): logical devices are fixed
 when TensorFlow starts, so 1 and 8 replicas cannot share a process. On a
 shared machine a process's speed drifts by a third from one minute to the
-next, so the counts run interleaved, K rounds of 1, 2, 8: each round's ratio
+next, so the counts run interleaved, K rounds of 1, 2, 8, 8x2: each round's ratio
 is its median test time at 8 replicas over its median at 1 (processes a
 minute apart), and the reported ratio is the median of the rounds' ratios.
 """
@@ -37,8 +50,11 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-COUNTS = (1, 2, 8)
-GOALS = {"ratio_8_to_1": 2.0, "longest_gc_s": 1.0, "exit_s": 2.0}
+# Runs of each round, in order: replica counts on one host, then 8 replicas
+# on 2 hosts (a pod slice, issue 45), keyed "8x2".
+RUNS = (("1", 1, 1), ("2", 2, 1), ("8", 8, 1), ("8x2", 8, 2))
+GOALS = {"ratio_8_to_1": 2.0, "ratio_8x2_to_8x1": 1.3, "longest_gc_s": 1.0,
+         "exit_s": 2.0}
 
 
 def _suite(tests: int) -> dict:
@@ -107,10 +123,42 @@ def _suite(tests: int) -> dict:
   return {"test_s": seconds, "longest_gc_s": round(longest[0], 3)}
 
 
-def _measure(replicas: int, tests: int) -> dict:
-  command = [sys.executable, "-m", "tpu_embed_ext", "emulate", "--replicas",
-             str(replicas), os.path.abspath(__file__), "--child", "--tests",
-             str(tests)]
+def _runner_has_hosts() -> bool:
+  """Whether ``python -m tpu_embed_ext emulate`` takes ``--hosts`` (loads no
+  TensorFlow)."""
+  from tpu_embed_ext.emulated_tpu import runner  # pylint: disable=g-import-not-at-top
+  return "--hosts" in runner.OPTIONS
+
+
+def _self_emulated(replicas: int, hosts: int, tests: int) -> dict:
+  """The child's suite inside its own ``emulate_tpu(replicas, hosts)``, set
+  up as the runner sets up its program: TensorFlow's start-up lines to the
+  library log, then the start-up objects frozen (``runner._start``)."""
+  from tpu_embed_ext.emulated_tpu import session, start_up_objects  # pylint: disable=g-import-not-at-top
+  from tpu_embed_ext.host import library_log  # pylint: disable=g-import-not-at-top
+  log = library_log.LibraryLog("emulate")
+  try:
+    emulation = session.emulate_tpu(replicas=replicas, hosts=hosts)
+    emulation.__enter__()
+  finally:
+    log.close()
+  start_up_objects.freeze_start_up()
+  try:
+    return _suite(tests)
+  finally:
+    emulation.__exit__(None, None, None)
+
+
+def _measure(replicas: int, tests: int, hosts: int = 1) -> dict:
+  child = [os.path.abspath(__file__), "--child", "--tests", str(tests)]
+  if hosts == 1:
+    command = [sys.executable, "-m", "tpu_embed_ext", "emulate", "--replicas",
+               str(replicas)] + child
+  elif _runner_has_hosts():
+    command = [sys.executable, "-m", "tpu_embed_ext", "emulate", "--replicas",
+               str(replicas), "--hosts", str(hosts)] + child
+  else:
+    command = [sys.executable] + child + ["--emulate", f"{replicas}x{hosts}"]
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
   done = subprocess.run(command, capture_output=True, text=True, timeout=1800,
@@ -120,16 +168,22 @@ def _measure(replicas: int, tests: int) -> dict:
   result = json.loads(line)
   result["exit_s"] = round(ended - result.pop("last_line_at"), 3)
   result["median_test_s"] = statistics.median(result["test_s"])
+  hosts_flag = f" --hosts {hosts}" if hosts > 1 else ""
+  result["how"] = (f"emulate --replicas {replicas}{hosts_flag}"
+                   if command[1:3] == ["-m", "tpu_embed_ext"] else
+                   f"own emulate_tpu(replicas={replicas}, hosts={hosts})")
   return result
 
 
 def _round(tests: int) -> dict:
   runs = {}
-  for replicas in COUNTS:
-    runs[str(replicas)] = _measure(replicas, tests)
-    print(replicas, runs[str(replicas)], flush=True)
+  for key, replicas, hosts in RUNS:
+    runs[key] = _measure(replicas, tests, hosts)
+    print(key, runs[key], flush=True)
   runs["ratio_8_to_1"] = round(runs["8"]["median_test_s"]
                                / runs["1"]["median_test_s"], 2)
+  runs["ratio_8x2_to_8x1"] = round(runs["8x2"]["median_test_s"]
+                                   / runs["8"]["median_test_s"], 2)
   return runs
 
 
@@ -138,9 +192,14 @@ def main():
   parser.add_argument("--tests", type=int, default=8)
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--emulate", help=argparse.SUPPRESS)  # RxH, own emulation.
   args = parser.parse_args()
   if args.child:
-    result = _suite(args.tests)
+    if args.emulate:
+      replicas, hosts = map(int, args.emulate.split("x"))
+      result = _self_emulated(replicas, hosts, args.tests)
+    else:
+      result = _suite(args.tests)
     result["last_line_at"] = time.time()
     print(json.dumps(result), flush=True)
     return
@@ -151,15 +210,22 @@ def main():
   results["machine"]["load_at_end"] = os.getloadavg()[0]
   rounds = results["rounds"]
   results["ratio_8_to_1"] = statistics.median(r["ratio_8_to_1"] for r in rounds)
-  results["longest_gc_s"] = max(r[c]["longest_gc_s"] for r in rounds for c in
-                                map(str, COUNTS))
-  results["longest_exit_s"] = max(r[c]["exit_s"] for r in rounds for c in
-                                  map(str, COUNTS))
+  results["ratio_8x2_to_8x1"] = statistics.median(r["ratio_8x2_to_8x1"]
+                                                  for r in rounds)
+  # Test by test (the i-th test of each process: the same optimizer), the
+  # median over rounds of 2 hosts' seconds over 1 host's.
+  results["ratio_8x2_to_8x1_by_test"] = [
+      round(statistics.median(r["8x2"]["test_s"][i] / r["8"]["test_s"][i]
+                              for r in rounds), 2) for i in range(args.tests)]
+  keys = [key for key, _, _ in RUNS]
+  results["longest_gc_s"] = max(r[c]["longest_gc_s"] for r in rounds for c in keys)
+  results["longest_exit_s"] = max(r[c]["exit_s"] for r in rounds for c in keys)
   path = os.path.join(HERE, "results", "replica_suite.json")
   with open(path, "w") as f:
     json.dump(results, f, indent=1)
-  print(json.dumps({k: results[k] for k in ("ratio_8_to_1", "longest_gc_s",
-                                            "longest_exit_s")}), path)
+  print(json.dumps({k: results[k] for k in (
+      "ratio_8_to_1", "ratio_8x2_to_8x1", "ratio_8x2_to_8x1_by_test",
+      "longest_gc_s", "longest_exit_s")}), path)
 
 
 if __name__ == "__main__":
