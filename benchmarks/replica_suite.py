@@ -22,11 +22,8 @@ data set to each host, rebatches it and auto-shards it by host
 (TensorFlow's ``input_lib``), and the emulation reads each host's first
 batch to warn of hosts reading the same examples (``pod.py``). Goal: 8
 replicas on 2 hosts within 1.3x of 8 on 1 per test (``ratio_8x2_to_8x1``,
-the median of the rounds' ratios of median test seconds). The 2-host
-process runs ``emulate --replicas 8 --hosts 2`` when the runner has
-``--hosts``; otherwise the child enters ``emulate_tpu(replicas=8, hosts=2)``
-itself, as the runner does (TensorFlow's start-up lines to the library
-log, start-up objects frozen before the tests).
+the median of the rounds' ratios of median test seconds), run as
+``emulate --replicas 8 --hosts 2``.
 
 Usage: ``python -m benchmarks.replica_suite [--tests N] [--rounds K]``.
 Writes ``results/replica_suite.json``. Each count runs in its own process
@@ -123,42 +120,10 @@ def _suite(tests: int) -> dict:
   return {"test_s": seconds, "longest_gc_s": round(longest[0], 3)}
 
 
-def _runner_has_hosts() -> bool:
-  """Whether ``python -m tpu_embed_ext emulate`` takes ``--hosts`` (loads no
-  TensorFlow)."""
-  from tpu_embed_ext.emulated_tpu import runner  # pylint: disable=g-import-not-at-top
-  return "--hosts" in runner.OPTIONS
-
-
-def _self_emulated(replicas: int, hosts: int, tests: int) -> dict:
-  """The child's suite inside its own ``emulate_tpu(replicas, hosts)``, set
-  up as the runner sets up its program: TensorFlow's start-up lines to the
-  library log, then the start-up objects frozen (``runner._start``)."""
-  from tpu_embed_ext.emulated_tpu import session, start_up_objects  # pylint: disable=g-import-not-at-top
-  from tpu_embed_ext.host import library_log  # pylint: disable=g-import-not-at-top
-  log = library_log.LibraryLog("emulate")
-  try:
-    emulation = session.emulate_tpu(replicas=replicas, hosts=hosts)
-    emulation.__enter__()
-  finally:
-    log.close()
-  start_up_objects.freeze_start_up()
-  try:
-    return _suite(tests)
-  finally:
-    emulation.__exit__(None, None, None)
-
-
 def _measure(replicas: int, tests: int, hosts: int = 1) -> dict:
   child = [os.path.abspath(__file__), "--child", "--tests", str(tests)]
-  if hosts == 1:
-    command = [sys.executable, "-m", "tpu_embed_ext", "emulate", "--replicas",
-               str(replicas)] + child
-  elif _runner_has_hosts():
-    command = [sys.executable, "-m", "tpu_embed_ext", "emulate", "--replicas",
-               str(replicas), "--hosts", str(hosts)] + child
-  else:
-    command = [sys.executable] + child + ["--emulate", f"{replicas}x{hosts}"]
+  command = [sys.executable, "-m", "tpu_embed_ext", "emulate", "--replicas",
+             str(replicas), "--hosts", str(hosts)] + child
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
   done = subprocess.run(command, capture_output=True, text=True, timeout=1800,
@@ -168,10 +133,7 @@ def _measure(replicas: int, tests: int, hosts: int = 1) -> dict:
   result = json.loads(line)
   result["exit_s"] = round(ended - result.pop("last_line_at"), 3)
   result["median_test_s"] = statistics.median(result["test_s"])
-  hosts_flag = f" --hosts {hosts}" if hosts > 1 else ""
-  result["how"] = (f"emulate --replicas {replicas}{hosts_flag}"
-                   if command[1:3] == ["-m", "tpu_embed_ext"] else
-                   f"own emulate_tpu(replicas={replicas}, hosts={hosts})")
+  result["how"] = f"emulate --replicas {replicas} --hosts {hosts}"
   return result
 
 
@@ -192,14 +154,9 @@ def main():
   parser.add_argument("--tests", type=int, default=8)
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-  parser.add_argument("--emulate", help=argparse.SUPPRESS)  # RxH, own emulation.
   args = parser.parse_args()
   if args.child:
-    if args.emulate:
-      replicas, hosts = map(int, args.emulate.split("x"))
-      result = _self_emulated(replicas, hosts, args.tests)
-    else:
-      result = _suite(args.tests)
+    result = _suite(args.tests)
     result["last_line_at"] = time.time()
     print(json.dumps(result), flush=True)
     return
