@@ -22,6 +22,7 @@ import warnings
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.trackable import base as trackable_base
 
 import tpu_embed_ext as tee
 from tpu_embed_ext import errors
@@ -275,6 +276,25 @@ def test_host_rows_split_as_tensorflow_shards_a_table():
   assert mid_level.host_rows(7, 2) == [4, 3]
   assert mid_level.host_rows(10, 4) == [3, 3, 2, 2]
   assert mid_level.host_rows(1, 2) == [1, 0]  # host 1 holds no shard
+
+
+def test_the_specs_initializers_make_one_hosts_table_on_a_pod():
+  """tee.feature_config's initializers, called per host shard as a pod calls
+  them (shard_info), give the rows of the table one host (or the CPU) makes
+  from the same seed; a random initializer called per shard would not."""
+  spec = tee.EmbeddingSpec.from_dict({
+      "optimizer": {"type": "sgd", "learning_rate": 0.1},
+      "tables": {"t": {"vocabulary_size": 7, "dim": 3}},
+      "features": {"f": {"table": "t"}}})
+  init = tee.feature_config(spec)["f"].table.initializer
+  tf.random.set_seed(3)
+  whole = init((7, 3), dtype=tf.float32).numpy()
+  tf.random.set_seed(3)
+  shards = [init((7, 3), dtype=tf.float32,
+                 shard_info=trackable_base.ShardInfo((rows, 3), (offset, 0))).numpy()
+            for rows, offset in ((4, 0), (3, 4))]
+  np.testing.assert_array_equal(np.concatenate(shards), whole)
+  assert np.std(whole) > 0 and not np.array_equal(shards[0][:3], shards[1])
 
 
 def test_v1_full_table_constant_initializer_is_refused_on_a_pod_only():

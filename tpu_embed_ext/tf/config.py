@@ -8,9 +8,11 @@ shared with the spec or with another call.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
+from tensorflow.python.ops import init_ops_v2
 from tensorflow.python.util import nest
 
 from tpu_embed_ext.tf import optimizers, rates, tags as rate_tags
@@ -21,9 +23,42 @@ _api = tf.tpu.experimental.embedding
 
 
 def _initializer(table):
+  """The table's initializer, as one TPU host or the CPU would call it, made
+  to give the same table when a TPU calls it per shard (``_whole_table``)."""
+  init = _tf_initializer(table)
+  return _whole_table(init) if init is not None else None
+
+
+def _whole_table(initializer):
+  """``initializer`` for every TPU: called without ``shard_info`` (one host,
+  the CPU) it is ``initializer``; called per shard with ``shard_info``
+  (``TPUEmbedding`` on a pod: one shard per host, ``make_sharded_variable_creator``;
+  ``TPUEmbeddingV2``: one per device), it gives that shard's rows of one
+  whole table, drawn once (at the first shard) and dropped when every row
+  was given. TensorFlow would otherwise call a random initializer once per
+  shard with the shard's shape: other initial tables on a pod than on one
+  host (the pod's shards even start alike)."""
+  whole = {}
+
+  def init(shape, dtype=tf.float32, shard_info=None):
+    if shard_info is None:
+      return initializer(shape, dtype=dtype)
+    key = (tuple(shape), tf.as_dtype(dtype).name)
+    if key not in whole:
+      whole[key] = [initializer(shape, dtype=dtype), 0]
+    table, given = whole[key]
+    start, rows = shard_info.offset[0], shard_info.shape[0]
+    whole[key][1] = given + rows
+    if whole[key][1] >= shape[0]:
+      del whole[key]
+    return table[start:start + rows]
+  return init
+
+
+def _tf_initializer(table):
   init = table.initializer
-  if init is None:
-    return None  # TensorFlow's default: truncated normal, stddev 1/sqrt(dim).
+  if init is None:  # TensorFlow's default (TableConfig): truncated normal, 1/sqrt(dim).
+    return init_ops_v2.TruncatedNormal(mean=0.0, stddev=1 / math.sqrt(table.dim))
   kind = init["type"]
   stddev = init.get("stddev") or 1.0 / table.dim ** 0.5
   if kind == "truncated_normal":
